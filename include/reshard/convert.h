@@ -1,0 +1,47 @@
+// Conversion of a Hugging Face checkpoint into per-rank files.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reshard/layout.h"
+#include "reshard/rank_file_format.h"
+
+namespace reshard {
+
+struct ConvertOptions {
+  std::filesystem::path source;
+  std::filesystem::path out;
+  LayoutSpec layout;
+  std::optional<std::pair<uint32_t, uint32_t>> ranks;  // inclusive range; all when unset
+  unsigned threads = 0;                                 // 0: hardware concurrency
+  Codec codec = Codec::kRaw;
+  int zstd_level = 3;
+  uint64_t chunk_size = kDefaultChunkSize;
+  /// Called now and then with (bytes done, bytes total) from the converting thread.
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct ConvertResult {
+  std::string layout_key;
+  std::filesystem::path layout_dir;
+  std::vector<uint32_t> ranks_written;
+  std::vector<uint32_t> ranks_up_to_date;  // already complete, left alone
+  uint64_t bytes_read = 0;        // source tensor bytes read
+  uint64_t bytes_decoded = 0;     // tensor bytes in the written files
+  uint64_t bytes_stored = 0;      // bytes written to rank files (after compression)
+  double seconds = 0;
+  bool layout_complete = false;   // every rank of the layout present afterwards
+  uint32_t world_size = 0;
+};
+
+/// Converts `options.source` into `options.out/<layout key>/rank-*.reshard` and updates the
+/// manifest. Rank files already present and valid for the same source and layout are left
+/// alone. Holds OUT's lock for the whole run. Throws reshard::Error.
+ConvertResult Convert(const ConvertOptions& options);
+
+}  // namespace reshard

@@ -1,0 +1,64 @@
+// Thin POSIX file helpers. Every failure throws reshard::Error naming the path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace reshard {
+
+class File {
+ public:
+  File() = default;
+  static File OpenRead(const std::filesystem::path& path, bool direct = false);
+  /// Creates (truncating) a file for writing.
+  static File Create(const std::filesystem::path& path);
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File();
+
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  uint64_t Size() const;
+
+  /// Reads exactly `size` bytes at `offset`; a short read is kDataLoss ("truncated").
+  void PReadExact(void* buf, size_t size, uint64_t offset) const;
+  /// Reads up to `size` bytes; returns how many were read (stops at end of file).
+  size_t PReadUpTo(void* buf, size_t size, uint64_t offset) const;
+  void PWriteExact(const void* buf, size_t size, uint64_t offset) const;
+  void Truncate(uint64_t size) const;
+  void Sync() const;
+  void Close();
+
+ private:
+  File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+/// fsync of a directory, so that a rename inside it is durable.
+void SyncDirectory(const std::filesystem::path& dir);
+
+/// Writes `contents` to `path` atomically: temporary file in the same directory, fsync,
+/// rename, fsync of the directory.
+void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents);
+
+std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size);
+
+/// An exclusive advisory lock (flock) held for the object's lifetime. Throws kBusy when
+/// another process holds it.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::filesystem::path& lock_file);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace reshard

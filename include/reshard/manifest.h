@@ -1,0 +1,56 @@
+// The output directory's manifest (formats/manifest.md).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reshard/checkpoint.h"
+#include "reshard/layout.h"
+
+namespace reshard {
+
+inline constexpr std::string_view kManifestName = "reshard.json";
+inline constexpr std::string_view kManifestFormatName = "reshard.manifest";
+inline constexpr uint32_t kManifestVersion = 1;
+inline constexpr std::string_view kLockName = ".reshard.lock";
+
+struct ManifestRank {
+  uint32_t rank = 0;
+  std::string file;
+  uint64_t size = 0;
+  uint64_t header_xxh3 = 0;
+};
+
+struct ManifestLayout {
+  std::string key;
+  LayoutKind kind = LayoutKind::kFsdp2;
+  uint32_t world_size = 1;
+  std::string dtype = "keep";
+  std::string dir;
+  std::vector<ManifestRank> ranks;
+  bool complete = false;
+};
+
+struct Manifest {
+  std::string writer;
+  SourceFingerprint source;
+  std::vector<std::string> aux_files;
+  std::map<std::string, ManifestLayout> layouts;
+};
+
+/// Reads OUT/reshard.json; nullopt when absent. Throws kDataLoss when malformed.
+std::optional<Manifest> ReadManifest(const std::filesystem::path& out);
+void WriteManifest(const std::filesystem::path& out, const Manifest& manifest);
+std::string SerializeManifest(const Manifest& manifest);
+Manifest ParseManifest(std::string_view json, const std::string& path);
+
+/// Rebuilds the entry of layout `key` from the rank files present in OUT/key (each one's
+/// preamble and header is validated; files of another source or layout are errors).
+ManifestLayout ScanLayout(const std::filesystem::path& out, const LayoutSpec& layout,
+                          const SourceFingerprint& source);
+
+}  // namespace reshard

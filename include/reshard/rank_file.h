@@ -1,0 +1,54 @@
+// Reading rank files: open + validate, then read tensors with checksum verification.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "reshard/file_io.h"
+#include "reshard/rank_file_format.h"
+
+namespace reshard {
+
+class RankFileReader {
+ public:
+  /// Opens and validates preamble and header (invariants 1–7). Throws kNotFound / kDataLoss.
+  static RankFileReader Open(const std::filesystem::path& path);
+
+  const RankFileHeader& header() const { return header_; }
+  const Preamble& preamble() const { return preamble_; }
+  const std::string& path() const { return file_.path(); }
+  uint64_t file_size() const { return file_size_; }
+  const File& file() const { return file_; }
+
+  /// Reads and decodes chunk `chunk` of `tensor` into `dst` (capacity ≥ chunk length) and
+  /// checks its checksum (invariant 8). `scratch` is reused for compressed frames. Returns
+  /// the chunk's decoded length. Throws kDataLoss on a checksum mismatch or bad frame.
+  uint64_t ReadChunk(const TensorEntry& tensor, uint64_t chunk, void* dst,
+                     std::string& scratch) const;
+
+  /// Reads a whole tensor into `dst` (tensor.nbytes bytes), verifying every chunk and the
+  /// tensor checksum.
+  void ReadTensor(const TensorEntry& tensor, void* dst) const;
+
+ private:
+  File file_;
+  uint64_t file_size_ = 0;
+  Preamble preamble_;
+  RankFileHeader header_;
+};
+
+/// Decompresses one zstd frame into exactly `expected` bytes; kDataLoss otherwise.
+void DecodeZstdFrame(const void* src, size_t src_size, void* dst, size_t expected,
+                     const std::string& what);
+
+/// Chunk `chunk`'s byte range [begin, end) in the decoded tensor.
+inline uint64_t ChunkBegin(uint64_t chunk_size, uint64_t chunk) {
+  return chunk * chunk_size;
+}
+inline uint64_t ChunkLength(const TensorEntry& t, uint64_t chunk_size, uint64_t chunk) {
+  uint64_t begin = chunk * chunk_size;
+  return t.nbytes - begin < chunk_size ? t.nbytes - begin : chunk_size;
+}
+
+}  // namespace reshard

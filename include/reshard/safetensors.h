@@ -1,0 +1,44 @@
+// Reading and validating safetensors files (header only; data is read by offset).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/dtype.h"
+
+namespace reshard {
+
+inline constexpr uint64_t kSafetensorsMaxHeaderSize = 100ull * 1000 * 1000;  // as safetensors
+
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // absolute byte offset of the data in the file
+  uint64_t nbytes = 0;
+};
+
+struct SafetensorsFile {
+  std::string path;
+  uint64_t file_size = 0;
+  uint64_t header_size = 0;   // N, the JSON length
+  uint64_t header_xxh3 = 0;   // XXH3-64 of the first 8 + N bytes
+  std::map<std::string, std::string> metadata;
+  std::vector<SafetensorsTensor> tensors;  // sorted by offset
+};
+
+/// Opens `path` and validates its header completely (R29): header length, JSON, dtypes,
+/// shapes, offsets (in bounds, no overlap, no holes, size = numel × itemsize), duplicate keys.
+/// Throws kDataLoss naming the file and the field, kNotFound when missing.
+SafetensorsFile ReadSafetensorsHeader(const std::string& path);
+
+/// Validates an in-memory header. `file_size` is the size of the whole file; `prefix` holds
+/// at least the 8-byte length and, if the length is sane, the JSON. Used by the reader above
+/// and by the fuzz target.
+SafetensorsFile ParseSafetensorsHeader(std::string_view prefix, uint64_t file_size,
+                                       const std::string& path);
+
+}  // namespace reshard

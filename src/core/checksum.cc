@@ -1,0 +1,40 @@
+#include "reshard/checksum.h"
+
+#include <cstdio>
+#include <vector>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace reshard {
+
+uint64_t Xxh3(const void* data, size_t size) { return XXH3_64bits(data, size); }
+
+uint64_t CombineChunkChecksums(std::span<const uint64_t> chunk_checksums) {
+  std::vector<unsigned char> bytes(chunk_checksums.size() * 8);
+  for (size_t i = 0; i < chunk_checksums.size(); ++i) {
+    for (int b = 0; b < 8; ++b) bytes[i * 8 + b] = (chunk_checksums[i] >> (8 * b)) & 0xff;
+  }
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+std::string Hex16(uint64_t value) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(value));
+  return std::string(buf, 16);
+}
+
+std::optional<uint64_t> ParseHex16(std::string_view text) {
+  if (text.size() != 16) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : text) {
+    int d;
+    if (c >= '0' && c <= '9') d = c - '0';
+    else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+    else return std::nullopt;
+    v = (v << 4) | static_cast<uint64_t>(d);
+  }
+  return v;
+}
+
+}  // namespace reshard

@@ -1,0 +1,377 @@
+#include "reshard/convert.h"
+
+#include <unistd.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "reshard/checkpoint.h"
+#include "reshard/checksum.h"
+#include "reshard/error.h"
+#include "reshard/file_io.h"
+#include "reshard/manifest.h"
+#include "reshard/rank_file.h"
+#include "reshard/version.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// At most this many rank files are open for writing at once.
+constexpr size_t kMaxOpenRankFiles = 64;
+
+struct RankWriter {
+  uint32_t rank = 0;
+  RankPlan plan;
+  RankFileHeader header;
+  fs::path tmp_path;
+  fs::path final_path;
+  File file;
+  uint64_t cursor = 0;  // zstd: next free byte in the data region
+};
+
+struct WorkItem {
+  uint32_t writer = 0;     // index into the group's writers
+  uint32_t tensor = 0;     // index into the writer's plan
+  uint64_t chunk = 0;
+  uint64_t source_offset = 0;
+  uint64_t length = 0;
+  size_t file_index = 0;
+};
+
+// Removes temporary files on scope exit unless released.
+class TempFiles {
+ public:
+  void Add(const fs::path& p) { paths_.push_back(p); }
+  void Clear() { paths_.clear(); }
+  ~TempFiles() {
+    for (const auto& p : paths_) {
+      std::error_code ec;
+      fs::remove(p, ec);
+    }
+  }
+
+ private:
+  std::vector<fs::path> paths_;
+};
+
+bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return false;
+  try {
+    RankFileReader r = RankFileReader::Open(path);
+    const RankFileHeader& h = r.header();
+    if (!(h.source == source) || h.layout_key != o.layout.Key() ||
+        h.world_size != o.layout.world_size || h.chunk_size != o.chunk_size) {
+      return false;
+    }
+    for (const auto& t : h.tensors) {
+      if (t.nbytes > 0 && t.codec != o.codec) return false;
+    }
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
+  for (const auto& name : ckpt.aux_files) {
+    const std::string contents = ReadWholeFile(ckpt.dir / name, 1ull << 30);
+    std::error_code ec;
+    if (fs::exists(out / name, ec)) {
+      try {
+        if (ReadWholeFile(out / name, 1ull << 30) == contents) continue;
+      } catch (const Error&) {
+      }
+    }
+    WriteFileAtomic(out / name, contents);
+  }
+}
+
+class Converter {
+ public:
+  Converter(const ConvertOptions& o, const Checkpoint& ckpt, unsigned threads)
+      : o_(o), ckpt_(ckpt), threads_(threads) {
+    for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
+  }
+
+  void Run(std::vector<uint32_t> ranks, ConvertResult& result) {
+    for (size_t g = 0; g < ranks.size(); g += kMaxOpenRankFiles) {
+      std::vector<uint32_t> group(ranks.begin() + g,
+                                  ranks.begin() + std::min(ranks.size(), g + kMaxOpenRankFiles));
+      RunGroup(group, result);
+    }
+  }
+
+  uint64_t total_bytes = 0;
+  uint64_t done_bytes = 0;
+
+ private:
+  void RunGroup(const std::vector<uint32_t>& ranks, ConvertResult& result) {
+    TempFiles temps;
+    std::vector<RankWriter> writers(ranks.size());
+    std::vector<WorkItem> items;
+    const fs::path dir = o_.out / o_.layout.Key();
+    for (size_t w = 0; w < ranks.size(); ++w) {
+      RankWriter& rw = writers[w];
+      rw.rank = ranks[w];
+      rw.plan = PlanRank(ckpt_, o_.layout, rw.rank);
+      rw.final_path = dir / RankFileName(rw.rank, o_.layout.world_size);
+      rw.tmp_path = dir / ("." + rw.final_path.filename().string() + ".tmp-" +
+                           std::to_string(::getpid()));
+      temps.Add(rw.tmp_path);
+      rw.file = File::Create(rw.tmp_path);
+      RankFileHeader& h = rw.header;
+      h.writer = std::string(WriterString());
+      h.layout_key = o_.layout.Key();
+      h.kind = o_.layout.kind;
+      h.world_size = o_.layout.world_size;
+      h.dtype_policy = o_.layout.dtype;
+      h.rank = rw.rank;
+      h.source = ckpt_.fingerprint;
+      h.chunk_size = o_.chunk_size;
+      for (uint32_t ti = 0; ti < rw.plan.tensors.size(); ++ti) {
+        const PlannedTensor& p = rw.plan.tensors[ti];
+        TensorEntry e;
+        e.name = p.name;
+        e.dtype = p.dtype;
+        e.global_shape = p.global_shape;
+        e.sharded = p.sharded;
+        e.rows = p.rows;
+        e.local_shape = p.local_shape;
+        e.nbytes = p.nbytes;
+        e.offset = p.offset;
+        e.stored_size = p.nbytes;
+        e.codec = p.nbytes == 0 ? Codec::kRaw : o_.codec;
+        const uint64_t n = e.ChunkCount(o_.chunk_size);
+        e.chunk_xxh3.resize(n);
+        if (e.codec == Codec::kZstd) e.frames.resize(n);
+        for (uint64_t c = 0; c < n; ++c) {
+          const uint64_t begin = c * o_.chunk_size;
+          items.push_back({static_cast<uint32_t>(w), ti, c, p.source_offset + begin,
+                           std::min(o_.chunk_size, p.nbytes - begin),
+                           ckpt_.tensors[p.source_index].file_index});
+        }
+        h.tensors.push_back(std::move(e));
+      }
+      if (o_.codec == Codec::kRaw) rw.file.Truncate(kDataOffset + rw.plan.data_size);
+    }
+    std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+      return a.file_index != b.file_index ? a.file_index < b.file_index
+                                          : a.source_offset < b.source_offset;
+    });
+
+    const size_t batch = std::max<size_t>(2 * threads_, 4);
+    const size_t bound = ZSTD_compressBound(o_.chunk_size);
+    std::vector<std::unique_ptr<char[]>> in(batch), packed(batch);
+    std::vector<size_t> packed_size(batch);
+    for (size_t i = 0; i < batch; ++i) {
+      in[i].reset(new char[o_.chunk_size]);
+      if (o_.codec == Codec::kZstd) packed[i].reset(new char[bound]);
+    }
+    std::vector<ZSTD_CCtx*> cctx(threads_, nullptr);
+    struct CctxFree {
+      std::vector<ZSTD_CCtx*>& v;
+      ~CctxFree() {
+        for (auto* c : v) ZSTD_freeCCtx(c);
+      }
+    } cctx_free{cctx};
+
+    for (size_t start = 0; start < items.size(); start += batch) {
+      const size_t count = std::min(batch, items.size() - start);
+      std::vector<std::exception_ptr> errors(count);
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
+      for (size_t k = 0; k < count; ++k) {
+        try {
+          const WorkItem& it = items[start + k];
+          RankWriter& rw = writers[it.writer];
+          TensorEntry& e = rw.header.tensors[it.tensor];
+          sources_[it.file_index].PReadExact(in[k].get(), it.length, it.source_offset);
+          e.chunk_xxh3[it.chunk] = Xxh3(in[k].get(), it.length);
+          if (e.codec == Codec::kRaw) {
+            rw.file.PWriteExact(in[k].get(), it.length,
+                                kDataOffset + e.offset + it.chunk * o_.chunk_size);
+          } else {
+            int tid = 0;
+#ifdef _OPENMP
+            tid = omp_get_thread_num();
+#endif
+            if (!cctx[tid]) cctx[tid] = ZSTD_createCCtx();
+            size_t n = ZSTD_compressCCtx(cctx[tid], packed[k].get(), bound, in[k].get(),
+                                         it.length, o_.zstd_level);
+            if (ZSTD_isError(n)) {
+              Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
+            }
+            packed_size[k] = n;
+          }
+        } catch (...) {
+          errors[k] = std::current_exception();
+        }
+      }
+      for (auto& e : errors) {
+        if (e) std::rethrow_exception(e);
+      }
+      for (size_t k = 0; k < count; ++k) {
+        const WorkItem& it = items[start + k];
+        if (o_.codec == Codec::kZstd) {
+          RankWriter& rw = writers[it.writer];
+          TensorEntry& e = rw.header.tensors[it.tensor];
+          if (it.chunk == 0) {
+            rw.cursor = AlignUp(rw.cursor, kDataAlignment);
+            e.offset = rw.cursor;
+          }
+          rw.file.PWriteExact(packed[k].get(), packed_size[k], kDataOffset + rw.cursor);
+          e.frames[it.chunk] = {rw.cursor - e.offset, packed_size[k]};
+          rw.cursor += packed_size[k];
+          e.stored_size = rw.cursor - e.offset;
+          result.bytes_stored += packed_size[k];
+        } else {
+          result.bytes_stored += it.length;
+        }
+        result.bytes_read += it.length;
+        done_bytes += it.length;
+      }
+      if (o_.progress) o_.progress(done_bytes, total_bytes);
+    }
+
+    for (RankWriter& rw : writers) {
+      uint64_t data_size = rw.plan.data_size;
+      if (o_.codec == Codec::kZstd) {
+        // Place empty tensors (no chunks) right after their predecessor, keeping offsets sorted.
+        uint64_t end = 0;
+        for (auto& e : rw.header.tensors) {
+          if (e.nbytes == 0) e.offset = AlignUp(end, kDataAlignment);
+          end = e.offset + e.stored_size;
+        }
+        data_size = AlignUp(rw.cursor, kDataAlignment);
+      }
+      for (auto& e : rw.header.tensors) {
+        e.xxh3 = CombineChunkChecksums(e.chunk_xxh3);
+        result.bytes_decoded += e.nbytes;
+      }
+      const std::string header = SerializeHeader(rw.header);
+      Preamble p;
+      p.data_size = data_size;
+      p.header_offset = kDataOffset + data_size;
+      p.header_size = header.size();
+      p.header_xxh3 = Xxh3(header);
+      rw.file.PWriteExact(header.data(), header.size(), p.header_offset);
+      rw.file.Truncate(p.header_offset + p.header_size);
+      const auto pre = EncodePreamble(p);
+      rw.file.PWriteExact(pre.data(), pre.size(), 0);
+      rw.file.Sync();
+      rw.file.Close();
+      if (::rename(rw.tmp_path.c_str(), rw.final_path.c_str()) != 0) {
+        Fail(ErrorCode::kIo, rw.final_path.string() + ": cannot rename into place");
+      }
+      result.ranks_written.push_back(rw.rank);
+    }
+    temps.Clear();
+    SyncDirectory(dir);
+  }
+
+  const ConvertOptions& o_;
+  const Checkpoint& ckpt_;
+  unsigned threads_;
+  std::vector<File> sources_;
+};
+
+void RemoveStaleTemporaries(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.starts_with(".rank-") && name.find(".tmp-") != std::string::npos) {
+      std::error_code ec;
+      fs::remove(e.path(), ec);
+    }
+  }
+}
+
+}  // namespace
+
+ConvertResult Convert(const ConvertOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (o.layout.world_size == 0) {
+    Fail(ErrorCode::kInvalidArgument, "--world-size must be at least 1");
+  }
+  if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0) {
+    Fail(ErrorCode::kInvalidArgument, "chunk size must be a positive multiple of 4096");
+  }
+  uint32_t first = 0, last = o.layout.world_size - 1;
+  if (o.ranks) {
+    std::tie(first, last) = *o.ranks;
+    if (first > last || last >= o.layout.world_size) {
+      Fail(ErrorCode::kInvalidArgument,
+           "--ranks " + std::to_string(first) + "-" + std::to_string(last) +
+               " is not a range inside 0-" + std::to_string(o.layout.world_size - 1));
+    }
+  }
+  unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+
+  Checkpoint ckpt = OpenCheckpoint(o.source);
+  std::error_code ec;
+  fs::create_directories(o.out, ec);
+  if (ec || !fs::is_directory(o.out)) {
+    Fail(ErrorCode::kIo, o.out.string() + ": cannot create the output directory" +
+                             (ec ? " (" + ec.message() + ")" : std::string()));
+  }
+  DirectoryLock lock(o.out / kLockName);
+  std::optional<Manifest> manifest = ReadManifest(o.out);
+  if (manifest && !(manifest->source == ckpt.fingerprint)) {
+    Fail(ErrorCode::kMismatch,
+         o.out.string() + ": holds layouts of another source (fingerprint " +
+             Hex16(manifest->source.fingerprint) + ", this source is " +
+             Hex16(ckpt.fingerprint.fingerprint) + "); convert into an empty directory");
+  }
+  const fs::path dir = o.out / o.layout.Key();
+  fs::create_directories(dir, ec);
+  if (ec) Fail(ErrorCode::kIo, dir.string() + ": cannot create (" + ec.message() + ")");
+  RemoveStaleTemporaries(dir);
+
+  ConvertResult result;
+  result.layout_key = o.layout.Key();
+  result.layout_dir = dir;
+  result.world_size = o.layout.world_size;
+  std::vector<uint32_t> todo;
+  for (uint32_t r = first; r <= last; ++r) {
+    if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint)) {
+      result.ranks_up_to_date.push_back(r);
+    } else {
+      todo.push_back(r);
+    }
+  }
+  Converter converter(o, ckpt, threads);
+  for (uint32_t r : todo) {
+    for (const auto& t : PlanRank(ckpt, o.layout, r).tensors) converter.total_bytes += t.nbytes;
+  }
+  converter.Run(todo, result);
+
+  CopyAuxFiles(ckpt, o.out);
+  Manifest m = manifest.value_or(Manifest{});
+  m.writer = std::string(WriterString());
+  m.source = ckpt.fingerprint;
+  for (const auto& a : ckpt.aux_files) {
+    if (std::find(m.aux_files.begin(), m.aux_files.end(), a) == m.aux_files.end()) {
+      m.aux_files.push_back(a);
+    }
+  }
+  ManifestLayout entry = ScanLayout(o.out, o.layout, ckpt.fingerprint);
+  result.layout_complete = entry.complete;
+  m.layouts[entry.key] = std::move(entry);
+  WriteManifest(o.out, m);
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace reshard

@@ -1,0 +1,94 @@
+#include "json_util.h"
+
+#include <set>
+#include <vector>
+
+#include "reshard/checksum.h"
+#include "reshard/error.h"
+
+namespace reshard::internal {
+
+using nlohmann::json;
+
+json ParseStrictJson(std::string_view text, const std::string& path, std::string_view what) {
+  std::vector<std::set<std::string>> keys;
+  std::string duplicate;
+  auto callback = [&](int, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start: keys.emplace_back(); break;
+      case json::parse_event_t::object_end:
+        if (!keys.empty()) keys.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        const auto& k = parsed.get_ref<const std::string&>();
+        if (!keys.empty() && !keys.back().insert(k).second && duplicate.empty()) duplicate = k;
+        break;
+      }
+      default: break;
+    }
+    return true;
+  };
+  json result;
+  try {
+    result = json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true);
+  } catch (const json::exception& e) {
+    Fail(ErrorCode::kDataLoss,
+         path + ": " + std::string(what) + " is not valid JSON (" + e.what() + ")");
+  }
+  if (!duplicate.empty()) {
+    Fail(ErrorCode::kDataLoss, path + ": " + std::string(what) + ": duplicate key \"" +
+                                   duplicate + "\"");
+  }
+  return result;
+}
+
+std::string Describe(const json& value) {
+  std::string s = value.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return std::string(value.type_name()) + " " + s;
+}
+
+const json& Member(const json& obj, std::string_view key, const std::string& path,
+                   const std::string& field) {
+  if (!obj.is_object()) FailField(path, field, Describe(obj), "an object");
+  auto it = obj.find(key);
+  if (it == obj.end()) FailField(path, field + "." + std::string(key), "nothing", "a value");
+  return *it;
+}
+
+uint64_t GetU64(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_number_unsigned()) {
+    if (value.is_number_integer() && value.get<int64_t>() >= 0) return value.get<uint64_t>();
+    FailField(path, field, Describe(value), "a non-negative integer");
+  }
+  return value.get<uint64_t>();
+}
+
+std::string GetString(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_string()) FailField(path, field, Describe(value), "a string");
+  return value.get<std::string>();
+}
+
+bool GetBool(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_boolean()) FailField(path, field, Describe(value), "true or false");
+  return value.get<bool>();
+}
+
+uint64_t GetHex16(const json& value, const std::string& path, const std::string& field) {
+  if (value.is_string()) {
+    if (auto v = ParseHex16(value.get_ref<const std::string&>())) return *v;
+  }
+  FailField(path, field, Describe(value), "16 lower-case hex digits");
+}
+
+const json& GetArray(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_array()) FailField(path, field, Describe(value), "an array");
+  return value;
+}
+
+const json& GetObject(const json& value, const std::string& path, const std::string& field) {
+  if (!value.is_object()) FailField(path, field, Describe(value), "an object");
+  return value;
+}
+
+}  // namespace reshard::internal

@@ -1,0 +1,34 @@
+// Strict JSON helpers shared by the parsers of safetensors headers, rank file headers and
+// manifests. Private to the core library.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace reshard::internal {
+
+/// Parses `text`, rejecting duplicate object keys at any depth. Throws kDataLoss naming
+/// `path` and `what` ("header", "manifest", ...).
+nlohmann::json ParseStrictJson(std::string_view text, const std::string& path,
+                               std::string_view what);
+
+/// Short description of a JSON value's type and value for error messages.
+std::string Describe(const nlohmann::json& value);
+
+/// Field accessors: each throws kDataLoss "<path>: <field>: found ..., expected ...".
+const nlohmann::json& Member(const nlohmann::json& obj, std::string_view key,
+                             const std::string& path, const std::string& field);
+uint64_t GetU64(const nlohmann::json& value, const std::string& path, const std::string& field);
+std::string GetString(const nlohmann::json& value, const std::string& path,
+                      const std::string& field);
+bool GetBool(const nlohmann::json& value, const std::string& path, const std::string& field);
+uint64_t GetHex16(const nlohmann::json& value, const std::string& path, const std::string& field);
+const nlohmann::json& GetArray(const nlohmann::json& value, const std::string& path,
+                               const std::string& field);
+const nlohmann::json& GetObject(const nlohmann::json& value, const std::string& path,
+                                const std::string& field);
+
+}  // namespace reshard::internal

@@ -1,0 +1,87 @@
+#include "reshard/layout.h"
+
+#include <algorithm>
+
+#include "reshard/error.h"
+#include "reshard/rank_file_format.h"
+
+namespace reshard {
+
+RowRange ChunkRows(uint64_t n, uint64_t world_size, uint64_t rank) {
+  const uint64_t c = CeilDiv(n, world_size);
+  return {std::min(rank * c, n), std::min((rank + 1) * c, n)};
+}
+
+std::string LayoutSpec::KindName() const {
+  switch (kind) {
+    case LayoutKind::kFsdp2: return "fsdp2";
+  }
+  return "unknown";
+}
+
+std::string LayoutSpec::Key() const {
+  std::string key = KindName() + "-ws" + std::to_string(world_size);
+  if (dtype != "keep") key += "-" + dtype;
+  return key;
+}
+
+std::optional<LayoutKind> ParseLayoutKind(std::string_view name) {
+  if (name == "fsdp2") return LayoutKind::kFsdp2;
+  return std::nullopt;
+}
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank) {
+  if (layout.world_size == 0 || rank >= layout.world_size) {
+    Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
+                                          " is outside world size " +
+                                          std::to_string(layout.world_size));
+  }
+  RankPlan plan;
+  plan.rank = rank;
+  // File order is source order (file, offset): the converter then reads every source file
+  // front to back and writes every rank file front to back.
+  std::vector<size_t> order(ckpt.tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const auto& x = ckpt.tensors[a];
+    const auto& y = ckpt.tensors[b];
+    return x.file_index != y.file_index ? x.file_index < y.file_index : x.offset < y.offset;
+  });
+  uint64_t offset = 0;
+  for (size_t i : order) {
+    const SourceTensor& src = ckpt.tensors[i];
+    PlannedTensor t;
+    t.source_index = i;
+    t.name = src.name;
+    t.dtype = src.dtype;
+    t.global_shape = src.shape;
+    t.local_shape = src.shape;
+    if (src.shape.empty()) {
+      t.sharded = false;
+      t.nbytes = src.nbytes;
+      t.source_offset = src.offset;
+    } else {
+      t.sharded = true;
+      t.rows = ChunkRows(src.shape[0], layout.world_size, rank);
+      t.local_shape[0] = t.rows.size();
+      uint64_t row_numel = 1;
+      for (size_t d = 1; d < src.shape.size(); ++d) row_numel *= src.shape[d];
+      auto row_bytes = BytesFor(src.dtype, row_numel);
+      if (!row_bytes) {
+        Fail(ErrorCode::kUnsupported,
+             "tensor \"" + src.name + "\": a dim-0 row of " + std::to_string(row_numel) + " " +
+                 std::string(Name(src.dtype)) +
+                 " elements is not a whole number of bytes, so it cannot be split by rows");
+      }
+      t.nbytes = *row_bytes * t.rows.size();
+      t.source_offset = src.offset + *row_bytes * t.rows.start;
+    }
+    t.offset = offset;
+    offset = AlignUp(offset + t.nbytes, kDataAlignment);
+    plan.tensors.push_back(std::move(t));
+  }
+  plan.data_size = offset;
+  return plan;
+}
+
+}  // namespace reshard

@@ -1,0 +1,193 @@
+#include "reshard/manifest.h"
+
+#include <algorithm>
+#include <charconv>
+
+#include "json_util.h"
+#include "reshard/checksum.h"
+#include "reshard/error.h"
+#include "reshard/file_io.h"
+#include "reshard/rank_file.h"
+#include "reshard/version.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+using internal::GetArray;
+using internal::GetBool;
+using internal::GetHex16;
+using internal::GetString;
+using internal::GetU64;
+using internal::Member;
+using nlohmann::json;
+
+namespace {
+
+json SourceJson(const SourceFingerprint& s) {
+  json files = json::array();
+  for (const auto& f : s.files) {
+    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)}});
+  }
+  return {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
+}
+
+SourceFingerprint ParseSource(const json& j, const std::string& path) {
+  std::vector<SourceFile> files;
+  const json& jf = GetArray(Member(j, "files", path, "source"), path, "source.files");
+  for (size_t i = 0; i < jf.size(); ++i) {
+    const std::string f = "source.files[" + std::to_string(i) + "]";
+    files.push_back({GetString(Member(jf[i], "name", path, f), path, f + ".name"),
+                     GetU64(Member(jf[i], "size", path, f), path, f + ".size"),
+                     GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3")});
+  }
+  SourceFingerprint s = SourceFingerprint::FromFiles(files);
+  uint64_t fp = GetHex16(Member(j, "fingerprint", path, "source"), path, "source.fingerprint");
+  if (fp != s.fingerprint) {
+    FailField(path, "source.fingerprint", Hex16(fp), Hex16(s.fingerprint));
+  }
+  return s;
+}
+
+// Parses "rank-00003-of-00008.reshard"; nullopt for other names.
+std::optional<std::pair<uint32_t, uint32_t>> ParseRankFileName(const std::string& name) {
+  if (name.size() != 27 || !name.starts_with("rank-") || name.substr(10, 4) != "-of-" ||
+      !name.ends_with(kRankFileExtension)) {
+    return std::nullopt;
+  }
+  uint32_t r = 0, w = 0;
+  auto a = std::from_chars(name.data() + 5, name.data() + 10, r);
+  auto b = std::from_chars(name.data() + 14, name.data() + 19, w);
+  if (a.ptr != name.data() + 10 || b.ptr != name.data() + 19) return std::nullopt;
+  return std::make_pair(r, w);
+}
+
+}  // namespace
+
+std::string SerializeManifest(const Manifest& m) {
+  json j;
+  j["format"] = kManifestFormatName;
+  j["format_version"] = kManifestVersion;
+  j["writer"] = m.writer.empty() ? std::string(WriterString()) : m.writer;
+  j["source"] = SourceJson(m.source);
+  j["aux_files"] = m.aux_files;
+  json layouts = json::object();
+  for (const auto& [key, l] : m.layouts) {
+    json ranks = json::array();
+    for (const auto& r : l.ranks) {
+      ranks.push_back({{"rank", r.rank},
+                       {"file", r.file},
+                       {"size", r.size},
+                       {"header_xxh3", Hex16(r.header_xxh3)}});
+    }
+    LayoutSpec spec{l.kind, l.world_size, l.dtype};
+    layouts[key] = {{"kind", spec.KindName()}, {"world_size", l.world_size},
+                    {"dtype", l.dtype},        {"dir", l.dir},
+                    {"ranks", ranks},          {"complete", l.complete}};
+  }
+  j["layouts"] = layouts;
+  return j.dump(2) + "\n";
+}
+
+Manifest ParseManifest(std::string_view text, const std::string& path) {
+  json j = internal::ParseStrictJson(text, path, "manifest");
+  Manifest m;
+  std::string format = GetString(Member(j, "format", path, "manifest"), path, "format");
+  if (format != kManifestFormatName) {
+    FailField(path, "format", "\"" + format + "\"", "\"reshard.manifest\"");
+  }
+  uint64_t v = GetU64(Member(j, "format_version", path, "manifest"), path, "format_version");
+  if (v != kManifestVersion) {
+    FailField(path, "format_version", std::to_string(v), std::to_string(kManifestVersion));
+  }
+  if (j.contains("writer")) m.writer = GetString(j["writer"], path, "writer");
+  m.source = ParseSource(Member(j, "source", path, "manifest"), path);
+  const json& aux = GetArray(Member(j, "aux_files", path, "manifest"), path, "aux_files");
+  for (size_t i = 0; i < aux.size(); ++i) {
+    m.aux_files.push_back(GetString(aux[i], path, "aux_files[" + std::to_string(i) + "]"));
+  }
+  const json& layouts =
+      internal::GetObject(Member(j, "layouts", path, "manifest"), path, "layouts");
+  for (const auto& [key, jl] : layouts.items()) {
+    const std::string f = "layouts[\"" + key + "\"]";
+    ManifestLayout l;
+    l.key = key;
+    std::string kind = GetString(Member(jl, "kind", path, f), path, f + ".kind");
+    auto k = ParseLayoutKind(kind);
+    if (!k) FailField(path, f + ".kind", "\"" + kind + "\"", "\"fsdp2\"");
+    l.kind = *k;
+    uint64_t ws = GetU64(Member(jl, "world_size", path, f), path, f + ".world_size");
+    if (ws == 0 || ws > 1u << 24) FailField(path, f + ".world_size", std::to_string(ws), "1..2^24");
+    l.world_size = static_cast<uint32_t>(ws);
+    l.dtype = GetString(Member(jl, "dtype", path, f), path, f + ".dtype");
+    l.dir = GetString(Member(jl, "dir", path, f), path, f + ".dir");
+    if (l.dir != key) FailField(path, f + ".dir", "\"" + l.dir + "\"", "\"" + key + "\"");
+    const json& ranks = GetArray(Member(jl, "ranks", path, f), path, f + ".ranks");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const std::string rf = f + ".ranks[" + std::to_string(i) + "]";
+      ManifestRank r;
+      r.rank = static_cast<uint32_t>(GetU64(Member(ranks[i], "rank", path, rf), path, rf + ".rank"));
+      r.file = GetString(Member(ranks[i], "file", path, rf), path, rf + ".file");
+      r.size = GetU64(Member(ranks[i], "size", path, rf), path, rf + ".size");
+      r.header_xxh3 = GetHex16(Member(ranks[i], "header_xxh3", path, rf), path, rf + ".header_xxh3");
+      if (r.rank >= l.world_size || r.file != RankFileName(r.rank, l.world_size)) {
+        FailField(path, rf, "rank " + std::to_string(r.rank) + " file " + r.file,
+                  "a rank below world_size and its canonical file name");
+      }
+      l.ranks.push_back(r);
+    }
+    l.complete = GetBool(Member(jl, "complete", path, f), path, f + ".complete");
+    m.layouts[key] = std::move(l);
+  }
+  return m;
+}
+
+std::optional<Manifest> ReadManifest(const fs::path& out) {
+  const fs::path p = out / kManifestName;
+  std::error_code ec;
+  if (!fs::exists(p, ec)) return std::nullopt;
+  return ParseManifest(ReadWholeFile(p, 256ull << 20), p.string());
+}
+
+void WriteManifest(const fs::path& out, const Manifest& manifest) {
+  WriteFileAtomic(out / kManifestName, SerializeManifest(manifest));
+}
+
+ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
+                          const SourceFingerprint& source) {
+  ManifestLayout l;
+  l.key = layout.Key();
+  l.kind = layout.kind;
+  l.world_size = layout.world_size;
+  l.dtype = layout.dtype;
+  l.dir = l.key;
+  const fs::path dir = out / l.key;
+  std::error_code ec;
+  if (fs::is_directory(dir, ec)) {
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string name = e.path().filename().string();
+      auto parsed = ParseRankFileName(name);
+      if (!parsed || parsed->second != layout.world_size || parsed->first >= layout.world_size) {
+        continue;
+      }
+      RankFileReader reader = RankFileReader::Open(e.path());
+      const RankFileHeader& h = reader.header();
+      if (h.layout_key != l.key || h.world_size != layout.world_size || h.rank != parsed->first) {
+        Fail(ErrorCode::kMismatch, e.path().string() + ": holds layout " + h.layout_key +
+                                       " rank " + std::to_string(h.rank) + ", expected " +
+                                       l.key + " rank " + std::to_string(parsed->first));
+      }
+      if (!(h.source == source)) {
+        Fail(ErrorCode::kMismatch, e.path().string() + ": was converted from another source (" +
+                                       Hex16(h.source.fingerprint) + ", expected " +
+                                       Hex16(source.fingerprint) + ")");
+      }
+      l.ranks.push_back({h.rank, name, reader.file_size(), reader.preamble().header_xxh3});
+    }
+  }
+  std::sort(l.ranks.begin(), l.ranks.end(),
+            [](const ManifestRank& a, const ManifestRank& b) { return a.rank < b.rank; });
+  l.complete = l.ranks.size() == layout.world_size;
+  return l;
+}
+
+}  // namespace reshard

@@ -1,0 +1,284 @@
+#include "reshard/verify.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "reshard/checkpoint.h"
+#include "reshard/checksum.h"
+#include "reshard/error.h"
+#include "reshard/manifest.h"
+#include "reshard/rank_file.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct LayoutFiles {
+  std::string key;
+  uint32_t world_size = 0;  // 0: unknown (no manifest, no readable file)
+  std::vector<fs::path> files;
+};
+
+struct ChunkItem {
+  size_t reader;
+  size_t tensor;
+  uint64_t chunk;
+};
+
+class Verifier {
+ public:
+  explicit Verifier(const VerifyOptions& o) : o_(o) {
+    threads_ = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  }
+
+  VerifyReport Run() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::error_code ec;
+    if (!fs::exists(o_.path, ec)) {
+      Fail(ErrorCode::kNotFound, o_.path.string() + ": no such file or directory");
+    }
+    if (o_.source) {
+      try {
+        ckpt_ = OpenCheckpoint(*o_.source);
+      } catch (const Error& e) {
+        Problem(o_.source->string(), "", std::string("cannot read the source: ") + e.what());
+      }
+    }
+    std::vector<LayoutFiles> layouts;
+    if (fs::is_regular_file(o_.path)) {
+      layouts.push_back({"", 0, {o_.path}});
+    } else if (fs::exists(o_.path / kManifestName)) {
+      CollectFromManifest(layouts);
+    } else {
+      LayoutFiles l;
+      l.key = o_.path.filename().string();
+      for (const auto& e : fs::directory_iterator(o_.path)) {
+        const auto name = e.path().filename().string();
+        if (name.starts_with("rank-") && name.ends_with(".reshard")) l.files.push_back(e.path());
+      }
+      std::sort(l.files.begin(), l.files.end());
+      if (l.files.empty()) {
+        Problem(o_.path.string(), "",
+                "no reshard.json and no rank-*.reshard files: not a reshard output directory");
+      }
+      layouts.push_back(std::move(l));
+    }
+    for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/!fs::is_regular_file(o_.path));
+    report_.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return std::move(report_);
+  }
+
+ private:
+  void Problem(std::string file, std::string tensor, std::string message) {
+    std::lock_guard<std::mutex> g(mu_);
+    report_.problems.push_back({std::move(file), std::move(tensor), std::move(message)});
+  }
+
+  void CollectFromManifest(std::vector<LayoutFiles>& layouts) {
+    const std::string mpath = (o_.path / kManifestName).string();
+    std::optional<Manifest> m;
+    try {
+      m = ReadManifest(o_.path);
+    } catch (const Error& e) {
+      Problem(mpath, "", e.what());
+      return;
+    }
+    manifest_source_ = m->source;
+    if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
+    for (const auto& [key, ml] : m->layouts) {
+      LayoutFiles l{key, ml.world_size, {}};
+      if (!ml.complete || ml.ranks.size() != ml.world_size) {
+        Problem(mpath, "", "layout " + key + " is incomplete: " + std::to_string(ml.ranks.size()) +
+                               " of " + std::to_string(ml.world_size) +
+                               " rank files; run reshard convert for the missing ranks");
+      }
+      for (const auto& r : ml.ranks) {
+        const fs::path p = o_.path / ml.dir / r.file;
+        std::error_code ec;
+        if (!fs::exists(p, ec)) {
+          Problem(p.string(), "", "listed in the manifest but missing");
+          continue;
+        }
+        const uint64_t size = fs::file_size(p, ec);
+        if (size != r.size) {
+          Problem(p.string(), "", "size " + std::to_string(size) + " bytes, the manifest says " +
+                                      std::to_string(r.size));
+        }
+        l.files.push_back(p);
+      }
+      layouts.push_back(std::move(l));
+    }
+    for (const auto& a : m->aux_files) {
+      if (!fs::exists(o_.path / a)) Problem((o_.path / a).string(), "", "listed in the manifest but missing");
+    }
+  }
+
+  void VerifyLayout(LayoutFiles& l, bool whole_layout) {
+    std::vector<RankFileReader> readers;
+    for (const auto& p : l.files) {
+      try {
+        readers.push_back(RankFileReader::Open(p));
+        ++report_.files;
+      } catch (const Error& e) {
+        Problem(p.string(), "", e.what());
+      }
+    }
+    if (readers.empty()) return;
+    const RankFileHeader& h0 = readers.front().header();
+    if (l.key.empty()) l.key = h0.layout_key;
+    report_.layouts.push_back(l.key);
+    const uint32_t ws = l.world_size ? l.world_size : h0.world_size;
+    std::set<uint32_t> seen;
+    std::map<std::string, const TensorEntry*> names0;
+    for (const auto& t : h0.tensors) names0[t.name] = &t;
+    for (const auto& r : readers) {
+      const RankFileHeader& h = r.header();
+      if (h.layout_key != h0.layout_key || h.world_size != ws || h.kind != h0.kind) {
+        Problem(r.path(), "", "layout " + h.layout_key + " (world size " +
+                                  std::to_string(h.world_size) + "), expected " + h0.layout_key +
+                                  " (world size " + std::to_string(ws) + ")");
+      }
+      if (!seen.insert(h.rank).second) Problem(r.path(), "", "rank " + std::to_string(h.rank) + " appears twice");
+      const fs::path expected_name = RankFileName(h.rank, h.world_size);
+      if (fs::path(r.path()).filename() != expected_name) {
+        Problem(r.path(), "", "holds rank " + std::to_string(h.rank) + ", expected file name " +
+                                  expected_name.string());
+      }
+      if (!(h.source == h0.source)) {
+        Problem(r.path(), "", "converted from source " + Hex16(h.source.fingerprint) + ", but " +
+                                  readers.front().path() + " from " + Hex16(h0.source.fingerprint));
+      }
+      if (manifest_source_ && !(h.source == *manifest_source_)) {
+        Problem(r.path(), "", "converted from source " + Hex16(h.source.fingerprint) +
+                                  ", the manifest names " + Hex16(manifest_source_->fingerprint));
+      }
+      std::set<std::string> names;
+      for (const auto& t : h.tensors) {
+        names.insert(t.name);
+        auto it = names0.find(t.name);
+        if (it == names0.end()) {
+          Problem(r.path(), t.name, "not present in " + readers.front().path());
+        } else if (it->second->global_shape != t.global_shape || it->second->dtype != t.dtype) {
+          Problem(r.path(), t.name, "global shape or dtype differs from " + readers.front().path());
+        }
+      }
+      for (const auto& [n, _] : names0) {
+        if (!names.count(n)) Problem(r.path(), n, "missing (present in " + readers.front().path() + ")");
+      }
+    }
+    if (whole_layout) {
+      for (uint32_t rank = 0; rank < ws; ++rank) {
+        if (!seen.count(rank)) {
+          Problem((o_.path / l.key / RankFileName(rank, ws)).string(), "",
+                  "rank " + std::to_string(rank) + " of " + std::to_string(ws) +
+                      " is missing; run reshard convert --ranks " + std::to_string(rank) + "-" +
+                      std::to_string(rank));
+        }
+      }
+    }
+    const bool compare = ckpt_.has_value();
+    if (compare) {
+      if (!(h0.source == ckpt_->fingerprint)) {
+        Problem(readers.front().path(), "",
+                "converted from source " + Hex16(h0.source.fingerprint) + ", but " +
+                    o_.source->string() + " is " + Hex16(ckpt_->fingerprint.fingerprint) +
+                    " (another checkpoint, or it changed)");
+      }
+      for (const auto& t : ckpt_->tensors) {
+        if (!names0.count(t.name)) {
+          Problem(readers.front().path(), t.name, "source tensor missing from the layout");
+        }
+      }
+      for (const auto& [n, _] : names0) {
+        if (!ckpt_->Find(n)) Problem(readers.front().path(), n, "not a tensor of the source");
+      }
+      for (const auto& f : ckpt_->files) sources_.push_back(File::OpenRead(f.path));
+    }
+    std::vector<ChunkItem> items;
+    for (size_t ri = 0; ri < readers.size(); ++ri) {
+      const auto& h = readers[ri].header();
+      for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
+        report_.tensors++;
+        for (uint64_t c = 0; c < h.tensors[ti].ChunkCount(h.chunk_size); ++c) {
+          items.push_back({ri, ti, c});
+        }
+      }
+    }
+    std::vector<uint64_t> bytes(items.size(), 0), compared(items.size(), 0);
+#pragma omp parallel num_threads(threads_)
+    {
+      std::string scratch;
+      std::unique_ptr<char[]> buf, src;
+      uint64_t cap = 0;
+#pragma omp for schedule(dynamic, 4)
+      for (size_t i = 0; i < items.size(); ++i) {
+        const auto& it = items[i];
+        const RankFileReader& r = readers[it.reader];
+        const TensorEntry& t = r.header().tensors[it.tensor];
+        try {
+          const uint64_t cs = r.header().chunk_size;
+          if (cap < cs) {
+            buf.reset(new char[cs]);
+            src.reset(new char[cs]);
+            cap = cs;
+          }
+          const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
+          bytes[i] = len;
+          if (compare) {
+            const SourceTensor* s = ckpt_->Find(t.name);
+            if (s && s->dtype == t.dtype && s->shape == t.global_shape) {
+              uint64_t row_bytes = 0;
+              if (t.sharded && t.global_shape[0] > 0) row_bytes = s->nbytes / t.global_shape[0];
+              const uint64_t start = s->offset + (t.sharded ? t.rows.start * row_bytes : 0);
+              const uint64_t at = start + it.chunk * cs;
+              sources_[s->file_index].PReadExact(src.get(), len, at);
+              if (std::memcmp(src.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && src[k] == buf[k]) ++k;
+                Problem(r.path(), t.name,
+                        "differs from the source at byte " + std::to_string(it.chunk * cs + k) +
+                            " of this rank's part (source file " +
+                            ckpt_->files[s->file_index].path + ", offset " +
+                            std::to_string(at + k) + ")");
+              }
+              compared[i] = len;
+            } else if (s && it.chunk == 0) {
+              Problem(r.path(), t.name, "dtype or shape differs from the source");
+            }
+          }
+        } catch (const std::exception& e) {
+          Problem(r.path(), t.name, e.what());
+        }
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      report_.bytes += bytes[i];
+      report_.source_bytes_compared += compared[i];
+    }
+    sources_.clear();
+  }
+
+  const VerifyOptions& o_;
+  unsigned threads_;
+  std::optional<Checkpoint> ckpt_;
+  std::optional<SourceFingerprint> manifest_source_;
+  std::vector<File> sources_;
+  std::mutex mu_;
+  VerifyReport report_;
+};
+
+}  // namespace
+
+VerifyReport Verify(const VerifyOptions& options) { return Verifier(options).Run(); }
+
+}  // namespace reshard

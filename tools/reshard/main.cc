@@ -1,0 +1,267 @@
+// The reshard command line: each command parses flags, calls one library function, and maps
+// the result to an exit code and a short message. Exit codes: 0 success, 1 verification found
+// problems, 2 bad usage, 3 the operation failed (missing, corrupt or mismatched input, I/O).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "reshard/convert.h"
+#include "reshard/error.h"
+#include "reshard/inspect.h"
+#include "reshard/rank_file_format.h"
+#include "reshard/verify.h"
+#include "reshard/version.h"
+
+namespace {
+
+constexpr int kExitProblems = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitFailed = 3;
+
+std::pair<uint32_t, uint32_t> ParseRankRange(const std::string& text) {
+  auto dash = text.find('-');
+  try {
+    size_t used = 0;
+    if (dash == std::string::npos) {
+      unsigned long v = std::stoul(text, &used);
+      if (used != text.size()) throw std::invalid_argument(text);
+      return {static_cast<uint32_t>(v), static_cast<uint32_t>(v)};
+    }
+    unsigned long a = std::stoul(text.substr(0, dash), &used);
+    if (used != dash) throw std::invalid_argument(text);
+    unsigned long b = std::stoul(text.substr(dash + 1), &used);
+    if (used != text.size() - dash - 1) throw std::invalid_argument(text);
+    return {static_cast<uint32_t>(a), static_cast<uint32_t>(b)};
+  } catch (const std::exception&) {
+    throw CLI::ValidationError("--ranks", "expected A-B (e.g. 0-3) or a single rank, got \"" +
+                                              text + "\"");
+  }
+}
+
+void ParseCompress(const std::string& text, reshard::ConvertOptions& o) {
+  if (text.empty() || text == "none" || text == "raw") {
+    o.codec = reshard::Codec::kRaw;
+    return;
+  }
+  if (text.rfind("zstd", 0) != 0) {
+    throw CLI::ValidationError("--compress", "expected zstd or zstd:LEVEL, got \"" + text + "\"");
+  }
+  o.codec = reshard::Codec::kZstd;
+  if (text.size() > 4) {
+    if (text[4] != ':') throw CLI::ValidationError("--compress", "expected zstd:LEVEL");
+    try {
+      o.zstd_level = std::stoi(text.substr(5));
+    } catch (const std::exception&) {
+      throw CLI::ValidationError("--compress", "LEVEL must be an integer 1-19");
+    }
+    if (o.zstd_level < 1 || o.zstd_level > 19) {
+      throw CLI::ValidationError("--compress", "LEVEL must be 1-19");
+    }
+  }
+}
+
+std::string Gb(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
+      "reshard"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string(reshard::WriterString()) + " (rank file format " +
+                                        std::to_string(reshard::kRankFileVersion) + ")");
+  app.footer(
+      "Exit codes: 0 success, 1 verify found problems, 2 bad usage, 3 the operation failed.\n"
+      "Example:  reshard convert ./Llama-3.2-1B -o ./llama-shards --world-size 8\n"
+      "          reshard verify ./llama-shards --source ./Llama-3.2-1B");
+
+  // convert
+  reshard::ConvertOptions co;
+  std::string src, out, layout = "fsdp2", ranks, compress;
+  uint32_t world_size = 0;
+  bool convert_json = false;
+  auto* convert = app.add_subcommand(
+      "convert",
+      "Write one file per rank holding exactly the bytes that rank owns under FSDP.");
+  convert->add_option("SRC", src,
+                      "Hugging Face checkpoint directory (model.safetensors, or sharded with "
+                      "model.safetensors.index.json) or one .safetensors file")
+      ->required();
+  convert->add_option("-o,--out", out,
+                      "output directory; several layouts of one source can live side by side "
+                      "in it (OUT/fsdp2-ws8/, OUT/fsdp2-ws4/, ...)")
+      ->required();
+  convert->add_option("--world-size", world_size,
+                      "number of shards: the size of the FSDP shard mesh dimension")
+      ->required()
+      ->check(CLI::Range(1u, 1u << 24));
+  convert->add_option("--layout", layout, "layout kind: fsdp2 (dim-0 chunks, torch.chunk rule)")
+      ->check(CLI::IsMember({"fsdp2"}))
+      ->capture_default_str();
+  convert->add_option("--ranks", ranks,
+                      "write only ranks A-B (inclusive), e.g. 0-3 on one machine and 4-7 on "
+                      "another, into one shared OUT");
+  convert->add_option("--threads", co.threads, "worker threads (default: all cores)");
+  convert->add_option("--compress", compress,
+                      "store tensor data as independent zstd frames: zstd or zstd:LEVEL "
+                      "(1-19, default 3); raw by default");
+  convert->add_option("--chunk-size", co.chunk_size,
+                      "bytes per checksum/compression chunk, a multiple of 4096")
+      ->capture_default_str();
+  convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
+  convert->footer("Example:  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
+                  "Re-running on a complete output does nothing; a partial one is completed.");
+
+  // verify
+  reshard::VerifyOptions vo;
+  std::string verify_path, verify_source;
+  bool verify_json = false;
+  auto* verify = app.add_subcommand(
+      "verify", "Check every file's header and checksums; with --source, compare every byte.");
+  verify->add_option("PATH", verify_path, "output directory, a layout directory, or a rank file")
+      ->required();
+  verify->add_option("--source", verify_source,
+                     "the source checkpoint: check that the ranks reassemble it byte for byte");
+  verify->add_option("--threads", vo.threads, "worker threads (default: all cores)");
+  verify->add_flag("--json", verify_json, "print a machine-readable report on stdout");
+  verify->footer("Example:  reshard verify ./qwen-shards --source ./Qwen2.5-7B");
+
+  // inspect
+  std::string inspect_path;
+  bool inspect_json = false;
+  auto* inspect = app.add_subcommand(
+      "inspect", "Show tensors, dtypes, bytes per rank and layouts of an output, a rank file, "
+                 "or a Hugging Face source directory.");
+  inspect->add_option("PATH", inspect_path, "output directory, layout directory, rank file, or "
+                                            "Hugging Face checkpoint")
+      ->required();
+  inspect->add_flag("--json", inspect_json, "print JSON on stdout");
+  inspect->footer("Example:  reshard inspect ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? 0 : kExitUsage;
+  }
+
+  try {
+    if (*convert) {
+      co.source = src;
+      co.out = out;
+      co.layout.kind = *reshard::ParseLayoutKind(layout);
+      co.layout.world_size = world_size;
+      if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
+      ParseCompress(compress, co);
+      const bool tty = ::isatty(2) && !convert_json;
+      const auto t0 = std::chrono::steady_clock::now();
+      if (tty) {
+        co.progress = [t0](uint64_t done, uint64_t total) {
+          double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          double rate = s > 0 ? done / s : 0;
+          double eta = rate > 0 ? (total - done) / rate : 0;
+          std::fprintf(stderr, "\r  %s / %s  %.2f GB/s  ETA %.0f s   ", Gb(done).c_str(),
+                       Gb(total).c_str(), rate / 1e9, eta);
+          std::fflush(stderr);
+        };
+      }
+      reshard::ConvertResult r = reshard::Convert(co);
+      if (tty && !r.ranks_written.empty()) std::fprintf(stderr, "\n");
+      if (convert_json) {
+        nlohmann::json j = {{"layout", r.layout_key},
+                            {"layout_dir", r.layout_dir.string()},
+                            {"world_size", r.world_size},
+                            {"ranks_written", r.ranks_written},
+                            {"ranks_up_to_date", r.ranks_up_to_date},
+                            {"bytes_read", r.bytes_read},
+                            {"bytes_stored", r.bytes_stored},
+                            {"bytes_decoded", r.bytes_decoded},
+                            {"seconds", r.seconds},
+                            {"layout_complete", r.layout_complete}};
+        std::cout << j.dump(2) << "\n";
+      } else if (r.ranks_written.empty()) {
+        std::cout << r.layout_dir.string() << ": all " << r.ranks_up_to_date.size()
+                  << " requested rank files are already up to date; nothing to do\n";
+      } else {
+        std::printf("wrote %zu rank file(s) of %s into %s: %s read in %.2f s (%.2f GB/s)",
+                    r.ranks_written.size(), r.layout_key.c_str(), r.layout_dir.c_str(),
+                    Gb(r.bytes_read).c_str(), r.seconds, r.bytes_read / 1e9 / r.seconds);
+        if (co.codec == reshard::Codec::kZstd) {
+          std::printf(", zstd stored %s (ratio %.3f)", Gb(r.bytes_stored).c_str(),
+                      r.bytes_decoded ? double(r.bytes_stored) / r.bytes_decoded : 1.0);
+        }
+        if (!r.ranks_up_to_date.empty()) {
+          std::printf("; %zu were already up to date", r.ranks_up_to_date.size());
+        }
+        std::printf("\n");
+        if (!r.layout_complete) {
+          std::printf("layout %s is not complete yet: convert the remaining ranks into the same "
+                      "directory\n", r.layout_key.c_str());
+        }
+      }
+      return 0;
+    }
+    if (*verify) {
+      vo.path = verify_path;
+      if (!verify_source.empty()) vo.source = verify_source;
+      reshard::VerifyReport r = reshard::Verify(vo);
+      if (verify_json) {
+        nlohmann::json problems = nlohmann::json::array();
+        for (const auto& p : r.problems) {
+          problems.push_back({{"file", p.file}, {"tensor", p.tensor}, {"message", p.message}});
+        }
+        nlohmann::json j = {{"ok", r.ok()},       {"layouts", r.layouts},
+                            {"files", r.files},   {"tensors", r.tensors},
+                            {"bytes", r.bytes},   {"source_bytes_compared", r.source_bytes_compared},
+                            {"seconds", r.seconds}, {"problems", problems}};
+        std::cout << j.dump(2) << "\n";
+      } else {
+        for (const auto& p : r.problems) {
+          std::cout << p.file << (p.tensor.empty() ? "" : ": tensor \"" + p.tensor + "\"") << ": "
+                    << p.message << "\n";
+        }
+        if (r.ok()) {
+          std::printf("OK: %llu files, %llu tensors, %s checked%s in %.2f s\n",
+                      static_cast<unsigned long long>(r.files),
+                      static_cast<unsigned long long>(r.tensors), Gb(r.bytes).c_str(),
+                      vo.source ? (", " + Gb(r.source_bytes_compared) + " compared with the source").c_str()
+                                : "",
+                      r.seconds);
+        } else {
+          std::printf("FAILED: %zu problem(s)\n", r.problems.size());
+        }
+      }
+      return r.ok() ? 0 : kExitProblems;
+    }
+    if (*inspect) {
+      nlohmann::json d = reshard::Inspect(inspect_path);
+      if (inspect_json) {
+        std::cout << d.dump(2) << "\n";
+      } else {
+        std::cout << reshard::RenderInspect(d);
+      }
+      return 0;
+    }
+  } catch (const CLI::ValidationError& e) {
+    std::fprintf(stderr, "reshard: %s\n", e.what());
+    return kExitUsage;
+  } catch (const reshard::Error& e) {
+    std::fprintf(stderr, "reshard: error: %s\n", e.what());
+    return e.code() == reshard::ErrorCode::kInvalidArgument ? kExitUsage : kExitFailed;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reshard: error: %s\n", e.what());
+    return kExitFailed;
+  }
+  return 0;
+}
