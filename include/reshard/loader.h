@@ -1,0 +1,74 @@
+// Loading one rank file into caller-owned memory: the run-time half of reshard.
+//
+// The loader is pipelined: reader threads take chunks in file order, read them (O_DIRECT
+// when the file is not in the page cache), check their checksums, decompress zstd frames,
+// and either land them in host memory directly or hand them to a DeviceCopier, which copies
+// from pinned staging buffers to device memory asynchronously while the thread reads the
+// next chunk. This header has no CUDA dependency: the CUDA copier lives in src/cuda.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "reshard/rank_file.h"
+
+namespace reshard {
+
+/// Copies from pinned host staging memory to device memory. One lane per reader thread;
+/// each lane owns `slots` staging buffers. Implementations must be usable from the lane's
+/// thread only (lane i is only ever driven by reader thread i).
+class DeviceCopier {
+ public:
+  virtual ~DeviceCopier() = default;
+  /// Pinned host buffer for (lane, slot) of at least `bytes`, valid until the copier dies.
+  virtual void* Staging(int lane, int slot, size_t bytes) = 0;
+  /// Enqueues an asynchronous copy of `n` bytes from the staging buffer (lane, slot) to `dst`.
+  virtual void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) = 0;
+  /// Blocks until the last copy issued from (lane, slot) has completed.
+  virtual void WaitSlot(int lane, int slot) = 0;
+  /// Blocks until every copy of every lane has completed; throws on a device error.
+  virtual void Synchronize() = 0;
+  /// Prepares the calling thread to drive `lane` (e.g. cudaSetDevice).
+  virtual void BindThread(int lane) = 0;
+};
+
+struct LoadTarget {
+  std::string name;      // tensor name in the rank file
+  void* ptr = nullptr;   // destination (contiguous, nbytes long)
+  uint64_t nbytes = 0;   // must equal the file's nbytes for the tensor
+  bool on_device = false;
+};
+
+enum class IoMode { kAuto, kBuffered, kDirect };
+
+struct LoadOptions {
+  unsigned threads = 8;
+  unsigned slots_per_thread = 2;
+  bool verify_checksums = true;  // off only to benchmark the raw path
+  IoMode io = IoMode::kAuto;
+};
+
+struct LoadReport {
+  uint64_t bytes = 0;          // decoded bytes landed in the targets
+  uint64_t stored_bytes = 0;   // bytes read from the file (compressed size for zstd)
+  uint64_t tensors = 0;
+  double seconds = 0;
+  uint64_t staging_bytes = 0;  // pinned staging allocated
+  unsigned threads = 0;
+  bool direct_io = false;
+  double resident_fraction = 0;  // page-cache residency measured for kAuto
+};
+
+/// Fraction of the file's pages in the page cache (mincore over a sample of pages).
+double PageCacheResidency(const std::string& path);
+
+/// Loads `targets` (a subset of the file's tensors, each named once) from `file`. Targets
+/// with on_device need `copier`. Throws reshard::Error on a short read, checksum mismatch,
+/// bad frame, unknown name, size mismatch, or device error; when it throws, targets may
+/// hold partial data and must be treated as not loaded.
+LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> targets,
+                        DeviceCopier* copier, const LoadOptions& options);
+
+}  // namespace reshard

@@ -1,0 +1,15 @@
+"""reshard: load pre-sharded FSDP checkpoints straight into an already-sharded model.
+
+    model = reshard.empty_model(OUT)          # meta-device Hugging Face model, buffers real
+    for layer in model.model.layers: fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cuda")
+    report = reshard.load(model, OUT)         # every rank reads only its own rank file
+
+OUT is what `reshard convert SRC -o OUT --world-size N` wrote.
+"""
+
+from ._C import ReshardError, build_info  # noqa: F401
+from .api import LoadReport, empty_model, find_rank_file, load  # noqa: F401
+
+__version__ = build_info()["version"]

@@ -1,0 +1,329 @@
+"""The torch-aware half of the loader: matches a live (FSDP2 or plain) model against a rank
+file, builds raw (pointer, size) targets, and lets the native module move the bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from . import _C
+from ._C import ReshardError
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
+    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+# Host memory used at once by dtype-converting loads (file dtype != live dtype).
+_CONVERT_BATCH_BYTES = 256 << 20
+
+
+@dataclasses.dataclass
+class LoadReport:
+    file: str
+    layout: str
+    rank: int
+    world_size: int
+    bytes: int
+    seconds: float
+    gbps: float
+    tensors: int
+    staging_bytes: int
+    direct_io: bool
+    threads: int
+    converted_tensors: int
+    buffers_restored: List[str]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+def _shard_coordinate(model: nn.Module) -> Tuple[int, int]:
+    """(world size, shard coordinate) of the job, from the parameters' placements."""
+    from torch.distributed.tensor import DTensor
+
+    found = None
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            placements = p.placements
+            shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
+            ok = (len(shard_dims) == 1 and placements[shard_dims[0]].dim == 0 and
+                  all(pl.is_replicate() for i, pl in enumerate(placements) if i != shard_dims[0]))
+            if not ok:
+                raise ReshardError(
+                    f"parameter {name}: placements {placements}; reshard loads FSDP2 layouts "
+                    "sharded on dim 0 along one mesh dimension (Replicate on the others, as in HSDP)")
+            mesh_dim = shard_dims[0]
+            this = (p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim))
+        else:
+            this = (1, 0)
+        if found is None:
+            found = (this, name)
+        elif found[0] != this:
+            raise ReshardError(
+                f"parameters {found[1]} and {name} are sharded differently ({found[0]} vs {this} "
+                "as (world size, shard coordinate)); shard every parameter with fully_shard on one mesh")
+    if found is None:
+        raise ReshardError("the model has no parameters")
+    return found[0]
+
+
+def find_rank_file(out: str, world_size: int, rank: int, dtype: str = "keep") -> Tuple[str, str]:
+    """Path of the rank file for this job in OUT and its layout key; raises with the command
+    that would create it."""
+    key = f"fsdp2-ws{world_size}" + ("" if dtype == "keep" else f"-{dtype}")
+    manifest_path = os.path.join(out, "reshard.json")
+    if not os.path.exists(manifest_path):
+        raise ReshardError(
+            f"{out}: no reshard.json; this is not a reshard output directory. Create one with: "
+            f"reshard convert <checkpoint> -o {out} --world-size {world_size}")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    layouts = manifest.get("layouts", {})
+    name = f"rank-{rank:05d}-of-{world_size:05d}.reshard"
+    path = os.path.join(out, key, name)
+    if key not in layouts:
+        have = ", ".join(sorted(layouts)) or "none"
+        raise ReshardError(
+            f"{out} has no layout {key} for this job (FSDP2, world size {world_size}); it has: "
+            f"{have}. Create it with: reshard convert <checkpoint> -o {out} --world-size {world_size}")
+    if not os.path.exists(path):
+        raise ReshardError(
+            f"{path}: missing rank file for shard coordinate {rank} of {world_size}. Create it with: "
+            f"reshard convert <checkpoint> -o {out} --world-size {world_size} --ranks {rank}-{rank}")
+    return path, key
+
+
+def _file_key(name: str, keys, prefix: str) -> Optional[str]:
+    if name in keys:
+        return name
+    if prefix:
+        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in keys:
+            return name[len(prefix) + 1:]
+        if f"{prefix}.{name}" in keys:
+            return f"{prefix}.{name}"
+    return None
+
+
+def _fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """Non-persistent buffers of a freshly constructed copy of `model` (Hugging Face models
+    only), built with parameters on the meta device."""
+    stash = getattr(model, "_reshard_buffers", None)
+    if stash is not None:
+        return stash
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    cls = next((c for c in type(model).__mro__
+                if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")), None)
+    if cls is None or not hasattr(model, "config"):
+        return None
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        fresh = cls(model.config)
+    return _non_persistent_buffers(fresh)
+
+
+def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
+    persistent = set(model.state_dict().keys())
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}
+
+
+def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
+    """Builds the Hugging Face model described by OUT/config.json with parameters on the
+    meta device and buffers computed for real, ready for fully_shard → to_empty → load."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    config = transformers.AutoConfig.from_pretrained(out)
+    if model_class is None:
+        archs = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, archs[0], None) if archs else None
+        if model_class is None:
+            model_class = transformers.AutoModelForCausalLM
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        if hasattr(model_class, "from_config"):
+            model = model_class.from_config(config, dtype=dtype)
+        else:
+            model = model_class._from_config(config, dtype=dtype)
+    # transformers v5 ties weights in from_pretrained, not in from_config.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    model._reshard_buffers = _non_persistent_buffers(model)
+    return model
+
+
+def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
+         io: str = "auto", strict_buffers: bool = True) -> LoadReport:
+    """Loads this rank's shard from OUT into `model` in place.
+
+    `model` is an FSDP2 model (fully_shard'ed, to_empty'd, before its first forward) or a plain
+    module (world size 1) on CUDA or CPU. Every parameter is checked against the rank file
+    (name, global shape, local shape, dtype) before any byte moves; a mismatch raises
+    ReshardError naming the parameter. Non-persistent buffers are restored to a freshly
+    constructed model's values. Raises ReshardError on any failure; then the model must be
+    considered not loaded."""
+    world_size, coord = _shard_coordinate(model)
+    if world_size == 1 and hasattr(model, "tie_weights"):
+        # nn.Module.to_empty gives each module its own new parameter, silently untying
+        # shared weights of a plain (not fully_shard'ed) model; tie them again first.
+        model.tie_weights()
+    path, key = find_rank_file(out, world_size, coord)
+    header = json.loads(_C.read_header(path))
+    if header["layout"]["world_size"] != world_size or header["rank"] != coord:
+        raise ReshardError(f"{path}: holds rank {header['rank']} of {header['layout']['world_size']}, "
+                           f"expected {coord} of {world_size}")
+    entries = {t["name"]: t for t in header["tensors"]}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
+
+    direct: List[Tuple[str, int, int, bool]] = []
+    converted: List[Tuple[str, torch.Tensor]] = []
+    used = set()
+    device_index = None
+    missing = []
+    for name, p in model.named_parameters():
+        key_in_file = _file_key(name, entries, prefix)
+        if key_in_file is None:
+            missing.append(name)
+            continue
+        e = entries[key_in_file]
+        used.add(key_in_file)
+        local = _local(p)
+        if local.device.type == "meta":
+            raise ReshardError(f"parameter {name} is on the meta device: call "
+                               "model.to_empty(device=...) before reshard.load")
+        if list(p.shape) != e["global_shape"]:
+            raise ReshardError(
+                f"parameter {name}: the model has global shape {list(p.shape)}, {path} has "
+                f"{e['global_shape']}: another model or config. Convert this model's checkpoint: {convert_cmd}")
+        if list(local.shape) != e["local_shape"]:
+            raise ReshardError(
+                f"parameter {name}: local shard shape {list(local.shape)} but {path} holds "
+                f"{e['local_shape']} (rows {e['shard']}); the layout does not match this job. "
+                f"Convert for it: {convert_cmd}")
+        if not local.is_contiguous():
+            raise ReshardError(f"parameter {name}: local shard is not contiguous")
+        file_dtype = _DTYPES.get(e["dtype"])
+        if file_dtype is None:
+            raise ReshardError(f"parameter {name}: file dtype {e['dtype']} has no torch dtype")
+        on_device = local.device.type == "cuda"
+        if on_device:
+            if device_index is not None and device_index != local.device.index:
+                raise ReshardError("parameters on several CUDA devices; reshard.load expects one device per rank")
+            device_index = local.device.index
+        elif local.device.type != "cpu":
+            raise ReshardError(f"parameter {name} is on {local.device}; reshard loads onto CUDA or CPU")
+        if e["nbytes"] == 0:
+            continue
+        if local.dtype == file_dtype:
+            direct.append((key_in_file, local.data_ptr(), e["nbytes"], on_device))
+        else:
+            if not (local.dtype.is_floating_point and file_dtype.is_floating_point):
+                raise ReshardError(
+                    f"parameter {name}: live dtype {local.dtype}, file dtype {file_dtype}; only "
+                    "floating-point dtypes are converted at load time")
+            converted.append((key_in_file, local))
+    if missing:
+        raise ReshardError(
+            f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}. Is OUT converted from this model's checkpoint? {convert_cmd}")
+
+    # Buffers: persistent ones come from the file; non-persistent ones from a fresh model.
+    persistent = set(model.state_dict().keys())
+    buffer_targets = []
+    needs_fresh = []
+    for name, b in model.named_buffers():
+        key_in_file = _file_key(name, entries, prefix)
+        if name in persistent and key_in_file is not None:
+            e = entries[key_in_file]
+            used.add(key_in_file)
+            if e["shard"] is not None and e["local_shape"] != e["global_shape"]:
+                raise ReshardError(
+                    f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
+                    "rank (not supported yet for world size > 1)")
+            buffer_targets.append((key_in_file, b))
+        elif name not in persistent:
+            needs_fresh.append(name)
+        else:
+            raise ReshardError(f"persistent buffer {name} is not in {path}")
+    unexpected = sorted(set(entries) - used)
+    aliases = set()
+    for n, _ in model.named_parameters(remove_duplicate=False):
+        k = _file_key(n, entries, prefix)
+        if k is not None:
+            aliases.add(k)
+    unexpected = [k for k in unexpected if k not in aliases]
+    if unexpected:
+        warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
+                      f"{', '.join(unexpected[:8])}", stacklevel=2)
+
+    n_threads = threads or min(8, os.cpu_count() or 1)
+    dev = device_index or 0
+    result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
+    total_bytes, total_seconds = result["bytes"], result["seconds"]
+
+    def load_via_host(items):
+        nonlocal total_bytes, total_seconds
+        batch, size = [], 0
+        for item in items + [None]:
+            if item is not None:
+                k, dst = item
+                e = entries[k]
+                batch.append((k, dst, torch.empty(e["local_shape"], dtype=_DTYPES[e["dtype"]])))
+                size += e["nbytes"]
+            if batch and (item is None or size >= _CONVERT_BATCH_BYTES):
+                r = _C.load(path, [(k, t.data_ptr(), t.numel() * t.element_size(), False)
+                                   for k, _, t in batch], device=dev, threads=n_threads,
+                            verify=verify, io="buffered")
+                total_bytes += r["bytes"]
+                total_seconds += r["seconds"]
+                with torch.no_grad():
+                    for _, dst, t in batch:
+                        dst.copy_(t)  # same rounding as Tensor.to()
+                batch, size = [], 0
+
+    load_via_host(converted + buffer_targets)
+
+    restored = []
+    if needs_fresh:
+        fresh = _fresh_buffers(model)
+        missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
+        if missing_fresh and strict_buffers:
+            raise ReshardError(
+                f"cannot restore non-persistent buffers {missing_fresh} (to_empty left them "
+                "uninitialised): build the model with reshard.empty_model(OUT), or restore them "
+                "yourself and pass strict_buffers=False")
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in needs_fresh and fresh is not None and name in fresh:
+                    b.copy_(fresh[name])
+                    restored.append(name)
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
+                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
+                      tensors=len(direct) + len(converted) + len(buffer_targets),
+                      staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
+                      threads=result["threads"], converted_tensors=len(converted),
+                      buffers_restored=restored)

@@ -1,0 +1,251 @@
+#include "reshard/loader.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "reshard/checksum.h"
+#include "reshard/error.h"
+
+namespace reshard {
+
+namespace {
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<char, AlignedFree>;
+
+AlignedBuffer AllocAligned(size_t bytes) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, kDataAlignment, AlignUp(bytes, kDataAlignment)) != 0) {
+    Fail(ErrorCode::kIo, "out of host memory allocating " + std::to_string(bytes) + " bytes");
+  }
+  return AlignedBuffer(static_cast<char*>(p));
+}
+
+struct Job {
+  const TensorEntry* entry;
+  const LoadTarget* target;
+};
+
+struct Item {
+  uint32_t job;
+  uint64_t chunk;
+};
+
+}  // namespace
+
+double PageCacheResidency(const std::string& path) {
+  File f = File::OpenRead(path);
+  const uint64_t size = f.Size();
+  if (size == 0) return 1.0;
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, f.fd(), 0);
+  if (map == MAP_FAILED) return 0.0;
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const size_t pages = (size + page - 1) / page;
+  std::vector<unsigned char> vec(pages);
+  double fraction = 0.0;
+  if (::mincore(map, size, vec.data()) == 0) {
+    size_t resident = 0;
+    for (unsigned char v : vec) resident += v & 1;
+    fraction = static_cast<double>(resident) / static_cast<double>(pages);
+  }
+  ::munmap(map, size);
+  return fraction;
+}
+
+LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> targets,
+                        DeviceCopier* copier, const LoadOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const RankFileHeader& h = file.header();
+  const uint64_t cs = h.chunk_size;
+  const uint64_t data_offset = file.preamble().data_offset;
+
+  std::map<std::string_view, const TensorEntry*> by_name;
+  for (const auto& e : h.tensors) by_name[e.name] = &e;
+  std::vector<Job> jobs;
+  std::map<std::string_view, bool> seen;
+  bool any_device = false;
+  LoadReport report;
+  for (const auto& t : targets) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) {
+      Fail(ErrorCode::kMismatch, file.path() + ": has no tensor \"" + t.name + "\"");
+    }
+    if (!seen.emplace(t.name, true).second) {
+      Fail(ErrorCode::kInvalidArgument, "tensor \"" + t.name + "\" is a load target twice");
+    }
+    const TensorEntry& e = *it->second;
+    if (e.nbytes != t.nbytes) {
+      Fail(ErrorCode::kMismatch, file.path() + ": tensor \"" + t.name + "\" holds " +
+                                     std::to_string(e.nbytes) + " bytes, the destination has " +
+                                     std::to_string(t.nbytes));
+    }
+    if (t.nbytes > 0 && t.ptr == nullptr) {
+      Fail(ErrorCode::kInvalidArgument, "tensor \"" + t.name + "\": null destination");
+    }
+    if (t.on_device && copier == nullptr) {
+      Fail(ErrorCode::kInvalidArgument,
+           "tensor \"" + t.name + "\" goes to device memory but no device copier was given");
+    }
+    any_device |= t.on_device && t.nbytes > 0;
+    jobs.push_back({&e, &t});
+    report.bytes += e.nbytes;
+    report.stored_bytes += e.stored_size;
+  }
+  report.tensors = jobs.size();
+  std::sort(jobs.begin(), jobs.end(),
+            [](const Job& a, const Job& b) { return a.entry->offset < b.entry->offset; });
+  std::vector<Item> items;
+  uint64_t max_frame = 0;
+  for (uint32_t j = 0; j < jobs.size(); ++j) {
+    const TensorEntry& e = *jobs[j].entry;
+    for (uint64_t c = 0; c < e.ChunkCount(cs); ++c) items.push_back({j, c});
+    for (const auto& f : e.frames) max_frame = std::max(max_frame, f.size);
+  }
+
+  // Direct I/O only pays off for data not in the page cache, and only device targets go
+  // through aligned staging buffers; host targets are read into place with buffered I/O.
+  bool direct = false;
+  if (any_device && options.io != IoMode::kBuffered) {
+    if (options.io == IoMode::kDirect) {
+      direct = true;
+    } else {
+      report.resident_fraction = PageCacheResidency(file.path());
+      direct = report.resident_fraction < 0.5;
+    }
+  }
+  File direct_file;
+  if (direct) {
+    try {
+      direct_file = File::OpenRead(file.path(), /*direct=*/true);
+    } catch (const Error&) {
+      direct = false;  // e.g. tmpfs refuses O_DIRECT
+    }
+  }
+  report.direct_io = direct;
+  const File& buffered = file.file();
+
+  const unsigned threads = static_cast<unsigned>(
+      std::max<size_t>(1, std::min<size_t>(options.threads ? options.threads : 1, items.size())));
+  const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
+  report.threads = threads;
+  if (any_device) report.staging_bytes = uint64_t{threads} * slots * cs;
+
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mu;
+  std::exception_ptr error;
+
+  auto worker = [&](int lane) {
+    try {
+      if (any_device) copier->BindThread(lane);
+      AlignedBuffer scratch;
+      size_t scratch_size = 0;
+      int slot = 0;
+      // Reads the stored bytes of a zstd frame into scratch; returns a pointer to them.
+      auto read_frame = [&](const TensorEntry& e, uint64_t chunk) -> const char* {
+        const Frame& f = e.frames[chunk];
+        const uint64_t at = data_offset + e.offset + f.offset;
+        const uint64_t begin = direct ? at / kDataAlignment * kDataAlignment : at;
+        const uint64_t end = direct ? AlignUp(at + f.size, kDataAlignment) : at + f.size;
+        if (scratch_size < end - begin) {
+          scratch = AllocAligned(end - begin);
+          scratch_size = end - begin;
+        }
+        const File& src = direct ? direct_file : buffered;
+        const size_t got = src.PReadUpTo(scratch.get(), end - begin, begin);
+        if (got < at + f.size - begin) {
+          Fail(ErrorCode::kDataLoss, file.path() + ": truncated: tensor \"" + e.name +
+                                         "\" frame " + std::to_string(chunk) + " ends past the file");
+        }
+        return scratch.get() + (at - begin);
+      };
+      auto check = [&](const TensorEntry& e, uint64_t chunk, const void* data, uint64_t len) {
+        if (!options.verify_checksums) return;
+        const uint64_t hash = Xxh3(data, len);
+        if (hash != e.chunk_xxh3[chunk]) {
+          Fail(ErrorCode::kDataLoss,
+               file.path() + ": tensor \"" + e.name + "\" chunk " + std::to_string(chunk) +
+                   ": checksum mismatch: data hashes to " + Hex16(hash) + ", header says " +
+                   Hex16(e.chunk_xxh3[chunk]) + " (the file is corrupt; convert again)");
+        }
+      };
+      while (!failed.load(std::memory_order_relaxed)) {
+        const size_t i = next.fetch_add(1);
+        if (i >= items.size()) break;
+        const Job& job = jobs[items[i].job];
+        const TensorEntry& e = *job.entry;
+        const uint64_t chunk = items[i].chunk;
+        const uint64_t begin = ChunkBegin(cs, chunk);
+        const uint64_t len = ChunkLength(e, cs, chunk);
+        char* dst = static_cast<char*>(job.target->ptr) + begin;
+        const std::string what = file.path() + ": tensor \"" + e.name + "\" chunk " +
+                                 std::to_string(chunk);
+        if (!job.target->on_device) {
+          if (e.codec == Codec::kRaw) {
+            buffered.PReadExact(dst, len, data_offset + e.offset + begin);
+          } else {
+            const char* frame = read_frame(e, chunk);
+            DecodeZstdFrame(frame, e.frames[chunk].size, dst, len, what);
+          }
+          check(e, chunk, dst, len);
+          continue;
+        }
+        copier->WaitSlot(lane, slot);
+        char* stage = static_cast<char*>(copier->Staging(lane, slot, cs));
+        if (e.codec == Codec::kRaw) {
+          const uint64_t at = data_offset + e.offset + begin;
+          if (direct) {
+            const size_t got = direct_file.PReadUpTo(stage, AlignUp(len, kDataAlignment), at);
+            if (got < len) {
+              Fail(ErrorCode::kDataLoss, what + ": truncated file (read " + std::to_string(got) +
+                                             " of " + std::to_string(len) + " bytes)");
+            }
+          } else {
+            buffered.PReadExact(stage, len, at);
+          }
+        } else {
+          const char* frame = read_frame(e, chunk);
+          DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what);
+        }
+        check(e, chunk, stage, len);
+        copier->CopyAsync(lane, slot, dst, stage, len);
+        slot = (slot + 1) % slots;
+      }
+    } catch (...) {
+      failed = true;
+      std::lock_guard<std::mutex> g(error_mu);
+      if (!error) error = std::current_exception();
+    }
+  };
+
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker, static_cast<int>(t));
+  worker(0);
+  for (auto& t : pool) t.join();
+  if (any_device) {
+    try {
+      copier->Synchronize();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  report.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return report;
+}
+
+}  // namespace reshard

@@ -1,0 +1,134 @@
+// reshard._C: the Python binding. It takes raw pointers and sizes (no torch headers), so the
+// extension is independent of the torch version; the torch-aware logic lives in
+// python/reshard/. The GIL is released while data moves.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "reshard/error.h"
+#include "reshard/loader.h"
+#include "reshard/rank_file.h"
+#include "reshard/rank_file_format.h"
+#include "reshard/version.h"
+#ifdef RESHARD_HAVE_CUDA
+#include "reshard/cuda_copier.h"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+#ifdef RESHARD_HAVE_CUDA
+// Copiers are cached per (device, lanes, slots) so pinned staging is allocated once.
+reshard::DeviceCopier* CachedCopier(int device, int lanes, int slots) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, std::unique_ptr<reshard::DeviceCopier>> cache;
+  std::lock_guard<std::mutex> g(mu);
+  auto& c = cache[{device, lanes, slots}];
+  if (!c) c = reshard::MakeCudaCopier(device, lanes, slots);
+  return c.get();
+}
+#endif
+
+reshard::IoMode ParseIo(const std::string& io) {
+  if (io == "auto") return reshard::IoMode::kAuto;
+  if (io == "buffered") return reshard::IoMode::kBuffered;
+  if (io == "direct") return reshard::IoMode::kDirect;
+  throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                       "io must be auto, buffered or direct, not \"" + io + "\"");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "reshard native module";
+  py::register_exception<reshard::Error>(m, "ReshardError", PyExc_RuntimeError);
+
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = std::string(reshard::kVersion);
+    d["format_version"] = reshard::kRankFileVersion;
+#ifdef RESHARD_HAVE_CUDA
+    d["cuda"] = true;
+#else
+    d["cuda"] = false;
+#endif
+    d["zstd"] = true;
+    d["openmp"] = true;
+    return d;
+  });
+
+  m.def("cuda_device_count", [] {
+#ifdef RESHARD_HAVE_CUDA
+    return reshard::CudaDeviceCount();
+#else
+    return 0;
+#endif
+  });
+
+  m.def(
+      "read_header",
+      [](const std::string& path) {
+        reshard::RankFileReader r = reshard::RankFileReader::Open(path);
+        return reshard::SerializeHeader(r.header());
+      },
+      py::arg("path"),
+      "Validates a rank file's preamble and header and returns the header as JSON text.");
+
+  m.def("page_cache_residency", &reshard::PageCacheResidency, py::arg("path"));
+
+  m.def(
+      "load",
+      [](const std::string& path,
+         const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
+         int device, unsigned threads, bool verify, const std::string& io, unsigned slots) {
+        std::vector<reshard::LoadTarget> t;
+        t.reserve(targets.size());
+        bool any_device = false;
+        for (const auto& [name, ptr, nbytes, on_device] : targets) {
+          t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
+          any_device |= on_device;
+        }
+        reshard::LoadOptions o;
+        o.threads = threads;
+        o.verify_checksums = verify;
+        o.io = ParseIo(io);
+        o.slots_per_thread = slots;
+        reshard::LoadReport r;
+        {
+          py::gil_scoped_release release;
+          reshard::RankFileReader reader = reshard::RankFileReader::Open(path);
+          reshard::DeviceCopier* copier = nullptr;
+          if (any_device) {
+#ifdef RESHARD_HAVE_CUDA
+            const unsigned lanes = std::max<unsigned>(1, threads);
+            copier = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
+#else
+            throw reshard::Error(reshard::ErrorCode::kUnsupported,
+                                 "this reshard build has no CUDA support; rebuild with a CUDA "
+                                 "toolkit to load onto a GPU");
+#endif
+          }
+          r = reshard::LoadRankFile(reader, t, copier, o);
+        }
+        py::dict d;
+        d["bytes"] = r.bytes;
+        d["stored_bytes"] = r.stored_bytes;
+        d["tensors"] = r.tensors;
+        d["seconds"] = r.seconds;
+        d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
+        d["staging_bytes"] = r.staging_bytes;
+        d["threads"] = r.threads;
+        d["direct_io"] = r.direct_io;
+        d["resident_fraction"] = r.resident_fraction;
+        return d;
+      },
+      py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
+      py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = 2,
+      "Loads tensors of one rank file into raw destinations: targets are "
+      "(name, pointer, nbytes, on_device) tuples.");
+}

@@ -1,0 +1,227 @@
+"""Tiny Hugging Face checkpoints for end-to-end tests, built with transformers' own classes.
+
+``make_checkpoint(path, arch, dtype, sharded, seed=0)`` builds a small random model and
+writes it with ``save_pretrained``; ``sharded=True`` picks a ``max_shard_size`` that yields
+at least three ``model-*-of-*.safetensors`` files plus ``model.safetensors.index.json``.
+
+Sizes are chosen so that dim-0 sizes are awkward for FSDP: 37 (vocabulary, prime), 33 /
+101 (MLP width), 6 (key/value projection rows, smaller than 8), 20 (GPT-2 and BERT width) and 2 (BERT token
+types): world sizes 3, 5 and 8 then give uneven chunks and ranks with empty shards.
+
+Every parameter is overwritten with seeded random values (``torch.randn``), so that no
+two rows are alike (biases and norms would otherwise be all zeros or ones, and a wrong
+row offset would go unnoticed).
+
+``arch="mixed"`` is not a transformers model: it writes safetensors files directly with
+every dtype torch and safetensors share, 0-dim tensors, tensors with a zero-sized
+dimension, raw random bit patterns (NaN payloads, infinities, -0.0) and one tensor large
+enough to span several 4 KiB checksum chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+import torch
+
+ARCHS = ("llama", "qwen2", "gpt2", "bert", "mixed")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _config_and_class(arch: str):
+    import transformers as tr
+
+    if arch == "llama":
+        cfg = tr.LlamaConfig(
+            vocab_size=37,
+            hidden_size=48,
+            intermediate_size=101,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=1,  # k_proj / v_proj: 6 rows
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        return cfg, tr.LlamaForCausalLM
+    if arch == "qwen2":
+        cfg = tr.Qwen2Config(
+            vocab_size=37,
+            hidden_size=24,
+            intermediate_size=33,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,  # k_proj / v_proj (and their biases): 6 rows (head_dim 6: RoPE needs it even)
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        return cfg, tr.Qwen2ForCausalLM
+    if arch == "gpt2":
+        cfg = tr.GPT2Config(
+            vocab_size=37,
+            n_positions=7,  # wpe: 7 rows
+            n_embd=20,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        return cfg, tr.GPT2LMHeadModel
+    if arch == "bert":
+        cfg = tr.BertConfig(
+            vocab_size=37,
+            hidden_size=20,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=33,
+            max_position_embeddings=19,
+            type_vocab_size=2,  # token_type_embeddings: 2 rows
+            pad_token_id=0,
+        )
+        return cfg, tr.BertForMaskedLM
+    raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _shard_size(total_bytes: int) -> int:
+    # Four shards' worth, rounded up: save_pretrained packs greedily, so this gives >= 3 files
+    # (a tensor bigger than the limit gets a file of its own).
+    return max(1024, total_bytes // 4 + 1)
+
+
+def _build_transformers(path: str, arch: str, dtype: torch.dtype, sharded: bool, seed: int):
+    cfg, cls = _config_and_class(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+    model = model.to(dtype)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if sharded:
+        model.save_pretrained(path, max_shard_size=_shard_size(total))
+    else:
+        # Bigger than the model: one model.safetensors.
+        model.save_pretrained(path, max_shard_size=max(10 * total, 1 << 20))
+
+
+def _random_bits(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A tensor of `dtype` whose bytes are uniformly random (NaNs, infs, denormals...)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = torch.randint(0, 256, (numel * esize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def mixed_tensors(seed: int = 0) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    t: Dict[str, torch.Tensor] = {}
+    t["scalar.f32"] = torch.tensor(3.25, dtype=torch.float32)
+    t["scalar.i64"] = torch.tensor(-(2**40) - 7, dtype=torch.int64)
+    t["scalar.bf16.nan"] = torch.tensor(float("nan"), dtype=torch.bfloat16)
+    t["bits.bf16"] = _random_bits((13, 7), torch.bfloat16, gen)
+    t["bits.f16"] = _random_bits((17, 3), torch.float16, gen)
+    t["bits.f32"] = _random_bits((11, 2, 3), torch.float32, gen)
+    t["bits.f64"] = _random_bits((6, 2), torch.float64, gen)
+    t["special.f32"] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1.5], dtype=torch.float32
+    )
+    t["ids.i64"] = torch.randint(-(2**62), 2**62, (11,), dtype=torch.int64, generator=gen)
+    t["ids.i32"] = torch.randint(-(2**31), 2**31 - 1, (9, 2), dtype=torch.int32, generator=gen)
+    t["ids.i16"] = torch.randint(-(2**15), 2**15 - 1, (7,), dtype=torch.int16, generator=gen)
+    t["ids.i8"] = torch.randint(-128, 127, (3, 3), dtype=torch.int8, generator=gen)
+    t["ids.u8"] = torch.randint(0, 255, (5, 4), dtype=torch.uint8, generator=gen)
+    t["mask.bool"] = torch.randint(0, 2, (9, 3), generator=gen).to(torch.bool)
+    t["fp8.e4m3"] = _random_bits((10, 3), torch.float8_e4m3fn, gen)
+    t["fp8.e5m2"] = _random_bits((4,), torch.float8_e5m2, gen)
+    t["empty.rows"] = torch.empty((0, 4), dtype=torch.float32)
+    t["empty.cols"] = torch.empty((4, 0), dtype=torch.bfloat16)
+    t["one.row"] = torch.randn((1, 5), generator=gen, dtype=torch.float32)
+    # Names that need JSON escaping or are not ASCII.
+    t['quote"and\\backslash'] = torch.randn((3, 2), generator=gen, dtype=torch.float32)
+    t["ünïcødé.名前"] = torch.randn((7,), generator=gen).to(torch.bfloat16)
+    # 1031 rows of 12 bytes = 12372 bytes: several 4 KiB chunks, boundaries mid-row.
+    t["big.f32"] = torch.randn((1031, 3), generator=gen, dtype=torch.float32)
+    return t
+
+
+def _build_mixed(path: str, dtype: torch.dtype, sharded: bool, seed: int):
+    from safetensors.torch import save_file
+
+    tensors = mixed_tensors(seed)
+    # The dtype argument selects the dtype of the "model" part only, to keep the interface.
+    gen = torch.Generator().manual_seed(seed + 2)
+    tensors["model.weight"] = torch.randn((23, 6), generator=gen).to(dtype)
+    names = sorted(tensors)
+    meta = {"format": "pt"}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "mixed-test", "note": "not a real model"}, f)
+    if not sharded:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata=meta)
+        return
+    groups: List[List[str]] = [names[i::3] for i in range(3)]
+    weight_map = {}
+    total = 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in group}, os.path.join(path, fname), metadata=meta)
+        for k in group:
+            weight_map[k] = fname
+            total += tensors[k].numel() * tensors[k].element_size()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def make_checkpoint(path: str, arch: str, dtype: str = "bf16", sharded: bool = False,
+                    seed: int = 0) -> str:
+    """Writes a tiny checkpoint into `path` (created) and returns `path`.
+
+    arch: llama | qwen2 | gpt2 | bert | mixed; dtype: "bf16" | "fp32" (or a torch dtype).
+    """
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    os.makedirs(path, exist_ok=True)
+    if arch == "mixed":
+        _build_mixed(path, torch_dtype, sharded, seed)
+    else:
+        _build_transformers(path, arch, torch_dtype, sharded, seed)
+    weights = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    if sharded:
+        assert len(weights) >= 3, f"{path}: expected >= 3 weight files, got {weights}"
+        assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    else:
+        assert weights == ["model.safetensors"], f"{path}: expected one file, got {weights}"
+    return path
+
+
+def weight_files(path: str) -> List[str]:
+    """The checkpoint's weight files (sorted names)."""
+    return sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+
+
+def load_source(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, read with safetensors.safe_open. When an index exists,
+    only tensors that its weight_map places in their file count."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    weight_map = None
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    out: Dict[str, torch.Tensor] = {}
+    for fname in weight_files(path):
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            for k in f.keys():
+                if weight_map is not None and weight_map.get(k) != fname:
+                    continue
+                assert k not in out, f"{k} in two files"
+                out[k] = f.get_tensor(k)
+    return out

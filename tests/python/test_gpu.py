@@ -1,0 +1,106 @@
+"""GPU tests (marker `gpu`): run on the GPU machine by scripts/gpu_check.sh. CPU CI
+deselects them by marker; if selected on a machine without CUDA they fail, never skip."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import reshard
+from checkpoints import make_checkpoint
+from test_load import convert, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _require_cuda():
+    assert torch.cuda.is_available(), "GPU test selected on a machine without CUDA"
+    assert reshard.build_info()["cuda"], "reshard was built without CUDA"
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "llama-bf16"
+    make_checkpoint(str(path), "llama", "bf16", True)
+    return path
+
+
+def _source_tensors(src):
+    index = json.load(open(os.path.join(src, "model.safetensors.index.json")))["weight_map"]
+    out = {}
+    for name, file in index.items():
+        with safe_open(os.path.join(src, file), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def test_fsdp2_one_process_nccl_cuda(llama_bf16, tmp_path):
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1)
+    run_ranks(llama_bf16, out, 1, tmp_path, "--device", "cuda")
+
+
+@pytest.mark.parametrize("io", ["auto", "direct", "buffered"])
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_each_rank_of_ws8_into_cuda(llama_bf16, tmp_path, io, compress):
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 8, *(["--compress", compress, "--chunk-size", "8192"] if compress else []))
+    src = _source_tensors(str(llama_bf16))
+    for r in range(8):
+        path = str(out / "fsdp2-ws8" / f"rank-{r:05d}-of-00008.reshard")
+        header = json.loads(reshard._C.read_header(path))
+        dests = {}
+        targets = []
+        for e in header["tensors"]:
+            t = torch.full(e["local_shape"], float("nan"), dtype=src[e["name"]].dtype, device="cuda")
+            dests[e["name"]] = t
+            targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
+        report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=4, io=io)
+        assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
+        for name, t in dests.items():
+            chunks = torch.chunk(src[name], 8, 0) if src[name].dim() else [src[name]] * 8
+            want = chunks[r] if r < len(chunks) else src[name][0:0]
+            assert torch.equal(t.cpu().view(torch.uint8), want.contiguous().view(torch.uint8)), (r, name)
+
+
+def test_gpu_load_refuses_corrupted_file(llama_bf16, tmp_path):
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1)
+    path = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
+    header = json.loads(reshard._C.read_header(str(path)))
+    e = max(header["tensors"], key=lambda t: t["nbytes"])
+    with open(path, "r+b") as f:
+        f.seek(4096 + e["offset"] + 7)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cuda")
+    for io in ("direct", "buffered"):
+        with pytest.raises(reshard.ReshardError, match="checksum mismatch"):
+            reshard.load(model, str(out), io=io)
+
+
+def test_plain_module_on_cuda_matches_from_pretrained(llama_bf16, tmp_path):
+    _require_cuda()
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1)
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cuda")
+    before = torch.cuda.memory_allocated()
+    report = reshard.load(model, str(out))
+    assert torch.cuda.memory_allocated() == before, "load allocated GPU memory beyond the weights"
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_bf16), dtype=torch.bfloat16).cuda()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), n
+    for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(b, c), n
+    assert report.bytes > 0

@@ -1,0 +1,228 @@
+"""reshard.load on CPU: FSDP2 in several processes (gloo), plain modules in-process, and
+refusals. Checkpoints are written by transformers itself (tests/python/checkpoints.py)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reshard
+from checkpoints import make_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESHARD = os.environ.get("RESHARD_BIN", os.path.join(HERE, "..", "..", "build", "reshard"))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def convert(src, out, world_size, *extra):
+    subprocess.run([RESHARD, "convert", str(src), "-o", str(out), "--world-size", str(world_size),
+                    *extra], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("load_ckpts")
+    made = {}
+    for arch, dtype, sharded in [("llama", "bf16", True), ("qwen2", "fp32", False),
+                                 ("qwen2", "bf16", True), ("llama", "fp32", False)]:
+        path = root / f"{arch}-{dtype}-{'sharded' if sharded else 'single'}"
+        make_checkpoint(str(path), arch, dtype, sharded)
+        made[(arch, dtype)] = path
+    return made
+
+
+def run_ranks(src, out, nproc, tmp_path, *extra):
+    result = tmp_path / "result"
+    result.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.join(HERE, "..", "..", "python"),
+                                                                  os.environ.get("PYTHONPATH", "")] if p),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([TORCHRUN, "--nproc-per-node", str(nproc), "--standalone",
+                           os.path.join(HERE, "fsdp_worker.py"), "--src", str(src), "--out", str(out),
+                           "--result", str(result), *extra],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    assert "OK" in proc.stdout or "refused as expected" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return result, proc
+
+
+@pytest.mark.parametrize("arch,dtype,world", [("llama", "bf16", 2), ("qwen2", "fp32", 3),
+                                              ("llama", "fp32", 4)])
+def test_fsdp2_load_matches_from_pretrained(ckpts, tmp_path, arch, dtype, world):
+    src = ckpts[(arch, dtype)]
+    out = tmp_path / "out"
+    convert(src, out, world)
+    result, _ = run_ranks(src, out, world, tmp_path)
+    reports = [json.load(open(result / f"rank-{r}.json")) for r in range(world)]
+    files = {r["file"] for r in reports}
+    assert len(files) == world, "every rank must read its own file"
+    for r in reports:
+        assert r["file"].endswith(f"rank-{r['rank']:05d}-of-{world:05d}.reshard")
+        assert r["losses"][-1] < r["losses"][0]
+    # Each rank read only its own bytes: together exactly the layout's bytes.
+    layout = json.loads(subprocess.run([RESHARD, "inspect", str(out), "--json"], check=True,
+                                       capture_output=True, text=True).stdout)
+    assert sum(r["bytes"] for r in reports) == layout["layouts"][f"fsdp2-ws{world}"]["nbytes"]
+
+
+def test_hsdp_2x2_uses_shard_coordinate(ckpts, tmp_path):
+    src = ckpts[("qwen2", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 2)
+    result, _ = run_ranks(src, out, 4, tmp_path, "--hsdp", "2")
+    reports = [json.load(open(result / f"rank-{r}.json")) for r in range(4)]
+    # Global rank g has shard coordinate g % 2 on a (2, 2) mesh: replicas share files.
+    for r in reports:
+        assert r["file"].endswith(f"rank-{r['rank'] % 2:05d}-of-00002.reshard"), r
+
+
+def test_fsdp2_refuses_wrong_world_size(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 3)
+    run_ranks(src, out, 2, tmp_path, "--expect-error", "--world-size 2")
+
+
+def _empty_cpu(out, dtype="auto"):
+    model = reshard.empty_model(str(out), dtype=dtype)
+    model.to_empty(device="cpu")
+    return model
+
+
+def _assert_same_as(model, ref):
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach().view(torch.uint8) if p.dtype != torch.bool else p,
+                           ref_params[name].detach().view(torch.uint8)), name
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        assert torch.equal(b, ref_buffers[name]), name
+
+
+def test_plain_module_world_size_1(ckpts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts[("qwen2", "fp32")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    model = _empty_cpu(out)
+    report = reshard.load(model, str(out))
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    _assert_same_as(model, ref)
+    assert report.world_size == 1 and report.rank == 0 and report.bytes > 0
+    assert set(report.buffers_restored) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.arange(12).reshape(2, 6) % model.config.vocab_size
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_zstd_rank_file_loads(ckpts, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1, "--compress", "zstd", "--chunk-size", "8192")
+    model = _empty_cpu(out)
+    reshard.load(model, str(out))
+    _assert_same_as(model, AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16))
+
+
+def test_live_dtype_differs_converts_like_to(ckpts, tmp_path):
+    """accelerate upcasts trainable params to fp32: a bf16 file lands as .to(float32)."""
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    model = _empty_cpu(out, dtype=torch.float32)
+    report = reshard.load(model, str(out))
+    assert report.converted_tensors == len(list(model.parameters()))
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.dtype == torch.float32
+        assert torch.equal(p, q.to(torch.float32)), name
+
+
+def test_refuses_missing_layout_with_command(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 2)
+    model = _empty_cpu(out)
+    with pytest.raises(reshard.ReshardError, match=r"no layout fsdp2-ws1.*reshard convert .*--world-size 1"):
+        reshard.load(model, str(out))
+
+
+def test_refuses_another_model(ckpts, tmp_path):
+    out_llama = tmp_path / "llama"
+    convert(ckpts[("llama", "fp32")], out_llama, 1)
+    out_qwen = tmp_path / "qwen"
+    convert(ckpts[("qwen2", "fp32")], out_qwen, 1)
+    model = _empty_cpu(out_qwen)
+    with pytest.raises(reshard.ReshardError, match=r"parameter .*(not in|global shape)"):
+        reshard.load(model, str(out_llama))
+
+
+def test_refuses_shape_mismatch(ckpts, tmp_path):
+    src = ckpts[("llama", "fp32")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["intermediate_size"] += 8
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    (other / "config.json").write_text(json.dumps(cfg))
+    model = _empty_cpu(other)
+    with pytest.raises(reshard.ReshardError, match=r"parameter model\.layers\.0\.mlp\.\w+_proj\.weight: the model has global shape"):
+        reshard.load(model, str(out))
+
+
+def test_refuses_missing_rank_file(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    os.remove(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
+    model = _empty_cpu(out)
+    with pytest.raises(reshard.ReshardError, match=r"missing rank file.*--ranks 0-0"):
+        reshard.load(model, str(out))
+
+
+def test_refuses_corrupted_bytes(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    path = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
+    header = json.loads(reshard._C.read_header(str(path)))
+    t = max(header["tensors"], key=lambda e: e["nbytes"])
+    with open(path, "r+b") as f:
+        f.seek(4096 + t["offset"] + t["nbytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    model = _empty_cpu(out)
+    with pytest.raises(reshard.ReshardError, match=rf"tensor \"{t['name']}\" chunk \d+: checksum mismatch"):
+        reshard.load(model, str(out))
+    # The raw path without checksums would load it: the check is what refuses.
+    model2 = _empty_cpu(out)
+    reshard.load(model2, str(out), verify=False)
+
+
+def test_native_load_rejects_bad_targets(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    path = str(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
+    buf = torch.empty(10, dtype=torch.uint8)
+    with pytest.raises(reshard.ReshardError, match="has no tensor \"nope\""):
+        reshard._C.load(path, [("nope", buf.data_ptr(), 10, False)])
+    header = json.loads(reshard._C.read_header(path))
+    name = header["tensors"][0]["name"]
+    with pytest.raises(reshard.ReshardError, match="the destination has 10"):
+        reshard._C.load(path, [(name, buf.data_ptr(), 10, False)])
+    if not reshard.build_info()["cuda"]:
+        with pytest.raises(reshard.ReshardError, match="no CUDA support"):
+            reshard._C.load(path, [(name, buf.data_ptr(), header["tensors"][0]["nbytes"], True)])
