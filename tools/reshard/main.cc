@@ -3,7 +3,10 @@
 // problems, 2 bad usage, 3 the operation failed (missing, corrupt or mismatched input, I/O).
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
+#include <optional>
+#include <string_view>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -24,24 +27,23 @@ constexpr int kExitProblems = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitFailed = 3;
 
+// A whole decimal number that fits in uint32_t, nothing else (no sign, no spaces).
+std::optional<uint32_t> ParseU32(std::string_view text) {
+  uint32_t v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size()) return std::nullopt;
+  return v;
+}
+
 std::pair<uint32_t, uint32_t> ParseRankRange(const std::string& text) {
-  auto dash = text.find('-');
-  try {
-    size_t used = 0;
-    if (dash == std::string::npos) {
-      unsigned long v = std::stoul(text, &used);
-      if (used != text.size()) throw std::invalid_argument(text);
-      return {static_cast<uint32_t>(v), static_cast<uint32_t>(v)};
-    }
-    unsigned long a = std::stoul(text.substr(0, dash), &used);
-    if (used != dash) throw std::invalid_argument(text);
-    unsigned long b = std::stoul(text.substr(dash + 1), &used);
-    if (used != text.size() - dash - 1) throw std::invalid_argument(text);
-    return {static_cast<uint32_t>(a), static_cast<uint32_t>(b)};
-  } catch (const std::exception&) {
+  const auto dash = text.find('-');
+  auto a = ParseU32(std::string_view(text).substr(0, dash));
+  auto b = dash == std::string::npos ? a : ParseU32(std::string_view(text).substr(dash + 1));
+  if (!a || !b) {
     throw CLI::ValidationError("--ranks", "expected A-B (e.g. 0-3) or a single rank, got \"" +
                                               text + "\"");
   }
+  return {*a, *b};
 }
 
 void ParseCompress(const std::string& text, reshard::ConvertOptions& o) {
@@ -55,12 +57,9 @@ void ParseCompress(const std::string& text, reshard::ConvertOptions& o) {
   o.codec = reshard::Codec::kZstd;
   if (text.size() > 4) {
     if (text[4] != ':') throw CLI::ValidationError("--compress", "expected zstd:LEVEL");
-    try {
-      o.zstd_level = std::stoi(text.substr(5));
-    } catch (const std::exception&) {
-      throw CLI::ValidationError("--compress", "LEVEL must be an integer 1-19");
-    }
-    if (o.zstd_level < 1 || o.zstd_level > 19) {
+    auto level = ParseU32(std::string_view(text).substr(5));
+    o.zstd_level = level ? static_cast<int>(*level) : 0;
+    if (!level || *level < 1 || *level > 19) {
       throw CLI::ValidationError("--compress", "LEVEL must be 1-19");
     }
   }
