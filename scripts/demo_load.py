@@ -34,9 +34,13 @@ def main():
     with torch.no_grad():
         loss = model(ids, labels=ids).loss.item()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
-          f"{os.path.relpath(report.file, args.out)} in {report.seconds * 1e3:.1f} ms "
-          f"({report.gbps:.2f} GB/s), peak RSS {rss_mb:.0f} MB, loss {loss:.4f}", flush=True)
+    line = (f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
+            f"{os.path.relpath(report.file, args.out)} in {report.seconds * 1e3:.1f} ms "
+            f"({report.gbps:.2f} GB/s), peak RSS {rss_mb:.0f} MB, loss {loss:.4f}")
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print("\n".join(lines), flush=True)
     dist.destroy_process_group()
 
 

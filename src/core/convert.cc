@@ -304,6 +304,13 @@ ConvertResult Convert(const ConvertOptions& o) {
   if (o.layout.world_size == 0) {
     Fail(ErrorCode::kInvalidArgument, "--world-size must be at least 1");
   }
+  // Rank file names spell rank and world size in five digits (rank-RRRRR-of-WWWWW.reshard);
+  // a larger world size would give names that ScanLayout and the manifest cannot parse.
+  if (o.layout.world_size > 99999) {
+    Fail(ErrorCode::kInvalidArgument,
+         "world size " + std::to_string(o.layout.world_size) +
+             " is too large: rank file names allow at most 99999 ranks");
+  }
   if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0) {
     Fail(ErrorCode::kInvalidArgument, "chunk size must be a positive multiple of 4096");
   }

@@ -9,7 +9,13 @@ namespace reshard {
 
 RowRange ChunkRows(uint64_t n, uint64_t world_size, uint64_t rank) {
   const uint64_t c = CeilDiv(n, world_size);
-  return {std::min(rank * c, n), std::min((rank + 1) * c, n)};
+  // r·c can pass 2^64 when n is near 2^64 (e.g. n = 2^64 − 1, W = 2, r + 1 = 2); the result
+  // is clamped to n anyway, so saturate instead of wrapping.
+  auto boundary = [&](uint64_t r) {
+    uint64_t v;
+    return __builtin_mul_overflow(r, c, &v) ? n : std::min(v, n);
+  };
+  return {boundary(rank), boundary(rank + 1)};
 }
 
 std::string LayoutSpec::KindName() const {

@@ -1,6 +1,7 @@
 #include "reshard/manifest.h"
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 
 #include "json_util.h"
@@ -46,6 +47,17 @@ SourceFingerprint ParseSource(const json& j, const std::string& path) {
     FailField(path, "source.fingerprint", Hex16(fp), Hex16(s.fingerprint));
   }
   return s;
+}
+
+// A layout key names a directory inside OUT (formats/rank-file.md invariant 4).
+bool ValidLayoutKey(const std::string& key) {
+  if (key.empty() || key == "." || key == "..") return false;
+  for (char c : key) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Parses "rank-00003-of-00008.reshard"; nullopt for other names.
@@ -109,6 +121,9 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
       internal::GetObject(Member(j, "layouts", path, "manifest"), path, "layouts");
   for (const auto& [key, jl] : layouts.items()) {
     const std::string f = "layouts[\"" + key + "\"]";
+    if (!ValidLayoutKey(key)) {
+      FailField(path, f, "the key \"" + key + "\"", "a directory name of [A-Za-z0-9._-]");
+    }
     ManifestLayout l;
     l.key = key;
     std::string kind = GetString(Member(jl, "kind", path, f), path, f + ".kind");
@@ -125,17 +140,31 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     for (size_t i = 0; i < ranks.size(); ++i) {
       const std::string rf = f + ".ranks[" + std::to_string(i) + "]";
       ManifestRank r;
-      r.rank = static_cast<uint32_t>(GetU64(Member(ranks[i], "rank", path, rf), path, rf + ".rank"));
+      // Checked before narrowing, so that 2^32 + 1 is not taken for rank 1.
+      const uint64_t rank = GetU64(Member(ranks[i], "rank", path, rf), path, rf + ".rank");
       r.file = GetString(Member(ranks[i], "file", path, rf), path, rf + ".file");
       r.size = GetU64(Member(ranks[i], "size", path, rf), path, rf + ".size");
       r.header_xxh3 = GetHex16(Member(ranks[i], "header_xxh3", path, rf), path, rf + ".header_xxh3");
-      if (r.rank >= l.world_size || r.file != RankFileName(r.rank, l.world_size)) {
-        FailField(path, rf, "rank " + std::to_string(r.rank) + " file " + r.file,
+      if (rank >= l.world_size ||
+          r.file != RankFileName(static_cast<uint32_t>(rank), l.world_size)) {
+        FailField(path, rf, "rank " + std::to_string(rank) + " file " + r.file,
                   "a rank below world_size and its canonical file name");
+      }
+      r.rank = static_cast<uint32_t>(rank);
+      if (!l.ranks.empty() && r.rank <= l.ranks.back().rank) {
+        FailField(path, rf + ".rank", std::to_string(r.rank),
+                  "more than " + std::to_string(l.ranks.back().rank) +
+                      " (ranks sorted, each listed once)");
       }
       l.ranks.push_back(r);
     }
     l.complete = GetBool(Member(jl, "complete", path, f), path, f + ".complete");
+    if (l.complete != (l.ranks.size() == l.world_size)) {
+      FailField(path, f + ".complete", l.complete ? "true" : "false",
+                std::string(l.ranks.size() == l.world_size ? "true" : "false") + " (" +
+                    std::to_string(l.ranks.size()) + " of " + std::to_string(l.world_size) +
+                    " ranks listed)");
+    }
     m.layouts[key] = std::move(l);
   }
   return m;

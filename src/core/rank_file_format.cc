@@ -86,15 +86,22 @@ Preamble DecodePreamble(const uint8_t* b, uint64_t file_size, const std::string&
   }
   Preamble p;
   p.format_version = static_cast<uint32_t>(GetLE(b + 8, 4));
-  if (p.format_version != kRankFileVersion) {
-    FailField(path, "format_version", std::to_string(p.format_version),
-              std::to_string(kRankFileVersion) +
-                  (p.format_version > kRankFileVersion
-                       ? " (the file was written by a newer reshard; upgrade reshard)"
-                       : ""));
-  }
   const uint64_t stored_hash = GetLE(b + 56, 8);
   const uint64_t hash = Xxh3(b, kPreambleHashedBytes);
+  if (p.format_version != kRankFileVersion) {
+    // The version is checked first (a newer version may lay the preamble out differently),
+    // but "upgrade" is only good advice when the preamble is not simply corrupt.
+    std::string why;
+    if (stored_hash != hash) {
+      why = " (preamble_xxh3 does not match either: the file is corrupt";
+      if (p.format_version > kRankFileVersion) why += ", or was written by a newer reshard";
+      why += ")";
+    } else if (p.format_version > kRankFileVersion) {
+      why = " (the file was written by a newer reshard; upgrade reshard)";
+    }
+    FailField(path, "format_version", std::to_string(p.format_version),
+              std::to_string(kRankFileVersion) + why);
+  }
   if (stored_hash != hash) {
     FailField(path, "preamble_xxh3", Hex16(stored_hash), Hex16(hash) + " (preamble corrupt)");
   }
