@@ -15,6 +15,7 @@ struct SourceFile {
   std::string name;  // file name relative to the checkpoint directory
   uint64_t size = 0;
   uint64_t header_xxh3 = 0;
+  uint64_t sample_xxh3 = 0;  // first and last 4 KiB of each tensor (formats/rank-file.md)
 };
 
 /// Identity of a source checkpoint (formats/rank-file.md, `source`).

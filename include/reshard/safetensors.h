@@ -26,6 +26,7 @@ struct SafetensorsFile {
   uint64_t file_size = 0;
   uint64_t header_size = 0;   // N, the JSON length
   uint64_t header_xxh3 = 0;   // XXH3-64 of the first 8 + N bytes
+  uint64_t sample_xxh3 = 0;   // data sample (formats/rank-file.md); set by ReadSafetensorsHeader
   std::map<std::string, std::string> metadata;
   std::vector<SafetensorsTensor> tensors;  // sorted by offset
 };

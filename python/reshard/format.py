@@ -324,7 +324,8 @@ def nbytes_for(dtype: str, numel: int) -> Optional[int]:
 
 
 def safetensors_file_fingerprint(path: str) -> Dict[str, Any]:
-    """``{"name", "size", "header_xxh3"}`` of one safetensors file, as in ``source.files``."""
+    """``{"name", "size", "header_xxh3", "sample_xxh3"}`` of one safetensors file, as in
+    ``source.files``."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) != 8:
@@ -333,17 +334,28 @@ def safetensors_file_fingerprint(path: str) -> Dict[str, Any]:
         header = f.read(n)
         if len(header) != n:
             raise FormatError(f"{path}: safetensors header truncated")
+        entries = json.loads(header)
+        spans = sorted((e["data_offsets"][0], e["data_offsets"][1])
+                       for k, e in entries.items() if k != "__metadata__")
+        sample = bytearray()
+        for begin, end in spans:
+            k = min(4096, end - begin)
+            f.seek(8 + n + begin)
+            sample += f.read(k)
+            f.seek(8 + n + end - k)
+            sample += f.read(k)
     return {
         "name": os.path.basename(path),
         "size": os.path.getsize(path),
         "header_xxh3": hex16(xxh3_64(prefix + header)),
+        "sample_xxh3": hex16(xxh3_64(bytes(sample))),
     }
 
 
 def source_fingerprint(files: Sequence[Dict[str, Any]]) -> str:
     """Fingerprint (hex16) of ``source.files`` entries, computed as the spec says."""
     canonical = "".join(
-        f"{f['name']}\0{f['size']}\0{f['header_xxh3']}\n"
+        f"{f['name']}\0{f['size']}\0{f['header_xxh3']}\0{f['sample_xxh3']}\n"
         for f in sorted(files, key=lambda f: f["name"].encode("utf-8"))
     )
     return hex16(xxh3_64(canonical.encode("utf-8")))
@@ -440,6 +452,7 @@ def _parse_source(F: _Fields, source: Any, where: str) -> Dict[str, Any]:
                 "name": F.string(F.member(f, "name", w), f"{w}.name"),
                 "size": F.u64(F.member(f, "size", w), f"{w}.size"),
                 "header_xxh3": hex16(F.hex16(F.member(f, "header_xxh3", w), f"{w}.header_xxh3")),
+                "sample_xxh3": hex16(F.hex16(F.member(f, "sample_xxh3", w), f"{w}.sample_xxh3")),
             }
         )
     fp = hex16(F.hex16(F.member(source, "fingerprint", where), f"{where}.fingerprint"))

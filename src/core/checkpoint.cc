@@ -24,6 +24,8 @@ SourceFingerprint SourceFingerprint::FromFiles(std::vector<SourceFile> files) {
     canonical += std::to_string(f.size);
     canonical += '\0';
     canonical += Hex16(f.header_xxh3);
+    canonical += '\0';
+    canonical += Hex16(f.sample_xxh3);
     canonical += '\n';
   }
   SourceFingerprint fp;
@@ -36,7 +38,8 @@ bool SourceFingerprint::operator==(const SourceFingerprint& other) const {
   if (fingerprint != other.fingerprint || files.size() != other.files.size()) return false;
   for (size_t i = 0; i < files.size(); ++i) {
     if (files[i].name != other.files[i].name || files[i].size != other.files[i].size ||
-        files[i].header_xxh3 != other.files[i].header_xxh3) {
+        files[i].header_xxh3 != other.files[i].header_xxh3 ||
+        files[i].sample_xxh3 != other.files[i].sample_xxh3) {
       return false;
     }
   }
@@ -160,7 +163,7 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
     }
     ckpt.files.push_back(ReadSafetensorsHeader(p.string()));
     const auto& f = ckpt.files.back();
-    fp_files.push_back({name, f.file_size, f.header_xxh3});
+    fp_files.push_back({name, f.file_size, f.header_xxh3, f.sample_xxh3});
   }
   ckpt.fingerprint = SourceFingerprint::FromFiles(fp_files);
 

@@ -27,7 +27,8 @@ namespace {
 json SourceJson(const SourceFingerprint& s) {
   json files = json::array();
   for (const auto& f : s.files) {
-    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)}});
+    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
+                     {"sample_xxh3", Hex16(f.sample_xxh3)}});
   }
   return {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
 }
@@ -39,7 +40,8 @@ SourceFingerprint ParseSource(const json& j, const std::string& path) {
     const std::string f = "source.files[" + std::to_string(i) + "]";
     files.push_back({GetString(Member(jf[i], "name", path, f), path, f + ".name"),
                      GetU64(Member(jf[i], "size", path, f), path, f + ".size"),
-                     GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3")});
+                     GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3"),
+                     GetHex16(Member(jf[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
   }
   SourceFingerprint s = SourceFingerprint::FromFiles(files);
   uint64_t fp = GetHex16(Member(j, "fingerprint", path, "source"), path, "source.fingerprint");

@@ -161,7 +161,8 @@ std::string SerializeHeader(const RankFileHeader& h) {
   j["rank"] = h.rank;
   json files = json::array();
   for (const auto& f : h.source.files) {
-    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)}});
+    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
+                     {"sample_xxh3", Hex16(f.sample_xxh3)}});
   }
   j["source"] = {{"files", files}, {"fingerprint", Hex16(h.source.fingerprint)}};
   j["chunk_size"] = h.chunk_size;
@@ -239,7 +240,8 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     files.push_back({GetString(Member(jfiles[i], "name", path, f), path, f + ".name"),
                      GetU64(Member(jfiles[i], "size", path, f), path, f + ".size"),
                      GetHex16(Member(jfiles[i], "header_xxh3", path, f), path,
-                              f + ".header_xxh3")});
+                              f + ".header_xxh3"),
+                     GetHex16(Member(jfiles[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
   }
   h.source = SourceFingerprint::FromFiles(files);
   uint64_t fp = GetHex16(Member(source, "fingerprint", path, "source"), path, "source.fingerprint");

@@ -175,7 +175,19 @@ SafetensorsFile ReadSafetensorsHeader(const std::string& path) {
       f.PReadExact(prefix.data() + 8, n, 8);
     }
   }
-  return ParseSafetensorsHeader(prefix, size, path);
+  SafetensorsFile parsed = ParseSafetensorsHeader(prefix, size, path);
+  // Data sample for the source fingerprint: first and last 4 KiB of every tensor.
+  constexpr uint64_t kSample = 4096;
+  std::string sample;
+  for (const auto& t : parsed.tensors) {
+    const uint64_t n = std::min(kSample, t.nbytes);
+    const size_t at = sample.size();
+    sample.resize(at + 2 * n);
+    f.PReadExact(sample.data() + at, n, t.offset);
+    f.PReadExact(sample.data() + at + n, n, t.offset + t.nbytes - n);
+  }
+  parsed.sample_xxh3 = Xxh3(sample);
+  return parsed;
 }
 
 }  // namespace reshard

@@ -1,6 +1,7 @@
 #include "reshard/verify.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -24,6 +25,7 @@ namespace {
 
 struct LayoutFiles {
   std::string key;
+  std::filesystem::path dir;  // where the layout's rank files live
   uint32_t world_size = 0;  // 0: unknown (no manifest, no readable file)
   std::vector<fs::path> files;
 };
@@ -55,12 +57,13 @@ class Verifier {
     }
     std::vector<LayoutFiles> layouts;
     if (fs::is_regular_file(o_.path)) {
-      layouts.push_back({"", 0, {o_.path}});
+      layouts.push_back({"", o_.path.parent_path(), 0, {o_.path}});
     } else if (fs::exists(o_.path / kManifestName)) {
       CollectFromManifest(layouts);
     } else {
       LayoutFiles l;
       l.key = o_.path.filename().string();
+      l.dir = o_.path;
       for (const auto& e : fs::directory_iterator(o_.path)) {
         const auto name = e.path().filename().string();
         if (name.starts_with("rank-") && name.ends_with(".reshard")) l.files.push_back(e.path());
@@ -80,6 +83,10 @@ class Verifier {
 
  private:
   void Problem(std::string file, std::string tensor, std::string message) {
+    // Library errors already begin with "<file>: " (and "tensor \"<name>\" "); say each once.
+    if (message.starts_with(file + ": ")) message.erase(0, file.size() + 2);
+    const std::string t = "tensor \"" + tensor + "\" ";
+    if (!tensor.empty() && message.starts_with(t)) message.erase(0, t.size());
     std::lock_guard<std::mutex> g(mu_);
     report_.problems.push_back({std::move(file), std::move(tensor), std::move(message)});
   }
@@ -96,7 +103,7 @@ class Verifier {
     manifest_source_ = m->source;
     if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
     for (const auto& [key, ml] : m->layouts) {
-      LayoutFiles l{key, ml.world_size, {}};
+      LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}};
       if (!ml.complete || ml.ranks.size() != ml.world_size) {
         Problem(mpath, "", "layout " + key + " is incomplete: " + std::to_string(ml.ranks.size()) +
                                " of " + std::to_string(ml.world_size) +
@@ -125,12 +132,18 @@ class Verifier {
 
   void VerifyLayout(LayoutFiles& l, bool whole_layout) {
     std::vector<RankFileReader> readers;
+    std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
     for (const auto& p : l.files) {
       try {
         readers.push_back(RankFileReader::Open(p));
         ++report_.files;
       } catch (const Error& e) {
         Problem(p.string(), "", e.what());
+        const std::string name = p.filename().string();
+        uint32_t r = 0;
+        if (name.size() > 10 && std::from_chars(name.data() + 5, name.data() + 10, r).ec == std::errc()) {
+          unreadable.insert(r);
+        }
       }
     }
     if (readers.empty()) return;
@@ -178,8 +191,8 @@ class Verifier {
     }
     if (whole_layout) {
       for (uint32_t rank = 0; rank < ws; ++rank) {
-        if (!seen.count(rank)) {
-          Problem((o_.path / l.key / RankFileName(rank, ws)).string(), "",
+        if (!seen.count(rank) && !unreadable.count(rank)) {
+          Problem((l.dir / RankFileName(rank, ws)).string(), "",
                   "rank " + std::to_string(rank) + " of " + std::to_string(ws) +
                       " is missing; run reshard convert --ranks " + std::to_string(rank) + "-" +
                       std::to_string(rank));

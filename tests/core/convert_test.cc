@@ -377,12 +377,10 @@ TEST_F(ConvertTest, DifferentSourceIntoSameOutIsMismatch) {
   EXPECT_EQ(test::ReadBytes(RankPath(2, 0)), rank0);
 }
 
-// KNOWN GAP (disabled until the format decides): the source fingerprint covers file names,
-// sizes and safetensors headers, not tensor bytes. A checkpoint rewritten in place with new
-// weights of the same shapes (the next training step) has the same fingerprint, so Convert
-// takes the old rank files for "up to date" and keeps the old weights without a word.
-// Expected: either kMismatch, or rank files that hold the new bytes.
-TEST_F(ConvertTest, DISABLED_SameShapesNewWeightsAreNotTakenForUpToDate) {
+// A checkpoint rewritten in place with new weights of the same shapes (the next training
+// step) is another source: the fingerprint's data sample (sample_xxh3) differs, so Convert
+// refuses the old OUT instead of taking its rank files for "up to date".
+TEST_F(ConvertTest, SameShapesNewWeightsAreNotTakenForUpToDate) {
   Convert(Options(2));
   const test::TensorMap updated =
       test::WriteShardedCheckpoint(Src(), test::AwkwardCheckpointFiles(8));

@@ -25,7 +25,7 @@ Manifest SampleManifest() {
   Manifest m;
   m.writer = "reshard test";
   m.source = SourceFingerprint::FromFiles(
-      {{"b.safetensors", 20, 0x2222}, {"a.safetensors", 10, 0x1111}});
+      {{"b.safetensors", 20, 0x2222, 0x4444}, {"a.safetensors", 10, 0x1111, 0x3333}});
   m.aux_files = {"config.json"};
   ManifestLayout l;
   l.key = "fsdp2-ws2";
@@ -52,9 +52,11 @@ TEST(Manifest, RoundTripsAndFollowsTheSpec) {
   EXPECT_EQ(j["source"]["files"][0]["name"], "a.safetensors");  // sorted by name
   EXPECT_EQ(j["source"]["files"][0]["header_xxh3"], "0000000000001111");
   // The fingerprint by the spec's recipe.
+  EXPECT_EQ(j["source"]["files"][0]["sample_xxh3"], "0000000000003333");
   const std::string canonical = std::string("a.safetensors") + '\0' + "10" + '\0' +
-                                "0000000000001111\n" + "b.safetensors" + '\0' + "20" + '\0' +
-                                "0000000000002222\n";
+                                "0000000000001111" + '\0' + "0000000000003333\n" +
+                                "b.safetensors" + '\0' + "20" + '\0' + "0000000000002222" +
+                                '\0' + "0000000000004444\n";
   EXPECT_EQ(j["source"]["fingerprint"], test::RefHex16(test::RefXxh3(canonical)));
   EXPECT_EQ(j["layouts"]["fsdp2-ws3"]["ranks"][0]["file"], "rank-00002-of-00003.reshard");
   EXPECT_EQ(j["layouts"]["fsdp2-ws3"]["complete"], false);

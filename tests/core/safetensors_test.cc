@@ -1,3 +1,5 @@
+#include <algorithm>
+#include <nlohmann/json.hpp>
 // safetensors headers (R29) and checkpoint directories (R30): a valid file parses to the
 // values the test wrote; each deliberately broken file is rejected with its own error that
 // names the file and the field.
@@ -329,14 +331,28 @@ TEST_F(CheckpointTest, ShardedCheckpointOpensWithIndependentFingerprint) {
     EXPECT_EQ(file.substr(t.offset, t.nbytes), spec.data) << name;
   }
   EXPECT_EQ(ckpt.Find("no.such.tensor"), nullptr);
-  // Fingerprint by the spec: name \0 size \0 hex16(xxh3(8 + N bytes)) \n per file, sorted.
+  // Fingerprint by the spec: name \0 size \0 hex16(xxh3(8 + N bytes)) \0 hex16(xxh3(sample))
+  // \n per file, sorted; the sample is the first and last min(4096, nbytes) bytes of each
+  // tensor in data-offset order.
   std::string canonical;
   for (const char* name : {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
                            "model-00003-of-00003.safetensors"}) {
     const std::string bytes = test::ReadBytes(Src() / name);
     const uint64_t n = test::Le64(bytes, 0);
+    const auto header = nlohmann::json::parse(bytes.substr(8, n));
+    std::vector<std::pair<uint64_t, uint64_t>> spans;
+    for (const auto& [k, v] : header.items()) {
+      if (k != "__metadata__") spans.emplace_back(v["data_offsets"][0], v["data_offsets"][1]);
+    }
+    std::sort(spans.begin(), spans.end());
+    std::string sample;
+    for (const auto& [b, e] : spans) {
+      const uint64_t k = std::min<uint64_t>(4096, e - b);
+      sample += bytes.substr(8 + n + b, k) + bytes.substr(8 + n + e - k, k);
+    }
     canonical += std::string(name) + '\0' + std::to_string(bytes.size()) + '\0' +
-                 test::RefHex16(test::RefXxh3(std::string_view(bytes).substr(0, 8 + n))) + "\n";
+                 test::RefHex16(test::RefXxh3(std::string_view(bytes).substr(0, 8 + n))) + '\0' +
+                 test::RefHex16(test::RefXxh3(sample)) + "\n";
   }
   EXPECT_EQ(ckpt.fingerprint.fingerprint, test::RefXxh3(canonical));
   ASSERT_EQ(ckpt.fingerprint.files.size(), 3u);
