@@ -1,0 +1,507 @@
+// reshard_bench_ceilings: the I/O and copy ceilings that scripts/bench_load.py compares the
+// loader against, measured with plain POSIX reads and cudart (no reshard loader code, no
+// torch), so that a flaw in the loader cannot hide in its own reference.
+//
+//   read     --file F --threads T --request BYTES [--direct] [--pinned]
+//            T threads take consecutive requests of F (in file order, from a shared counter)
+//            and pread each into the thread's own buffer (pinned with cudaHostAlloc when
+//            --pinned, else page-aligned malloc). Needs no GPU unless --pinned.
+//   h2d      --bytes N --reps R --threads T --request BYTES
+//            pinned host -> device bandwidth: T threads, each with its own stream, issue
+//            cudaMemcpyAsync of consecutive requests of one pinned buffer; one untimed warm-up.
+//   pipeline --file F --threads T --request BYTES [--direct]
+//            the "plain C++ loop": T threads, each pread -> its own 2 pinned buffers ->
+//            cudaMemcpyAsync on its own stream into one device buffer the size of the file.
+//
+// Each prints one JSON object on stdout (GB = 1e9 bytes). Timers start before the file is
+// opened (buffers, streams and device memory are allocated before) and stop after the last
+// byte is in place (device synchronized). Errors go to stderr with a non-zero exit status.
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "reshard/loader.h"  // PageCacheResidency (mincore), no loading code
+
+namespace {
+
+using Json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kAlign = 4096;
+
+struct ToolError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+uint64_t AlignUp(uint64_t a, uint64_t b) { return (a + b - 1) / b * b; }
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// "16MiB", "2M", "1GiB", "4096", "1GB" (decimal), "64k". Binary unless the suffix ends in "B"
+// without "i" after a letter (KB, MB, GB are powers of 1000).
+uint64_t ParseBytes(const std::string& text, const std::string& what) {
+  size_t pos = 0;
+  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) ++pos;
+  const std::string num = text.substr(0, pos);
+  std::string suffix = text.substr(pos);
+  for (auto& c : suffix) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  double mult = 0;
+  if (suffix.empty() || suffix == "b") mult = 1;
+  else if (suffix == "k" || suffix == "kib") mult = 1024.0;
+  else if (suffix == "m" || suffix == "mib") mult = 1024.0 * 1024;
+  else if (suffix == "g" || suffix == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (suffix == "kb") mult = 1e3;
+  else if (suffix == "mb") mult = 1e6;
+  else if (suffix == "gb") mult = 1e9;
+  double value = -1;
+  if (!num.empty()) {
+    try {
+      value = std::stod(num);
+    } catch (const std::exception&) {
+      value = -1;
+    }
+  }
+  if (mult == 0 || value <= 0) {
+    throw ToolError(what + ": cannot read \"" + text +
+                    "\" as a size (examples: 4096, 2MiB, 16M, 1GiB, 1GB)");
+  }
+  return static_cast<uint64_t>(value * mult);
+}
+
+void CudaCheck(cudaError_t err, const std::string& what) {
+  if (err != cudaSuccess) {
+    throw ToolError("CUDA error in " + what + ": " + cudaGetErrorName(err) + " (" +
+                    cudaGetErrorString(err) + ")");
+  }
+}
+
+void RequireCuda(int device, const std::string& why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    const std::string detail =
+        err != cudaSuccess ? std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err)
+                           : "no device";
+    cudaGetLastError();
+    throw ToolError(why + " needs a CUDA GPU, and none is visible (cudaGetDeviceCount: " +
+                    detail + ")");
+  }
+  if (device < 0 || device >= n) {
+    throw ToolError("--device " + std::to_string(device) + ": only " + std::to_string(n) +
+                    " CUDA device(s) visible");
+  }
+  CudaCheck(cudaSetDevice(device), "cudaSetDevice");
+  CudaCheck(cudaFree(nullptr), "creating the CUDA context");
+}
+
+// One host buffer: pinned (cudaHostAlloc) or page-aligned malloc; touched on allocation so
+// page faults stay out of the timed region.
+class HostBuffer {
+ public:
+  HostBuffer(uint64_t bytes, bool pinned) : bytes_(AlignUp(bytes, kAlign)), pinned_(pinned) {
+    if (pinned_) {
+      CudaCheck(cudaHostAlloc(&ptr_, bytes_, cudaHostAllocDefault),
+                "cudaHostAlloc(" + std::to_string(bytes_) + " bytes)");
+      if (reinterpret_cast<uintptr_t>(ptr_) % kAlign != 0) {
+        throw ToolError("cudaHostAlloc returned memory not aligned to 4096 bytes");
+      }
+    } else if (::posix_memalign(&ptr_, kAlign, bytes_) != 0) {
+      ptr_ = nullptr;
+      throw ToolError("out of host memory allocating " + std::to_string(bytes_) + " bytes");
+    }
+    std::memset(ptr_, 0x5a, bytes_);
+  }
+  ~HostBuffer() {
+    if (!ptr_) return;
+    if (pinned_) cudaFreeHost(ptr_);
+    else std::free(ptr_);
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  char* data() const { return static_cast<char*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+  uint64_t bytes_;
+  bool pinned_;
+};
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(uint64_t bytes) {
+    CudaCheck(cudaMalloc(&ptr_, std::max<uint64_t>(bytes, 1)),
+              "cudaMalloc(" + std::to_string(bytes) + " bytes)");
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* data() const { return static_cast<char*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+class Fd {
+ public:
+  Fd(const std::string& path, bool direct) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd_ < 0) {
+      const int e = errno;
+      std::string msg = path + ": cannot open" + (direct ? " with O_DIRECT" : "") + ": " +
+                        std::strerror(e);
+      if (direct && e == EINVAL) msg += " (this file system refuses O_DIRECT; drop --direct)";
+      throw ToolError(msg);
+    }
+  }
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int fd() const { return fd_; }
+  uint64_t Size() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) throw ToolError(path_ + ": fstat: " + std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) throw ToolError(path_ + ": not a regular file");
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  // Reads bytes [off, off + len) into buf (which holds AlignUp(len, 4096) bytes when direct:
+  // O_DIRECT reads whole aligned blocks). Throws on an error or if the file ends early.
+  void ReadRange(char* buf, uint64_t len, uint64_t off, bool direct) const {
+    const uint64_t want = direct ? AlignUp(len, kAlign) : len;
+    uint64_t got = 0;
+    while (got < len) {
+      const ssize_t n = ::pread(fd_, buf + got, want - got, static_cast<off_t>(off + got));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        throw ToolError(path_ + ": pread of " + std::to_string(want - got) + " bytes at offset " +
+                        std::to_string(off + got) + ": " + std::strerror(errno));
+      }
+      if (n == 0) break;
+      got += static_cast<uint64_t>(n);
+    }
+    if (got < len) {
+      throw ToolError(path_ + ": file ended at " + std::to_string(off + got) +
+                      " while reading up to " + std::to_string(off + len) +
+                      " (did it change during the run?)");
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  std::string path_;
+};
+
+// Runs fn(lane) on `threads` threads; rethrows the first exception after all have joined.
+template <typename Fn>
+void RunThreads(unsigned threads, Fn fn) {
+  std::mutex mu;
+  std::exception_ptr first;
+  std::atomic<bool> failed{false};
+  auto body = [&](unsigned lane) {
+    try {
+      fn(lane, failed);
+    } catch (...) {
+      failed = true;
+      std::lock_guard<std::mutex> g(mu);
+      if (!first) first = std::current_exception();
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) pool.emplace_back(body, t);
+  for (auto& t : pool) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+double Gbps(uint64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
+
+void CheckRequest(uint64_t request, bool direct) {
+  if (request == 0) throw ToolError("--request must be positive");
+  if (direct && request % kAlign != 0) {
+    throw ToolError("--request " + std::to_string(request) +
+                    " must be a multiple of 4096 with --direct");
+  }
+}
+
+// ---- read --------------------------------------------------------------------------------
+Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool direct,
+             bool pinned, int device) {
+  CheckRequest(request, direct);
+  if (pinned) RequireCuda(device, "read --pinned");
+  const double resident = reshard::PageCacheResidency(path);
+  std::vector<std::unique_ptr<HostBuffer>> bufs;
+  for (unsigned t = 0; t < threads; ++t) bufs.push_back(std::make_unique<HostBuffer>(request, pinned));
+
+  const auto t0 = Clock::now();
+  Fd fd(path, direct);
+  const uint64_t size = fd.Size();
+  const uint64_t n_req = (size + request - 1) / request;
+  std::atomic<uint64_t> next{0};
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>& failed) {
+    char* buf = bufs[lane]->data();
+    while (!failed.load(std::memory_order_relaxed)) {
+      const uint64_t i = next.fetch_add(1);
+      if (i >= n_req) break;
+      const uint64_t off = i * request;
+      fd.ReadRange(buf, std::min(request, size - off), off, direct);
+    }
+  });
+  const double seconds = Since(t0);
+
+  Json j;
+  j["mode"] = "read";
+  j["file"] = path;
+  j["bytes"] = size;
+  j["seconds"] = seconds;
+  j["gbps"] = Gbps(size, seconds);
+  j["threads"] = threads;
+  j["request"] = request;
+  j["direct"] = direct;
+  j["pinned"] = pinned;
+  j["host_buffer_bytes"] = uint64_t{threads} * AlignUp(request, kAlign);
+  j["resident_fraction_before"] = resident;
+  return j;
+}
+
+// ---- h2d ---------------------------------------------------------------------------------
+Json CmdH2d(uint64_t bytes, unsigned reps, unsigned threads, uint64_t request, int device) {
+  CheckRequest(request, false);
+  if (bytes == 0) throw ToolError("--bytes must be positive");
+  if (reps == 0) throw ToolError("--reps must be positive");
+  RequireCuda(device, "h2d");
+  HostBuffer host(bytes, /*pinned=*/true);
+  // Non-constant contents: a position-dependent pattern, checked after the copies.
+  for (uint64_t i = 0; i + 8 <= bytes; i += 4096) {
+    const uint64_t v = i * 0x9E3779B97F4A7C15ull;
+    std::memcpy(host.data() + i, &v, 8);
+  }
+  DeviceBuffer dev(bytes);
+  std::vector<cudaStream_t> streams(threads);
+  for (auto& s : streams) CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  const uint64_t n_req = (bytes + request - 1) / request;
+
+  auto one_rep = [&]() {
+    std::atomic<uint64_t> next{0};
+    const auto t0 = Clock::now();
+    RunThreads(threads, [&](unsigned lane, std::atomic<bool>& failed) {
+      CudaCheck(cudaSetDevice(device), "cudaSetDevice");
+      while (!failed.load(std::memory_order_relaxed)) {
+        const uint64_t i = next.fetch_add(1);
+        if (i >= n_req) break;
+        const uint64_t off = i * request;
+        CudaCheck(cudaMemcpyAsync(dev.data() + off, host.data() + off,
+                                  std::min(request, bytes - off), cudaMemcpyHostToDevice,
+                                  streams[lane]),
+                  "cudaMemcpyAsync");
+      }
+      CudaCheck(cudaStreamSynchronize(streams[lane]), "cudaStreamSynchronize");
+    });
+    return Since(t0);
+  };
+
+  one_rep();  // warm-up, not counted
+  std::vector<double> secs;
+  for (unsigned r = 0; r < reps; ++r) secs.push_back(one_rep());
+
+  // Spot check: the pattern arrived.
+  for (uint64_t at : {uint64_t{0}, (bytes / 2) / 4096 * 4096, (bytes - 1) / 4096 * 4096}) {
+    if (at + 8 > bytes) continue;
+    uint64_t got = 0, want = 0;
+    CudaCheck(cudaMemcpy(&got, dev.data() + at, 8, cudaMemcpyDeviceToHost), "cudaMemcpy (check)");
+    std::memcpy(&want, host.data() + at, 8);
+    if (got != want) throw ToolError("h2d: device copy differs from the host at offset " + std::to_string(at));
+  }
+  for (auto& s : streams) cudaStreamDestroy(s);
+
+  std::vector<double> sorted = secs;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted.size() % 2 ? sorted[sorted.size() / 2]
+                                          : 0.5 * (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]);
+  Json j;
+  j["mode"] = "h2d";
+  j["bytes"] = bytes;
+  j["seconds"] = median;
+  j["gbps"] = Gbps(bytes, median);
+  j["gbps_max"] = Gbps(bytes, sorted.front());
+  j["gbps_min"] = Gbps(bytes, sorted.back());
+  j["seconds_all"] = secs;
+  j["reps"] = reps;
+  j["threads"] = threads;
+  j["request"] = request;
+  j["pinned"] = true;
+  return j;
+}
+
+// ---- pipeline ----------------------------------------------------------------------------
+Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bool direct,
+                 int device) {
+  CheckRequest(request, direct);
+  RequireCuda(device, "pipeline");
+  const double resident = reshard::PageCacheResidency(path);
+  uint64_t size = 0;
+  {
+    Fd probe(path, false);
+    size = probe.Size();
+  }
+  // Everything allocated before the timer: 2 pinned buffers and a stream per thread, and the
+  // device destination (aligned up: O_DIRECT may read past the end into the last block).
+  DeviceBuffer dev(AlignUp(std::max<uint64_t>(size, 1), kAlign));
+  struct Lane {
+    std::unique_ptr<HostBuffer> buf[2];
+    cudaEvent_t ev[2] = {nullptr, nullptr};
+    bool pending[2] = {false, false};
+    cudaStream_t stream = nullptr;
+  };
+  std::vector<Lane> lanes(threads);
+  for (auto& l : lanes) {
+    CudaCheck(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (int s = 0; s < 2; ++s) {
+      l.buf[s] = std::make_unique<HostBuffer>(request, /*pinned=*/true);
+      CudaCheck(cudaEventCreateWithFlags(&l.ev[s], cudaEventDisableTiming), "cudaEventCreate");
+    }
+  }
+
+  const auto t0 = Clock::now();
+  Fd fd(path, direct);
+  const uint64_t n_req = (size + request - 1) / request;
+  std::atomic<uint64_t> next{0};
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>& failed) {
+    CudaCheck(cudaSetDevice(device), "cudaSetDevice");
+    Lane& l = lanes[lane];
+    int slot = 0;
+    while (!failed.load(std::memory_order_relaxed)) {
+      const uint64_t i = next.fetch_add(1);
+      if (i >= n_req) break;
+      const uint64_t off = i * request;
+      const uint64_t len = std::min(request, size - off);
+      if (l.pending[slot]) {
+        CudaCheck(cudaEventSynchronize(l.ev[slot]), "cudaEventSynchronize");
+        l.pending[slot] = false;
+      }
+      fd.ReadRange(l.buf[slot]->data(), len, off, direct);
+      CudaCheck(cudaMemcpyAsync(dev.data() + off, l.buf[slot]->data(), len,
+                                cudaMemcpyHostToDevice, l.stream),
+                "cudaMemcpyAsync");
+      CudaCheck(cudaEventRecord(l.ev[slot], l.stream), "cudaEventRecord");
+      l.pending[slot] = true;
+      slot ^= 1;
+    }
+    CudaCheck(cudaStreamSynchronize(l.stream), "cudaStreamSynchronize");
+  });
+  const double seconds = Since(t0);
+
+  // Spot check against the file: first, middle and last 64 KiB.
+  const uint64_t probe_len = std::min<uint64_t>(size, 64 * 1024);
+  if (probe_len > 0) {
+    Fd check(path, false);
+    std::vector<char> want(probe_len), got(probe_len);
+    for (uint64_t at : {uint64_t{0}, (size - probe_len) / 2, size - probe_len}) {
+      check.ReadRange(want.data(), probe_len, at, false);
+      CudaCheck(cudaMemcpy(got.data(), dev.data() + at, probe_len, cudaMemcpyDeviceToHost),
+                "cudaMemcpy (check)");
+      if (std::memcmp(want.data(), got.data(), probe_len) != 0) {
+        throw ToolError("pipeline: device bytes differ from the file at offset " + std::to_string(at));
+      }
+    }
+  }
+  for (auto& l : lanes) {
+    for (auto& e : l.ev) cudaEventDestroy(e);
+    cudaStreamDestroy(l.stream);
+  }
+
+  Json j;
+  j["mode"] = "pipeline";
+  j["file"] = path;
+  j["bytes"] = size;
+  j["seconds"] = seconds;
+  j["gbps"] = Gbps(size, seconds);
+  j["threads"] = threads;
+  j["request"] = request;
+  j["direct"] = direct;
+  j["pinned"] = true;
+  j["host_buffer_bytes"] = uint64_t{threads} * 2 * AlignUp(request, kAlign);
+  j["resident_fraction_before"] = resident;
+  return j;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "I/O and copy ceilings for the reshard loader benchmark (scripts/bench_load.py). Each "
+      "subcommand prints one JSON object; GB = 1e9 bytes."};
+  app.require_subcommand(1);
+  std::string file, request_text = "2MiB", bytes_text = "1GiB";
+  unsigned threads = 1, reps = 5;
+  bool direct = false, pinned = false;
+  int device = 0;
+
+  auto common = [&](CLI::App* sub, bool with_file) {
+    if (with_file) sub->add_option("--file", file, "file to read")->required();
+    sub->add_option("--threads", threads, "threads (each with its own buffers / stream)")
+        ->check(CLI::Range(1u, 1024u));
+    sub->add_option("--request", request_text, "bytes per request, e.g. 2MiB, 16M, 1048576");
+    sub->add_option("--device", device, "CUDA device (default 0)");
+  };
+  CLI::App* read = app.add_subcommand("read", "T threads pread a file into their own buffers");
+  common(read, true);
+  read->add_flag("--direct", direct, "O_DIRECT reads");
+  read->add_flag("--pinned", pinned, "buffers pinned with cudaHostAlloc (needs a GPU)");
+  CLI::App* h2d = app.add_subcommand("h2d", "pinned host -> device copy bandwidth");
+  common(h2d, false);
+  h2d->add_option("--bytes", bytes_text, "bytes copied per repetition (default 1GiB)");
+  h2d->add_option("--reps", reps, "timed repetitions after one warm-up (default 5)")
+      ->check(CLI::Range(1u, 1000u));
+  CLI::App* pipe = app.add_subcommand(
+      "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
+  common(pipe, true);
+  pipe->add_flag("--direct", direct, "O_DIRECT reads");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    const uint64_t request = ParseBytes(request_text, "--request");
+    Json out;
+    if (*read) {
+      out = CmdRead(file, threads, request, direct, pinned, device);
+    } else if (*h2d) {
+      out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
+    } else {
+      out = CmdPipeline(file, threads, request, direct, device);
+    }
+    std::cout << out.dump() << std::endl;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "reshard_bench_ceilings: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
