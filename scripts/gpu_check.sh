@@ -13,4 +13,4 @@ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 cmake --build "$BUILD" -j "$(nproc)"
 export RESHARD_BIN=$BUILD/reshard PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 ctest --test-dir "$BUILD" --output-on-failure -j 8
-$PY -m pytest -q -p no:cacheprovider tests/python "$@"
+$PY -m pytest -q tests/python "$@"
