@@ -2,6 +2,7 @@
 // stream per lane. This header includes no CUDA header; the implementation links cudart.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 

@@ -2,6 +2,7 @@
 // that names the file, the field, what was found and what was expected.
 #pragma once
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
