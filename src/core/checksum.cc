@@ -8,7 +8,19 @@
 
 namespace reshard {
 
+#if defined(__x86_64__) && defined(RESHARD_HAVE_AVX2_TU)
+namespace internal {
+uint64_t Xxh3Avx2(const void* data, size_t size);
+}
+namespace {
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+}
+uint64_t Xxh3(const void* data, size_t size) {
+  return kHaveAvx2 ? internal::Xxh3Avx2(data, size) : XXH3_64bits(data, size);
+}
+#else
 uint64_t Xxh3(const void* data, size_t size) { return XXH3_64bits(data, size); }
+#endif
 
 uint64_t CombineChunkChecksums(std::span<const uint64_t> chunk_checksums) {
   std::vector<unsigned char> bytes(chunk_checksums.size() * 8);
