@@ -26,7 +26,7 @@ if hasattr(torch, "float8_e8m0fnu"):
     _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 
 # Host memory used at once by dtype-converting loads (file dtype != live dtype).
-_CONVERT_BATCH_BYTES = 256 << 20
+_CONVERT_BATCH_BYTES = 64 << 20
 
 
 @dataclasses.dataclass

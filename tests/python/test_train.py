@@ -1,0 +1,320 @@
+"""The trainer (python -m reshard.train) and the accelerate recipe, end to end on CPU:
+several processes (torchrun / accelerate launch), FSDP2 on gloo, real transformers models.
+
+* two ranks: weights right after the load equal from_pretrained bit for bit, greedy generation
+  equals from_pretrained's, the loss falls; AutoTokenizer from OUT;
+* one process (no torchrun): .jsonl data, byte-level tokens, and a wrong reference refused;
+* accelerate launch, two processes: accelerate's fp32 upcast, weights equal
+  from_pretrained(...).float(), the loss falls;
+* host memory: a ~500 MB Llama-shaped bf16 checkpoint; what each rank's peak RSS grows by during
+  the load is bounded by that rank's bytes (and is far from the whole model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoints
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+BIN = os.path.dirname(sys.executable)
+TORCHRUN = os.path.join(BIN, "torchrun")
+ACCELERATE = os.path.join(BIN, "accelerate")
+RECIPE = os.path.join(REPO, "recipes", "accelerate")
+MiB = 1 << 20
+
+
+def _env():
+    paths = [os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), OMP_NUM_THREADS="1",
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+
+
+def _run(cmd, timeout=240, expect_rc=0):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=_env(),
+                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=REPO)
+    out = f"$ {' '.join(map(str, cmd))}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+    if expect_rc == 0:
+        assert proc.returncode == 0, out
+    else:
+        assert proc.returncode != 0, "expected a failure\n" + out
+    return proc, out
+
+
+def _convert(reshard_bin, src, out, world):
+    _run([reshard_bin, "convert", src, "-o", out, "--world-size", world])
+
+
+def _reports(json_dir, world):
+    return [json.load(open(os.path.join(json_dir, f"rank-{r}.json"))) for r in range(world)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _char_tokenizer(directory):
+    """A character-level fast tokenizer of 32 ids (fits the test models' 37-word vocabulary),
+    saved with save_pretrained so that AutoTokenizer finds it."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "</s>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz .,\n":
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(directory)
+
+
+def _loss_fell(losses, min_drop):
+    k = max(1, len(losses) // 5)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    assert last < first - min_drop, f"loss did not fall by {min_drop}: first {first:.4f}, last {last:.4f}: {losses}"
+    return first, last
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, reshard_bin):
+    """The tiny Llama (bf16, sharded safetensors) with a tokenizer, converted for 2 ranks, and a
+    copy without tokenizer converted for 1 rank; plus another seed as a wrong reference."""
+    root = tmp_path_factory.mktemp("train")
+    src = str(root / "llama")
+    checkpoints.make_checkpoint(src, "llama", "bf16", True)
+    _char_tokenizer(src)
+    out2 = str(root / "out-ws2")
+    _convert(reshard_bin, src, out2, 2)
+    assert os.path.exists(os.path.join(out2, "tokenizer.json")), os.listdir(out2)
+    bare = str(root / "llama-bare")
+    checkpoints.make_checkpoint(bare, "llama", "bf16", False)
+    out1 = str(root / "out-ws1")
+    _convert(reshard_bin, bare, out1, 1)
+    other = str(root / "llama-seed1")
+    checkpoints.make_checkpoint(other, "llama", "bf16", False, seed=1)
+    return {"src": src, "out2": out2, "bare": bare, "out1": out1, "other": other, "root": root}
+
+
+def test_trainer_two_ranks_loads_exactly_and_learns(tiny, tmp_path, reshard_bin):
+    from transformers import AutoModelForCausalLM
+
+    json_dir = tmp_path / "json"
+    proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", tiny["out2"],
+                      "--steps", "24", "--grad-accum", "2", "--batch-size", "4", "--seq-len", "64",
+                      "--lr", "3e-3", "--max-grad-norm", "1.0", "--log-every", "4",
+                      "--check-weights", tiny["src"], "--check-generate", tiny["src"],
+                      "--json-out", json_dir])
+    reps = _reports(json_dir, 2)
+    n_params = len(list(AutoModelForCausalLM.from_pretrained(tiny["src"]).parameters()))
+    layout = json.loads(subprocess.run([reshard_bin, "inspect", tiny["out2"], "--json"], check=True,
+                                       capture_output=True, text=True).stdout)["layouts"]["fsdp2-ws2"]
+    for r, rep in enumerate(reps):
+        assert rep["rank"] == r and rep["world_size"] == 2
+        assert rep["load"]["file"].endswith(f"fsdp2-ws2/rank-{r:05d}-of-00002.reshard"), rep["load"]
+        assert rep["params_checked"] == n_params
+        assert rep["mixed_precision"] and rep["param_dtype"] == "torch.float32"
+        assert rep["load"]["converted_tensors"] > 0  # bf16 file -> fp32 master weights
+        assert rep["tokenizer"].startswith("AutoTokenizer"), rep["tokenizer"]
+        gen = rep["generate"]
+        assert len(gen["generated"]) == len(gen["prompt"]) + 12
+        assert rep["losses"] == reps[0]["losses"]  # all-reduced: one loss curve
+        assert len(rep["losses"]) == 24 and len(rep["grad_norms"]) == 24
+        assert rep["tokens_per_s"] > 0 and rep["rss"]["peak_final"] > 0
+    assert reps[0]["generate"]["generated"] == reps[1]["generate"]["generated"]
+    assert sum(rep["load"]["bytes"] for rep in reps) == layout["nbytes"]
+    first, last = _loss_fell(reps[0]["losses"], 1.0)
+    assert "check-weights:" in proc.stdout and "check-generate:" in proc.stdout, log
+    assert proc.stdout.count("step ") >= 6, log
+    print(f"\ntrainer 2 ranks: loss {first:.3f} -> {last:.3f}, load {reps[0]['load']['seconds'] * 1e3:.1f} ms "
+          f"/ {reps[1]['load']['seconds'] * 1e3:.1f} ms, peak RSS {reps[0]['rss']['peak_final'] / MiB:.0f} MiB")
+
+
+def test_trainer_single_process_jsonl_bytes_and_refusal(tiny, tmp_path):
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"Line {i}: the miller counted {i % 7} sheep near the river.", "id": i}) + "\n")
+    json_dir, plain_dir = tmp_path / "json", tmp_path / "plain"
+    args = [sys.executable, "-m", "reshard.train", tiny["out1"], "--data", data, "--steps", "16",
+            "--seq-len", "32", "--batch-size", "4", "--lr", "5e-3", "--no-bf16", "--param-dtype", "checkpoint"]
+    proc, log = _run([*args, "--check-weights", tiny["bare"], "--check-generate", tiny["bare"],
+                      "--json-out", json_dir])
+    (rep,) = _reports(json_dir, 1)
+    # The checks run forwards without backward; they must leave training exactly as without them
+    # (FSDP2 keeps the root's gathered parameters after a forward unless resharded).
+    _run([*args, "--json-out", plain_dir])
+    (plain,) = _reports(plain_dir, 1)
+    assert rep["losses"] == plain["losses"], (rep["losses"], plain["losses"])
+    assert rep["world_size"] == 1 and rep["load"]["file"].endswith("rank-00000-of-00001.reshard")
+    assert rep["param_dtype"] == "torch.bfloat16" and not rep["mixed_precision"]
+    assert rep["load"]["converted_tensors"] == 0
+    assert rep["tokenizer"].startswith("byte-level fallback"), rep["tokenizer"]
+    assert "byte-level fallback" in proc.stdout, log
+    _loss_fell(rep["losses"], 0.5)
+    # The same load checked against another checkpoint must fail, naming what differs.
+    proc, log = _run([sys.executable, "-m", "reshard.train", tiny["out1"], "--steps", "1",
+                      "--check-weights", tiny["other"]], expect_rc=1)
+    assert "differ from from_pretrained" in proc.stderr and "model.embed_tokens.weight" in proc.stderr, log
+    proc, log = _run([sys.executable, "-m", "reshard.train", tiny["out1"], "--steps", "1",
+                      "--check-generate", tiny["other"]], expect_rc=1)
+    assert "greedy generation differs" in proc.stderr, log
+
+
+@pytest.mark.parametrize("config,live_dtype", [("fsdp2.yaml", "torch.float32"),
+                                               ("fsdp2-no-mp.yaml", "torch.bfloat16")])
+def test_accelerate_recipe_two_processes(tiny, tmp_path, config, live_dtype):
+    """bf16 mixed precision: accelerate upcasts to fp32 and the load converts (weights equal
+    from_pretrained(...).float()); without mixed precision the bf16 bytes land as they are."""
+    from transformers import AutoModelForCausalLM
+
+    json_dir = tmp_path / "json"
+    proc, log = _run([ACCELERATE, "launch", "--config_file", os.path.join(RECIPE, config),
+                      "--num_processes", "2", "--main_process_port", _free_port(),
+                      os.path.join(RECIPE, "train_accelerate.py"), tiny["out2"], "--steps", "20",
+                      "--seq-len", "64", "--batch-size", "4", "--lr", "3e-3", "--log-every", "5",
+                      "--check-weights", tiny["src"], "--json-out", json_dir])
+    reps = _reports(json_dir, 2)
+    n_params = len(list(AutoModelForCausalLM.from_pretrained(tiny["src"]).parameters()))
+    for r, rep in enumerate(reps):
+        assert rep["world_size"] == 2 and rep["rank"] == r
+        assert rep["prepared_on_meta"], "accelerate.prepare must leave the empty model on meta"
+        assert rep["file_dtype"] == "torch.bfloat16" and rep["param_dtype"] == live_dtype, rep
+        if live_dtype == "torch.float32":
+            assert rep["mixed_precision"] == "bf16" and rep["load"]["converted_tensors"] > 0
+        else:
+            assert rep["mixed_precision"] == "no" and rep["load"]["converted_tensors"] == 0
+        assert rep["load"]["file"].endswith(f"rank-{r:05d}-of-00002.reshard")
+        assert rep["params_checked"] == n_params
+        assert rep["optimizer_params"] == n_params
+    first, last = _loss_fell(reps[0]["losses"], 1.0)
+    assert f"equal from_pretrained({tiny['src']}) bit for bit (live dtype {live_dtype})" in proc.stdout, log
+    print(f"\naccelerate recipe ({config}) 2 ranks: loss {first:.3f} -> {last:.3f}")
+
+
+# ---------------------------------------------------------------------------------------
+# Host memory on a model big enough to tell
+# ---------------------------------------------------------------------------------------
+
+def _write_llama_bf16(path, layers=16, file_bytes=150 << 20):
+    """A Llama-shaped bf16 checkpoint (hidden 1024, MLP 2816, vocab 32000, `layers` layers:
+    ~254 M parameters, ~509 MB), written with safetensors one file at a time; key names and
+    shapes come from transformers' own model built on the meta device."""
+    import transformers as tr
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+
+    cfg = tr.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
+                         max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+    with init_empty_weights():
+        shapes = {k: v.shape for k, v in tr.LlamaForCausalLM(cfg).state_dict().items()}
+    os.makedirs(path, exist_ok=True)
+    cfg.save_pretrained(path)
+    groups, cur, size = [], [], 0
+    for name, shape in shapes.items():
+        cur.append(name)
+        size += shape.numel() * 2
+        if size >= file_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+    groups += [cur] if cur else []
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {n: (torch.randn(shapes[n], generator=gen) * 0.02).to(torch.bfloat16) for n in group}
+        save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def test_peak_rss_bounded_by_rank_bytes(tmp_path, reshard_bin):
+    src, out = str(tmp_path / "llama-500mb"), str(tmp_path / "out")
+    model_bytes = _write_llama_bf16(src)
+    assert 400e6 < model_bytes < 600e6, model_bytes
+    _convert(reshard_bin, src, out, 2)
+    common = ["--steps", "1", "--batch-size", "1", "--seq-len", "16", "--param-dtype", "checkpoint"]
+    base_dir, run_dir = tmp_path / "baseline", tmp_path / "run"
+    _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", out, *common,
+          "--dry-baseline", "--json-out", base_dir])
+    proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", out, *common,
+                      "--json-out", run_dir])
+    base, reps = _reports(base_dir, 2), _reports(run_dir, 2)
+    lines = []
+    for r, (b, rep) in enumerate(zip(base, reps)):
+        assert b["dry_baseline"] and "load" not in b
+        rank_bytes = rep["load"]["bytes"]
+        assert rank_bytes == rep["local_param_bytes"], (rank_bytes, rep["local_param_bytes"])
+        assert abs(rank_bytes - model_bytes / 2) < 0.1 * model_bytes, (rank_bytes, model_bytes)
+        baseline = b["rss"]["peak_final"]
+        peak = rep["rss"]["peak_after_load"]
+        grown = peak - baseline
+        in_run = rep["rss"]["load_increment"]  # peak after the load - RSS right before it
+        bound = int(1.15 * rank_bytes) + 96 * MiB
+        lines.append(f"rank {r}: rank bytes {rank_bytes / MiB:.1f} MiB, baseline peak RSS {baseline / MiB:.0f} MiB, "
+                     f"peak RSS after load {peak / MiB:.0f} MiB, grown {grown / MiB:.0f} MiB (in-run "
+                     f"{in_run / MiB:.0f} MiB), bound {bound / MiB:.0f} MiB, model {model_bytes / MiB:.0f} MiB, "
+                     f"load {rep['load']['seconds']:.2f} s ({rep['load']['gbps']:.2f} GB/s), "
+                     f"peak RSS after 1 step {rep['rss']['peak_final'] / MiB:.0f} MiB")
+        # The shard really landed in host memory (else the measurement would prove nothing) ...
+        assert in_run >= 0.9 * rank_bytes, lines[-1]
+        # ... and the load costs this rank's bytes plus small buffers: nobody holds the model.
+        assert grown <= bound and in_run <= bound, lines[-1]
+        assert grown < 0.7 * model_bytes and in_run < 0.7 * model_bytes, lines[-1]
+    print("\n" + "\n".join(lines))
+    assert all(len(rep["losses"]) == 1 for rep in reps)
+
+
+# ---------------------------------------------------------------------------------------
+# Data helpers (in-process)
+# ---------------------------------------------------------------------------------------
+
+def test_shipped_corpus_and_data_helpers(tmp_path):
+    from reshard import train
+
+    corpus = train.DEFAULT_CORPUS
+    assert 100_000 < os.path.getsize(corpus) < 300_000
+    # The corpus is exactly what its generator writes (deterministic, no third-party text).
+    gen = os.path.join(os.path.dirname(corpus), "make_corpus.py")
+    _run([sys.executable, gen, "--check"])
+    docs = train.load_documents(None)
+    assert len(docs) == 1 and docs[0].startswith("The Village Book")
+
+    encode, eos, desc = train.make_encoder(str(tmp_path), 37)  # no tokenizer files there
+    assert eos is None and desc.startswith("byte-level fallback")
+    assert encode("Az\u00e9") == [b % 37 for b in "Az\u00e9".encode("utf-8")]
+    stream = train.token_stream(["ab", "cd"], encode, None, 37)
+    assert stream.tolist() == [b % 37 for b in b"abcd"]
+    with pytest.raises(ValueError, match="token id 40 >= vocab_size 37"):
+        train.token_stream(["x"], lambda t: [40], None, 37)
+    with pytest.raises(ValueError, match="--seq-len 8 needs more"):
+        train.Batches(torch.arange(8), 2, 8, 0, 0)
+    b0 = train.Batches(torch.arange(1000), 3, 16, seed=5, rank=0).next()
+    assert b0.shape == (3, 16) and torch.equal(b0[:, 1:] - b0[:, :-1], torch.ones(3, 15, dtype=torch.int64))
+    assert torch.equal(b0, train.Batches(torch.arange(1000), 3, 16, seed=5, rank=0).next())
+    assert not torch.equal(b0, train.Batches(torch.arange(1000), 3, 16, seed=5, rank=1).next())
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected an object with a string field"):
+        train.load_documents(str(bad))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "one"}\n\n{"text": "two", "meta": 1}\n')
+    assert train.load_documents(str(good)) == ["one", "two"]
+    assert train.token_stream(["ab", "cd"], encode, 1, 37).tolist() == [97 % 37, 98 % 37, 1, 99 % 37, 100 % 37]
