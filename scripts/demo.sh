@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the built-in default checkpoint, from a fresh machine:
 # set-up → make a small Llama checkpoint with transformers → convert for world size 8 →
-# verify against the source → inspect → load it in 8 FSDP2 processes (CPU/gloo, or GPUs).
+# verify against the source → inspect → train it with 8 FSDP2 processes (CPU/gloo, or GPUs),
+# each loading only its own rank file (load time and memory shown per rank).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,6 +22,8 @@ echo "== 3. reshard verify --source"
 "$BUILD/reshard" verify "$WORK/shards" --source "$WORK/llama-default"
 echo "== 4. reshard inspect"
 "$BUILD/reshard" inspect "$WORK/shards"
-echo "== 5. load: $WS FSDP2 processes, each reading only its own rank file"
-"$VENV/bin/torchrun" --nproc-per-node "$WS" --standalone scripts/demo_load.py "$WORK/shards" 2>&1 \
-  | grep -E "^rank |Error|error"
+STEPS=${RESHARD_DEMO_STEPS:-30}
+echo "== 5. train: $WS FSDP2 processes (torchrun -m reshard.train), $STEPS steps"
+OMP_NUM_THREADS=1 "$VENV/bin/torchrun" --nproc-per-node "$WS" --standalone -m reshard.train "$WORK/shards" \
+  --steps "$STEPS" --batch-size 2 --seq-len 64 --log-every 5 --check-weights "$WORK/llama-default" 2>&1 \
+  | grep -vE "^(W|I)[0-9]{4} |^\*+$|OMP_NUM_THREADS|warnings.warn|UserWarning"

@@ -541,11 +541,18 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     cuda = (f", peak CUDA {result['cuda_peak_bytes'] / 2**20:.0f} MiB" if "cuda_peak_bytes" in result else "")
     loss_txt = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
-    print(f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
-          f"{os.path.relpath(report.file, args.out)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
-          f"peak RSS {peak_after / 2**20:.0f} MiB after load (RSS before load {rss_before / 2**20:.0f} MiB), "
-          f"{result['rss']['peak_final'] / 2**20:.0f} MiB at the end{cuda}{loss_txt}, "
-          f"{result['tokens_per_s']:.0f} tokens/s", flush=True)
+    line = (f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
+            f"{os.path.relpath(report.file, args.out)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
+            f"peak RSS {peak_after / 2**20:.0f} MiB after load (RSS before load {rss_before / 2**20:.0f} MiB), "
+            f"{result['rss']['peak_final'] / 2**20:.0f} MiB at the end{cuda}{loss_txt}, "
+            f"{result['tokens_per_s']:.0f} tokens/s")
+    if dist.is_available() and dist.is_initialized() and world > 1:
+        lines = [None] * world  # one summary per rank, printed in rank order by rank 0
+        dist.all_gather_object(lines, line)
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+    else:
+        print(line, flush=True)
     return result
 
 
