@@ -41,7 +41,11 @@ struct LoadTarget {
   bool on_device = false;
 };
 
-enum class IoMode { kAuto, kBuffered, kDirect };
+/// kAuto: buffered reads when the file is in the page cache, kReadahead when it is not.
+/// kReadahead: buffered reads by the workers while one thread asks the kernel to read ahead
+/// (posix_fadvise WILLNEED) in file order, so the disk sees one sequential stream.
+/// kDirect: O_DIRECT reads into the staging buffers (device targets only).
+enum class IoMode { kAuto, kBuffered, kDirect, kReadahead };
 
 struct LoadOptions {
   unsigned threads = 8;
@@ -58,6 +62,7 @@ struct LoadReport {
   uint64_t staging_bytes = 0;  // pinned staging allocated
   unsigned threads = 0;
   bool direct_io = false;
+  bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto
 };
 

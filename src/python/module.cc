@@ -38,8 +38,9 @@ reshard::IoMode ParseIo(const std::string& io) {
   if (io == "auto") return reshard::IoMode::kAuto;
   if (io == "buffered") return reshard::IoMode::kBuffered;
   if (io == "direct") return reshard::IoMode::kDirect;
+  if (io == "readahead") return reshard::IoMode::kReadahead;
   throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                       "io must be auto, buffered or direct, not \"" + io + "\"");
+                       "io must be auto, buffered, direct or readahead, not \"" + io + "\"");
 }
 
 }  // namespace
@@ -124,6 +125,7 @@ PYBIND11_MODULE(_C, m) {
         d["staging_bytes"] = r.staging_bytes;
         d["threads"] = r.threads;
         d["direct_io"] = r.direct_io;
+        d["readahead"] = r.readahead;
         d["resident_fraction"] = r.resident_fraction;
         return d;
       },

@@ -44,7 +44,7 @@ def test_fsdp2_one_process_nccl_cuda(llama_bf16, tmp_path):
     run_ranks(llama_bf16, out, 1, tmp_path, "--device", "cuda")
 
 
-@pytest.mark.parametrize("io", ["auto", "direct", "buffered"])
+@pytest.mark.parametrize("io", ["auto", "direct", "buffered", "readahead"])
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_each_rank_of_ws8_into_cuda(llama_bf16, tmp_path, io, compress):
     _require_cuda()
@@ -82,7 +82,7 @@ def test_gpu_load_refuses_corrupted_file(llama_bf16, tmp_path):
         f.write(bytes([b[0] ^ 1]))
     model = reshard.empty_model(str(out))
     model.to_empty(device="cuda")
-    for io in ("direct", "buffered"):
+    for io in ("direct", "buffered", "readahead"):
         with pytest.raises(reshard.ReshardError, match="checksum mismatch"):
             reshard.load(model, str(out), io=io)
 

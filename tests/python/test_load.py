@@ -131,6 +131,18 @@ def test_zstd_rank_file_loads(ckpts, tmp_path):
     _assert_same_as(model, AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("io", ["auto", "buffered", "readahead"])
+def test_io_modes_on_host(ckpts, tmp_path, io):
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts[("llama", "fp32")]
+    out = tmp_path / "out"
+    convert(src, out, 1, "--chunk-size", "8192")
+    model = _empty_cpu(out)
+    reshard.load(model, str(out), io=io, threads=3)
+    _assert_same_as(model, AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32))
+
+
 def test_live_dtype_differs_converts_like_to(ckpts, tmp_path):
     """accelerate upcasts trainable params to fp32: a bf16 file lands as .to(float32)."""
     from transformers import AutoModelForCausalLM
