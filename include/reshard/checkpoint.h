@@ -1,4 +1,5 @@
-// A Hugging Face checkpoint directory (or a single .safetensors file) as a list of tensors.
+// A Hugging Face checkpoint directory (or a single weight file) as a list of tensors, each a
+// byte range of a safetensors file or of a torch.save zip archive (pytorch_model.bin).
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,28 @@ struct SourceFingerprint {
   bool operator==(const SourceFingerprint& other) const;
 };
 
+enum class WeightFormat { kSafetensors, kTorchZip };
+
+/// One tensor of a weight file: `nbytes` row-major little-endian bytes at `offset`.
+struct WeightTensor {
+  std::string name;
+  DType dtype;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0;  // absolute byte offset in the file
+  uint64_t nbytes = 0;
+};
+
+/// A validated weight file. In a torch zip archive several tensors may share bytes (tied
+/// weights saved twice on one storage, views).
+struct WeightFile {
+  std::string path;
+  WeightFormat format = WeightFormat::kSafetensors;
+  uint64_t file_size = 0;
+  uint64_t header_xxh3 = 0;  // formats/rank-file.md `source.files[].header_xxh3`
+  uint64_t sample_xxh3 = 0;  // formats/rank-file.md `source.files[].sample_xxh3`
+  std::vector<WeightTensor> tensors;  // sorted by (offset, nbytes, name)
+};
+
 struct SourceTensor {
   std::string name;
   DType dtype;
@@ -38,19 +61,23 @@ struct SourceTensor {
 
 struct Checkpoint {
   std::filesystem::path dir;           // directory holding the weight files
-  std::vector<SafetensorsFile> files;  // sorted by name
+  WeightFormat format = WeightFormat::kSafetensors;
+  std::vector<WeightFile> files;       // sorted by name
   std::vector<SourceTensor> tensors;   // sorted by name
   SourceFingerprint fingerprint;
-  std::string index_file;              // "model.safetensors.index.json" or empty
+  std::string index_file;              // "model.safetensors.index.json",
+                                       // "pytorch_model.bin.index.json" or empty
   std::vector<std::string> aux_files;  // config/tokenizer files present in dir
 
   const SourceTensor* Find(std::string_view name) const;
 };
 
-/// Opens a checkpoint: a directory with model.safetensors.index.json (sharded), or with
-/// *.safetensors files (single), or one .safetensors file. Every header is validated;
-/// index entries pointing at missing files or keys are errors. pytorch_model.bin checkpoints
-/// are refused with kUnsupported (for now).
+/// Opens a checkpoint. A directory is read, in this order of preference (as transformers
+/// does): model.safetensors.index.json (sharded), model.safetensors, a single *.safetensors
+/// file, pytorch_model.bin.index.json (sharded torch zip archives), pytorch_model.bin. A file
+/// is read as safetensors when it ends in .safetensors and as a torch zip archive when it ends
+/// in .bin, .pt or .pth. Every header (every data.pkl) is validated; index entries pointing at
+/// missing files or keys are errors; only the index's weight_map is trusted.
 Checkpoint OpenCheckpoint(const std::filesystem::path& src);
 
 /// Files copied beside the layouts so the output directory is self-contained.

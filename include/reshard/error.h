@@ -37,6 +37,10 @@ class Error : public std::runtime_error {
 [[noreturn]] void FailField(std::string_view file, std::string_view field, std::string_view found,
                             std::string_view expected);
 
+/// `text` made safe for an error message: valid UTF-8 is kept, control characters and bytes
+/// that are not valid UTF-8 are written as \xNN; cut after `max_bytes` input bytes ("...").
+std::string Printable(std::string_view text, size_t max_bytes = 200);
+
 /// Overflow-checked arithmetic for sizes and offsets read from files; throws kDataLoss naming
 /// `what` on overflow.
 uint64_t CheckedAdd(uint64_t a, uint64_t b, std::string_view what);

@@ -27,9 +27,9 @@ RowRange ChunkRows(uint64_t n, uint64_t world_size, uint64_t rank);
 struct LayoutSpec {
   LayoutKind kind = LayoutKind::kFsdp2;
   uint32_t world_size = 1;
-  std::string dtype = "keep";
+  std::string dtype = "keep";  // the dtype policy: keep, bf16, fp16, fp32 (dtype_convert.h)
 
-  /// Directory name and manifest key, e.g. "fsdp2-ws8".
+  /// Directory name and manifest key, e.g. "fsdp2-ws8", "fsdp2-ws8-bf16".
   std::string Key() const;
   std::string KindName() const;
 };
@@ -40,14 +40,18 @@ std::optional<LayoutKind> ParseLayoutKind(std::string_view name);
 struct PlannedTensor {
   size_t source_index = 0;  // into Checkpoint::tensors
   std::string name;
-  DType dtype;
+  DType dtype;              // as stored in the rank file (after the dtype policy)
+  DType source_dtype;       // as in the source; differs from dtype when converted
   std::vector<uint64_t> global_shape;
   bool sharded = false;     // false: stored whole (0-dim)
   RowRange rows;            // valid when sharded
   std::vector<uint64_t> local_shape;
-  uint64_t nbytes = 0;
+  uint64_t nbytes = 0;         // bytes in the rank file
+  uint64_t source_nbytes = 0;  // bytes of this rank's part in the source (= nbytes unless converted)
   uint64_t source_offset = 0;  // absolute offset of this rank's bytes in the source file
   uint64_t offset = 0;         // in the data region (raw codec; 4096-aligned)
+
+  bool converted() const { return dtype != source_dtype; }
 };
 
 struct RankPlan {
@@ -56,8 +60,9 @@ struct RankPlan {
   uint64_t data_size = 0;              // data region size for the raw codec
 };
 
-/// Plans rank `rank` of `layout` for `ckpt`. Throws kUnsupported when a tensor cannot be
-/// split into whole bytes per row (sub-byte dtypes with odd rows).
+/// Plans rank `rank` of `layout` for `ckpt`, applying the layout's dtype policy (stored dtype
+/// and sizes). Throws kInvalidArgument for an unknown dtype policy, kUnsupported when a tensor
+/// cannot be split into whole bytes per row (sub-byte dtypes with odd rows).
 RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank);
 
 }  // namespace reshard

@@ -58,6 +58,9 @@ __all__ = [
     "parse_rank_file_name",
     "combine_chunk_checksums",
     "safetensors_file_fingerprint",
+    "torch_zip_tensors",
+    "torch_zip_file_fingerprint",
+    "weight_file_fingerprint",
     "source_fingerprint",
     "read_header",
     "read_tensor",
@@ -350,6 +353,159 @@ def safetensors_file_fingerprint(path: str) -> Dict[str, Any]:
         "header_xxh3": hex16(xxh3_64(prefix + header)),
         "sample_xxh3": hex16(xxh3_64(bytes(sample))),
     }
+
+
+# torch.save storage classes -> safetensors dtype name (the legacy typed storages).
+_TORCH_STORAGE_DTYPES = {
+    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16",
+    "BFloat16Storage": "BF16", "LongStorage": "I64", "IntStorage": "I32",
+    "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8", "BoolStorage": "BOOL",
+    "ComplexFloatStorage": "C64",
+}
+# torch dtypes as _rebuild_tensor_v3 names them -> safetensors dtype name.
+_TORCH_DTYPES = {
+    "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int8": "I8",
+    "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8", "uint16": "U16",
+    "uint32": "U32", "uint64": "U64", "bool": "BOOL", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+}
+
+
+@dataclass
+class _TorchZipTensor:
+    name: str
+    dtype: str
+    shape: List[int]
+    offset: int  # absolute byte offset of the tensor's first byte in the archive
+    nbytes: int
+
+
+def torch_zip_tensors(path: str) -> Tuple[bytes, List[_TorchZipTensor]]:
+    """``(data.pkl bytes, tensors)`` of a torch.save zip archive, read with :mod:`zipfile`
+    and a :class:`pickle.Unpickler` whose globals are inert stand-ins defined here (nothing
+    from torch is imported or run). Tensors must be contiguous."""
+    import pickle
+    import zipfile
+
+    class _Storage:
+        def __init__(self, dtype, key, numel):
+            self.dtype, self.key, self.numel = dtype, key, numel
+
+    class _Tensor:
+        def __init__(self, storage, offset, size, stride, dtype):
+            self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+            self.dtype = dtype
+
+    class _DType:
+        def __init__(self, name):
+            self.name = name
+
+    class _StorageType:
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    def rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):
+        return _Tensor(storage, offset, tuple(size), tuple(stride), storage.dtype)
+
+    def rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+        return _Tensor(storage, offset, tuple(size), tuple(stride), _TORCH_DTYPES[dtype.name])
+
+    def rebuild_parameter(data, requires_grad, hooks, state=None):
+        return data
+
+    def rebuild_from_type(func, new_type, args, state):
+        return func(*args)
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) == ("collections", "OrderedDict"):
+                import collections
+                return collections.OrderedDict
+            if module == "torch._utils":
+                table = {"_rebuild_tensor_v2": rebuild_v2, "_rebuild_tensor_v3": rebuild_v3,
+                         "_rebuild_parameter": rebuild_parameter,
+                         "_rebuild_parameter_with_state": rebuild_parameter}
+                if name in table:
+                    return table[name]
+            if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+                return rebuild_from_type
+            if module in ("torch", "torch._tensor") and name == "Tensor":
+                return _Tensor
+            if module in ("torch.nn.parameter", "torch.nn") and name == "Parameter":
+                return _Tensor
+            if module in ("torch", "torch.storage") and name == "UntypedStorage":
+                return _StorageType(None)
+            if module == "torch" and name in _TORCH_STORAGE_DTYPES:
+                return _StorageType(_TORCH_STORAGE_DTYPES[name])
+            if module == "torch" and name in _TORCH_DTYPES:
+                return _DType(name)
+            raise FormatError(f"{path}: global {module}.{name} is not allowed")
+
+        def persistent_load(self, pid):
+            tag, stype, key, location, numel = pid
+            if tag != "storage" or not isinstance(stype, _StorageType):
+                raise FormatError(f"{path}: persistent id {pid!r}")
+            return _Storage(stype.dtype, key, numel)
+
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        prefix = infos[0].filename.split("/")[0] + "/"
+        pkl = z.read(prefix + "data.pkl")
+        import io
+        state = _Unpickler(io.BytesIO(pkl)).load()
+        by_name = {i.filename: i for i in infos}
+        data_start: Dict[str, int] = {}
+        with open(path, "rb") as fh:
+            for info in infos:
+                fh.seek(info.header_offset)
+                local = fh.read(30)
+                n, m = struct.unpack("<HH", local[26:30])
+                data_start[info.filename] = info.header_offset + 30 + n + m
+        tensors = []
+        for name, t in state.items():
+            dtype = t.dtype or t.storage.dtype
+            item = DTYPE_BITS[dtype] // 8
+            numel = math.prod(t.size)
+            expected, stride_ok = 1, True
+            for d, st in zip(reversed(t.size), reversed(t.stride)):
+                if d != 1 and st != expected:
+                    stride_ok = False
+                expected *= d
+            if numel and not stride_ok:
+                raise FormatError(f"{path}: tensor {name} is not contiguous")
+            rec = prefix + "data/" + t.storage.key
+            assert by_name[rec].compress_type == zipfile.ZIP_STORED
+            offset = data_start[rec] + (t.offset * item if numel else 0)
+            tensors.append(_TorchZipTensor(name, dtype, list(t.size), offset, numel * item))
+    return pkl, tensors
+
+
+def torch_zip_file_fingerprint(path: str) -> Dict[str, Any]:
+    """``{"name", "size", "header_xxh3", "sample_xxh3"}`` of one torch.save zip archive:
+    header_xxh3 hashes the data.pkl record; the sample runs over the tensors in (offset,
+    nbytes, name) order."""
+    pkl, tensors = torch_zip_tensors(path)
+    sample = bytearray()
+    with open(path, "rb") as f:
+        for t in sorted(tensors, key=lambda t: (t.offset, t.nbytes, t.name.encode("utf-8"))):
+            k = min(4096, t.nbytes)
+            f.seek(t.offset)
+            sample += f.read(k)
+            f.seek(t.offset + t.nbytes - k)
+            sample += f.read(k)
+    return {
+        "name": os.path.basename(path),
+        "size": os.path.getsize(path),
+        "header_xxh3": hex16(xxh3_64(pkl)),
+        "sample_xxh3": hex16(xxh3_64(bytes(sample))),
+    }
+
+
+def weight_file_fingerprint(path: str) -> Dict[str, Any]:
+    """The ``source.files`` entry of a weight file, by its extension."""
+    if str(path).endswith(".safetensors"):
+        return safetensors_file_fingerprint(path)
+    return torch_zip_file_fingerprint(path)
 
 
 def source_fingerprint(files: Sequence[Dict[str, Any]]) -> str:

@@ -9,6 +9,7 @@
 #include "reshard/checksum.h"
 #include "reshard/error.h"
 #include "reshard/file_io.h"
+#include "reshard/torch_zip.h"
 
 namespace reshard {
 
@@ -66,6 +67,28 @@ const std::vector<std::string>& AuxFileNames() {
 namespace {
 
 constexpr std::string_view kIndexName = "model.safetensors.index.json";
+constexpr std::string_view kBinIndexName = "pytorch_model.bin.index.json";
+constexpr std::string_view kBinName = "pytorch_model.bin";
+
+bool IsTorchZipName(const fs::path& p) {
+  const auto ext = p.extension();
+  return ext == ".bin" || ext == ".pt" || ext == ".pth";
+}
+
+WeightFile ReadWeightFile(const fs::path& p, WeightFormat format) {
+  if (format == WeightFormat::kTorchZip) return ReadTorchZipFile(p.string());
+  SafetensorsFile st = ReadSafetensorsHeader(p.string());
+  WeightFile w;
+  w.path = st.path;
+  w.format = WeightFormat::kSafetensors;
+  w.file_size = st.file_size;
+  w.header_xxh3 = st.header_xxh3;
+  w.sample_xxh3 = st.sample_xxh3;
+  for (auto& t : st.tensors) {
+    w.tensors.push_back({std::move(t.name), t.dtype, std::move(t.shape), t.offset, t.nbytes});
+  }
+  return w;
+}
 
 bool IsPlainFileName(const std::string& name) {
   return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
@@ -102,30 +125,33 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
   std::vector<std::string> file_names;
   std::map<std::string, std::string> weight_map;
   if (fs::is_regular_file(src)) {
-    if (src.extension() != ".safetensors") {
+    if (IsTorchZipName(src)) {
+      ckpt.format = WeightFormat::kTorchZip;
+    } else if (src.extension() != ".safetensors") {
       Fail(ErrorCode::kUnsupported,
-           src.string() + ": not a .safetensors file; pass a Hugging Face checkpoint directory or "
-                          "a .safetensors file");
+           src.string() + ": neither a .safetensors file nor a torch.save archive (.bin, .pt, "
+                          ".pth); pass a Hugging Face checkpoint directory or one weight file");
     }
     ckpt.dir = src.parent_path().empty() ? fs::path(".") : src.parent_path();
     file_names.push_back(src.filename().string());
   } else {
     ckpt.dir = src;
-    if (fs::exists(src / kIndexName)) {
-      ckpt.index_file = std::string(kIndexName);
-      weight_map = ReadWeightMap(src / kIndexName);
+    auto use_index = [&](std::string_view index_name) {
+      ckpt.index_file = std::string(index_name);
+      weight_map = ReadWeightMap(src / index_name);
       std::set<std::string> unique;
       for (const auto& [k, f] : weight_map) unique.insert(f);
       file_names.assign(unique.begin(), unique.end());
+    };
+    if (fs::exists(src / kIndexName)) {
+      use_index(kIndexName);
     } else if (fs::exists(src / "model.safetensors")) {
       file_names.push_back("model.safetensors");
     } else {
       std::vector<std::string> found;
-      bool has_bin = false;
       for (const auto& e : fs::directory_iterator(src)) {
         const auto name = e.path().filename().string();
         if (e.path().extension() == ".safetensors") found.push_back(name);
-        if (name.starts_with("pytorch_model") && e.path().extension() == ".bin") has_bin = true;
       }
       if (found.size() == 1) {
         file_names = found;
@@ -134,15 +160,17 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
              src.string() + ": " + std::to_string(found.size()) +
                  " .safetensors files but no model.safetensors.index.json to say which tensor "
                  "lives where");
-      } else if (has_bin) {
-        Fail(ErrorCode::kUnsupported,
-             src.string() + ": holds pytorch_model.bin weights, which this version cannot read "
-                            "yet; save the model with safetensors (model.save_pretrained(dir, "
-                            "safe_serialization=True)) and convert that");
+      } else if (fs::exists(src / kBinIndexName)) {
+        ckpt.format = WeightFormat::kTorchZip;
+        use_index(kBinIndexName);
+      } else if (fs::exists(src / kBinName)) {
+        ckpt.format = WeightFormat::kTorchZip;
+        file_names.push_back(std::string(kBinName));
       } else {
-        Fail(ErrorCode::kNotFound, src.string() +
-                                       ": no model.safetensors, model.safetensors.index.json or "
-                                       "*.safetensors file: not a Hugging Face checkpoint");
+        Fail(ErrorCode::kNotFound,
+             src.string() + ": no model.safetensors, model.safetensors.index.json, "
+                            "*.safetensors, pytorch_model.bin or pytorch_model.bin.index.json: "
+                            "not a Hugging Face checkpoint");
       }
     }
     for (const auto& name : AuxFileNames()) {
@@ -158,10 +186,10 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
       for (const auto& [k, f] : weight_map) {
         if (f == name) { key = k; break; }
       }
-      Fail(ErrorCode::kNotFound, (ckpt.dir / kIndexName).string() + ": weight_map[\"" + key +
-                                     "\"] names " + name + ", which does not exist");
+      Fail(ErrorCode::kNotFound, (ckpt.dir / ckpt.index_file).string() + ": weight_map[\"" +
+                                     key + "\"] names " + name + ", which does not exist");
     }
-    ckpt.files.push_back(ReadSafetensorsHeader(p.string()));
+    ckpt.files.push_back(ReadWeightFile(p, ckpt.format));
     const auto& f = ckpt.files.back();
     fp_files.push_back({name, f.file_size, f.header_xxh3, f.sample_xxh3});
   }
@@ -189,9 +217,9 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
   }
   for (const auto& [key, file] : weight_map) {
     if (!ckpt.Find(key)) {
-      Fail(ErrorCode::kDataLoss, (ckpt.dir / kIndexName).string() + ": weight_map[\"" + key +
-                                     "\"] names " + file + ", which has no tensor \"" + key +
-                                     "\"");
+      Fail(ErrorCode::kDataLoss, (ckpt.dir / ckpt.index_file).string() + ": weight_map[\"" +
+                                     key + "\"] names " + file + ", which has no tensor \"" +
+                                     key + "\"");
     }
   }
   if (ckpt.tensors.empty()) {

@@ -16,6 +16,7 @@
 
 #include "reshard/checkpoint.h"
 #include "reshard/checksum.h"
+#include "reshard/dtype_convert.h"
 #include "reshard/error.h"
 #include "reshard/file_io.h"
 #include "reshard/manifest.h"
@@ -41,11 +42,15 @@ struct RankWriter {
   uint64_t cursor = 0;  // zstd: next free byte in the data region
 };
 
+// One chunk of one tensor of one rank file: `length` bytes of the rank file made from
+// `source_length` bytes of the source (the same unless the dtype policy converts; a chunk then
+// covers a whole number of elements on both sides).
 struct WorkItem {
   uint32_t writer = 0;     // index into the group's writers
   uint32_t tensor = 0;     // index into the writer's plan
   uint64_t chunk = 0;
   uint64_t source_offset = 0;
+  uint64_t source_length = 0;
   uint64_t length = 0;
   size_t file_index = 0;
 };
@@ -73,7 +78,8 @@ bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerp
     RankFileReader r = RankFileReader::Open(path);
     const RankFileHeader& h = r.header();
     if (!(h.source == source) || h.layout_key != o.layout.Key() ||
-        h.world_size != o.layout.world_size || h.chunk_size != o.chunk_size) {
+        h.world_size != o.layout.world_size || h.dtype_policy != o.layout.dtype ||
+        h.chunk_size != o.chunk_size) {
       return false;
     }
     for (const auto& t : h.tensors) {
@@ -122,6 +128,8 @@ class Converter {
     TempFiles temps;
     std::vector<RankWriter> writers(ranks.size());
     std::vector<WorkItem> items;
+    uint64_t max_source_length = 0;
+    bool any_converted = false;
     const fs::path dir = o_.out / o_.layout.Key();
     for (size_t w = 0; w < ranks.size(); ++w) {
       RankWriter& rw = writers[w];
@@ -157,11 +165,20 @@ class Converter {
         const uint64_t n = e.ChunkCount(o_.chunk_size);
         e.chunk_xxh3.resize(n);
         if (e.codec == Codec::kZstd) e.frames.resize(n);
+        const uint64_t out_item = Info(p.dtype).bits / 8;
+        const uint64_t in_item = Info(p.source_dtype).bits / 8;
         for (uint64_t c = 0; c < n; ++c) {
           const uint64_t begin = c * o_.chunk_size;
-          items.push_back({static_cast<uint32_t>(w), ti, c, p.source_offset + begin,
-                           std::min(o_.chunk_size, p.nbytes - begin),
-                           ckpt_.tensors[p.source_index].file_index});
+          const uint64_t length = std::min(o_.chunk_size, p.nbytes - begin);
+          WorkItem it{static_cast<uint32_t>(w), ti, c, p.source_offset + begin, length, length,
+                      ckpt_.tensors[p.source_index].file_index};
+          if (p.converted()) {  // chunk_size is a multiple of 4096, so of every element size
+            it.source_offset = p.source_offset + begin / out_item * in_item;
+            it.source_length = length / out_item * in_item;
+          }
+          max_source_length = std::max(max_source_length, it.source_length);
+          any_converted |= p.converted();
+          items.push_back(it);
         }
         h.tensors.push_back(std::move(e));
       }
@@ -174,10 +191,11 @@ class Converter {
 
     const size_t batch = std::max<size_t>(2 * threads_, 4);
     const size_t bound = ZSTD_compressBound(o_.chunk_size);
-    std::vector<std::unique_ptr<char[]>> in(batch), packed(batch);
+    std::vector<std::unique_ptr<char[]>> in(batch), converted(batch), packed(batch);
     std::vector<size_t> packed_size(batch);
     for (size_t i = 0; i < batch; ++i) {
-      in[i].reset(new char[o_.chunk_size]);
+      in[i].reset(new char[std::max(o_.chunk_size, max_source_length)]);
+      if (any_converted) converted[i].reset(new char[o_.chunk_size]);
       if (o_.codec == Codec::kZstd) packed[i].reset(new char[bound]);
     }
     std::vector<ZSTD_CCtx*> cctx(threads_, nullptr);
@@ -197,10 +215,17 @@ class Converter {
           const WorkItem& it = items[start + k];
           RankWriter& rw = writers[it.writer];
           TensorEntry& e = rw.header.tensors[it.tensor];
-          sources_[it.file_index].PReadExact(in[k].get(), it.length, it.source_offset);
-          e.chunk_xxh3[it.chunk] = Xxh3(in[k].get(), it.length);
+          const PlannedTensor& p = rw.plan.tensors[it.tensor];
+          sources_[it.file_index].PReadExact(in[k].get(), it.source_length, it.source_offset);
+          const char* data = in[k].get();
+          if (p.converted()) {
+            ConvertElements(p.source_dtype, p.dtype, in[k].get(), converted[k].get(),
+                            it.length / (Info(p.dtype).bits / 8));
+            data = converted[k].get();
+          }
+          e.chunk_xxh3[it.chunk] = Xxh3(data, it.length);
           if (e.codec == Codec::kRaw) {
-            rw.file.PWriteExact(in[k].get(), it.length,
+            rw.file.PWriteExact(data, it.length,
                                 kDataOffset + e.offset + it.chunk * o_.chunk_size);
           } else {
             int tid = 0;
@@ -208,8 +233,8 @@ class Converter {
             tid = omp_get_thread_num();
 #endif
             if (!cctx[tid]) cctx[tid] = ZSTD_createCCtx();
-            size_t n = ZSTD_compressCCtx(cctx[tid], packed[k].get(), bound, in[k].get(),
-                                         it.length, o_.zstd_level);
+            size_t n = ZSTD_compressCCtx(cctx[tid], packed[k].get(), bound, data, it.length,
+                                         o_.zstd_level);
             if (ZSTD_isError(n)) {
               Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
             }
@@ -239,7 +264,7 @@ class Converter {
         } else {
           result.bytes_stored += it.length;
         }
-        result.bytes_read += it.length;
+        result.bytes_read += it.source_length;
         done_bytes += it.length;
       }
       if (o_.progress) o_.progress(done_bytes, total_bytes);
@@ -313,6 +338,10 @@ ConvertResult Convert(const ConvertOptions& o) {
   }
   if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0) {
     Fail(ErrorCode::kInvalidArgument, "chunk size must be a positive multiple of 4096");
+  }
+  if (!ParseDTypePolicy(o.layout.dtype)) {
+    Fail(ErrorCode::kInvalidArgument,
+         "--dtype " + o.layout.dtype + " is not one of keep, bf16, fp16, fp32");
   }
   uint32_t first = 0, last = o.layout.world_size - 1;
   if (o.ranks) {

@@ -102,6 +102,7 @@ json SourceJson(const fs::path& path) {
   }
   return {{"kind", "source"},
           {"path", path.string()},
+          {"format", ckpt.format == WeightFormat::kTorchZip ? "torch-zip" : "safetensors"},
           {"index_file", ckpt.index_file},
           {"fingerprint", Hex16(ckpt.fingerprint.fingerprint)},
           {"files", files},
@@ -135,7 +136,10 @@ json Inspect(const fs::path& path) {
     Fail(ErrorCode::kNotFound, path.string() + ": no such file or directory");
   }
   if (fs::is_regular_file(path)) {
-    if (path.extension() == ".safetensors") return SourceJson(path);
+    const auto ext = path.extension();
+    if (ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
+      return SourceJson(path);
+    }
     return RankFileJson(RankFileReader::Open(path), true);
   }
   if (fs::exists(path / kManifestName)) {
@@ -206,7 +210,9 @@ std::string RenderInspect(const json& d) {
   } else {
     o << d["path"].get<std::string>() << ": Hugging Face checkpoint, " << d["tensor_count"]
       << " tensors, " << Bytes(d["nbytes"]) << " in " << d["files"].size()
-      << " safetensors file(s), fingerprint " << d["fingerprint"].get<std::string>() << "\n";
+      << (d.value("format", "safetensors") == "torch-zip" ? " torch zip (pytorch_model.bin) file(s)"
+                                                          : " safetensors file(s)")
+      << ", fingerprint " << d["fingerprint"].get<std::string>() << "\n";
     o << "  by dtype:";
     for (const auto& [k, v] : d["nbytes_by_dtype"].items()) o << " " << k << " " << Bytes(v);
     o << "\n";

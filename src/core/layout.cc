@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "reshard/dtype_convert.h"
 #include "reshard/error.h"
 #include "reshard/rank_file_format.h"
 
@@ -42,6 +43,11 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
                                           " is outside world size " +
                                           std::to_string(layout.world_size));
   }
+  const auto policy = ParseDTypePolicy(layout.dtype);
+  if (!policy) {
+    Fail(ErrorCode::kInvalidArgument,
+         "dtype policy \"" + layout.dtype + "\" is not one of keep, bf16, fp16, fp32");
+  }
   RankPlan plan;
   plan.rank = rank;
   // File order is source order (file, offset): the converter then reads every source file
@@ -51,7 +57,9 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     const auto& x = ckpt.tensors[a];
     const auto& y = ckpt.tensors[b];
-    return x.file_index != y.file_index ? x.file_index < y.file_index : x.offset < y.offset;
+    if (x.file_index != y.file_index) return x.file_index < y.file_index;
+    if (x.offset != y.offset) return x.offset < y.offset;
+    return a < b;  // tensors sharing bytes (torch archives): name order
   });
   uint64_t offset = 0;
   for (size_t i : order) {
@@ -59,12 +67,14 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
     PlannedTensor t;
     t.source_index = i;
     t.name = src.name;
-    t.dtype = src.dtype;
+    t.source_dtype = src.dtype;
+    t.dtype = StoredDType(src.dtype, *policy);
     t.global_shape = src.shape;
     t.local_shape = src.shape;
     if (src.shape.empty()) {
       t.sharded = false;
-      t.nbytes = src.nbytes;
+      t.source_nbytes = src.nbytes;
+      t.nbytes = t.converted() ? Info(t.dtype).bits / 8 : src.nbytes;  // one element
       t.source_offset = src.offset;
     } else {
       t.sharded = true;
@@ -79,7 +89,12 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
                  std::string(Name(src.dtype)) +
                  " elements is not a whole number of bytes, so it cannot be split by rows");
       }
-      t.nbytes = *row_bytes * t.rows.size();
+      t.source_nbytes = *row_bytes * t.rows.size();
+      t.nbytes = t.source_nbytes;
+      if (t.converted()) {
+        t.nbytes = CheckedMul(CheckedMul(row_numel, t.rows.size(), "tensor \"" + src.name + "\""),
+                              Info(t.dtype).bits / 8, "tensor \"" + src.name + "\"");
+      }
       t.source_offset = src.offset + *row_bytes * t.rows.start;
     }
     t.offset = offset;

@@ -202,7 +202,8 @@ ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
       }
       RankFileReader reader = RankFileReader::Open(e.path());
       const RankFileHeader& h = reader.header();
-      if (h.layout_key != l.key || h.world_size != layout.world_size || h.rank != parsed->first) {
+      if (h.layout_key != l.key || h.world_size != layout.world_size ||
+          h.dtype_policy != layout.dtype || h.rank != parsed->first) {
         Fail(ErrorCode::kMismatch, e.path().string() + ": holds layout " + h.layout_key +
                                        " rank " + std::to_string(h.rank) + ", expected " +
                                        l.key + " rank " + std::to_string(parsed->first));

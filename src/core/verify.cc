@@ -13,6 +13,7 @@
 
 #include "reshard/checkpoint.h"
 #include "reshard/checksum.h"
+#include "reshard/dtype_convert.h"
 #include "reshard/error.h"
 #include "reshard/manifest.h"
 #include "reshard/rank_file.h"
@@ -227,11 +228,19 @@ class Verifier {
         }
       }
     }
+    std::vector<std::optional<DTypePolicy>> policies;
+    for (const auto& r : readers) {
+      policies.push_back(ParseDTypePolicy(r.header().dtype_policy));
+      if (compare && !policies.back()) {
+        Problem(r.path(), "", "unknown dtype policy \"" + r.header().dtype_policy +
+                                  "\": cannot compare with the source");
+      }
+    }
     std::vector<uint64_t> bytes(items.size(), 0), compared(items.size(), 0);
 #pragma omp parallel num_threads(threads_)
     {
       std::string scratch;
-      std::unique_ptr<char[]> buf, src;
+      std::unique_ptr<char[]> buf, src, conv;
       uint64_t cap = 0;
 #pragma omp for schedule(dynamic, 4)
       for (size_t i = 0; i < items.size(); ++i) {
@@ -242,14 +251,44 @@ class Verifier {
           const uint64_t cs = r.header().chunk_size;
           if (cap < cs) {
             buf.reset(new char[cs]);
-            src.reset(new char[cs]);
+            src.reset(new char[4 * cs]);  // a converted chunk reads up to 4x (F64 -> BF16)
+            conv.reset(new char[cs]);
             cap = cs;
           }
           const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
           bytes[i] = len;
           if (compare) {
             const SourceTensor* s = ckpt_->Find(t.name);
-            if (s && s->dtype == t.dtype && s->shape == t.global_shape) {
+            const auto& policy = policies[it.reader];
+            const DType stored = s && policy ? StoredDType(s->dtype, *policy) : DType::kU8;
+            if (!policy) {
+              // reported once per file above
+            } else if (s && s->dtype != t.dtype && stored == t.dtype &&
+                       s->shape == t.global_shape) {
+              // Converted by the dtype policy: convert the source's elements the same way.
+              const uint64_t out_item = Info(t.dtype).bits / 8;
+              const uint64_t in_item = Info(s->dtype).bits / 8;
+              uint64_t row_numel = 1;
+              for (size_t d = 1; d < s->shape.size(); ++d) row_numel *= s->shape[d];
+              const uint64_t first = (t.sharded ? t.rows.start * row_numel : 0) +
+                                     it.chunk * cs / out_item;
+              const uint64_t n = len / out_item;
+              const uint64_t at = s->offset + first * in_item;
+              sources_[s->file_index].PReadExact(src.get(), n * in_item, at);
+              ConvertElements(s->dtype, t.dtype, src.get(), conv.get(), n);
+              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && conv[k] == buf[k]) ++k;
+                Problem(r.path(), t.name,
+                        "differs from the source converted to " + std::string(Name(t.dtype)) +
+                            " at byte " + std::to_string(it.chunk * cs + k) +
+                            " of this rank's part (element " + std::to_string(first + k / out_item) +
+                            " of the tensor; source file " + ckpt_->files[s->file_index].path +
+                            ", offset " + std::to_string(at + k / out_item * in_item) + ")");
+              }
+              compared[i] = len;
+            } else if (s && s->dtype == t.dtype && stored == t.dtype &&
+                       s->shape == t.global_shape) {
               uint64_t row_bytes = 0;
               if (t.sharded && t.global_shape[0] > 0) row_bytes = s->nbytes / t.global_shape[0];
               const uint64_t start = s->offset + (t.sharded ? t.rows.start * row_bytes : 0);
@@ -266,7 +305,11 @@ class Verifier {
               }
               compared[i] = len;
             } else if (s && it.chunk == 0) {
-              Problem(r.path(), t.name, "dtype or shape differs from the source");
+              Problem(r.path(), t.name,
+                      "dtype or shape differs from the source (the file holds " +
+                          std::string(Name(t.dtype)) + ", dtype policy " +
+                          r.header().dtype_policy + " stores the source's " +
+                          std::string(Name(s->dtype)) + " as " + std::string(Name(stored)) + ")");
             }
           }
         } catch (const std::exception& e) {

@@ -449,13 +449,19 @@ TEST_F(CheckpointTest, DirectoryWithoutCheckpointIsNotFound) {
                           {"nothing", "no such file"}));
 }
 
-TEST_F(CheckpointTest, PytorchBinOnlyIsUnsupported) {
+// pytorch_model.bin is read (torch_zip_test.cc); a broken one is corrupt input, and a file
+// of another kind is refused by its extension.
+TEST_F(CheckpointTest, BrokenPytorchBinIsDataLoss) {
   fs::create_directories(Src());
   test::WriteBytes(Src() / "pytorch_model.bin", "PK\3\4");
-  EXPECT_TRUE(ThrowsError([&] { OpenCheckpoint(Src()); }, ErrorCode::kUnsupported,
-                          {Src().string(), "pytorch_model.bin", "safe_serialization"}));
+  const std::string bin = (Src() / "pytorch_model.bin").string();
+  EXPECT_TRUE(ThrowsError([&] { OpenCheckpoint(Src()); }, ErrorCode::kDataLoss,
+                          {bin, "ZIP archive", "a file of 4 bytes"}));
   EXPECT_TRUE(ThrowsError([&] { OpenCheckpoint(Src() / "pytorch_model.bin"); },
-                          ErrorCode::kUnsupported, {"not a .safetensors file"}));
+                          ErrorCode::kDataLoss, {bin}));
+  test::WriteBytes(Src() / "weights.npz", "PK\3\4");
+  EXPECT_TRUE(ThrowsError([&] { OpenCheckpoint(Src() / "weights.npz"); },
+                          ErrorCode::kUnsupported, {"neither a .safetensors file"}));
 }
 
 TEST_F(CheckpointTest, SeveralFilesWithoutIndexAreAmbiguous) {

@@ -225,3 +225,121 @@ def load_source(path: str) -> Dict[str, torch.Tensor]:
                 assert k not in out, f"{k} in two files"
                 out[k] = f.get_tensor(k)
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# pytorch_model.bin checkpoints (torch.save zip archives)
+
+BIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _bin_mixed_state(dtype: torch.dtype, seed: int) -> Dict[str, torch.Tensor]:
+    """Tensors of every kind torch.save writes differently: views into one storage at
+    offsets, tied entries on one storage, a Parameter, tensors with Python attributes, 0-dim,
+    empty, integer, bool, fp8 (_rebuild_tensor_v3), NaN/inf bit patterns, and a tensor
+    spanning several 4 KiB chunks."""
+    gen = torch.Generator().manual_seed(seed)
+    t: Dict[str, torch.Tensor] = {}
+    base = torch.randn((400,), generator=gen).to(dtype)
+    t["views.a"] = base[10:40].view(5, 6)        # storage offset 10
+    t["views.b"] = base[40:400].view(36, 10)     # offset 40, the rest of the storage
+    emb = torch.randn((13, 7), generator=gen).to(dtype)
+    t["tied.embed"] = emb
+    t["tied.head"] = emb.view(13, 7)             # another tensor on the same storage
+    t["param"] = torch.nn.Parameter(torch.randn((5, 3), generator=gen).to(dtype))
+    # Python attributes: torch.save writes torch._tensor._rebuild_from_type_v2 and
+    # torch._utils._rebuild_parameter_with_state for these.
+    attr = torch.randn((4, 2), generator=gen).to(dtype)
+    attr.note = "an attribute"
+    t["attr.tensor"] = attr
+    attr_param = torch.nn.Parameter(torch.randn((3,), generator=gen).to(dtype))
+    attr_param.note = 7
+    t["attr.param"] = attr_param
+    t["scalar"] = torch.tensor(2.5, dtype=dtype)
+    t["empty"] = torch.empty((0, 4), dtype=dtype)
+    t["ids"] = torch.randint(-(2**40), 2**40, (11,), generator=gen)
+    t["mask"] = torch.randint(0, 2, (9, 2), generator=gen).to(torch.bool)
+    t["fp8"] = _random_bits((10, 3), torch.float8_e4m3fn, gen)
+    t["bits.f32"] = _random_bits((17, 5), torch.float32, gen)
+    t["bits.f64"] = _random_bits((9, 4), torch.float64, gen)
+    t["bits.bf16"] = _random_bits((21, 3), torch.bfloat16, gen)
+    t["bits.f16"] = _random_bits((19, 3), torch.float16, gen)
+    t["special.f32"] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0,
+                                     1e-45, 3.4e38, 65520.0, -65504.0, 1e-8], dtype=torch.float32)
+    t["big"] = torch.randn((1031, 3), generator=gen).to(dtype)
+    return t
+
+
+def make_bin_checkpoint(path: str, arch: str, dtype: str = "bf16", sharded: bool = False,
+                        seed: int = 0, pickle_protocol: int = 2) -> str:
+    """Writes `path`/pytorch_model.bin (or, sharded, pytorch_model-0000i-of-0000n.bin files
+    plus pytorch_model.bin.index.json) with torch.save of a state dict, as transformers < 5
+    did. transformers 5 always writes safetensors (save_pretrained ignores
+    safe_serialization=False), so the state dict is saved by hand.
+
+    arch: qwen2 (tied embeddings: lm_head.weight and model.embed_tokens.weight are two
+    entries on one storage) | llama | gpt2 | bert | mixed (_bin_mixed_state)."""
+    torch_dtype = BIN_DTYPES[dtype] if isinstance(dtype, str) else dtype
+    os.makedirs(path, exist_ok=True)
+    if arch == "mixed":
+        state = _bin_mixed_state(torch_dtype, seed)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({"model_type": "mixed-test"}, f)
+    else:
+        cfg, cls = _config_and_class(arch)
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+        model = model.to(torch_dtype)
+        model.config.save_pretrained(path)
+        state = model.state_dict()
+    names = list(state)
+    if not sharded:
+        torch.save(state, os.path.join(path, "pytorch_model.bin"),
+                   pickle_protocol=pickle_protocol)
+        return path
+    # Three shards of consecutive keys (tied pairs may land in different shards: then each
+    # shard holds its own copy of the storage, as torch.save of a sub-dict does).
+    groups = [names[i * len(names) // 3:(i + 1) * len(names) // 3] for i in range(3)]
+    weight_map = {}
+    for i, group in enumerate(groups):
+        fname = f"pytorch_model-{i + 1:05d}-of-{len(groups):05d}.bin"
+        torch.save({k: state[k] for k in group}, os.path.join(path, fname),
+                   pickle_protocol=pickle_protocol)
+        weight_map.update({k: fname for k in group})
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f, indent=2)
+    return path
+
+
+def _torch_load(path: str):
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's weights_only unpickler lacks FRAME (pickle protocol 4); these files were
+        # written by make_bin_checkpoint, so a full load is safe.
+        return torch.load(path, weights_only=False)
+
+
+def load_bin_source(path: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of a .bin checkpoint, read with torch.load; with an index, only the keys
+    its weight_map places in each file."""
+    index_path = os.path.join(path, "pytorch_model.bin.index.json")
+    if os.path.isfile(path):
+        return dict(_torch_load(path))
+    if not os.path.exists(index_path):
+        return dict(_torch_load(os.path.join(path, "pytorch_model.bin")))
+    with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    out: Dict[str, torch.Tensor] = {}
+    for fname in sorted(set(weight_map.values())):
+        sd = _torch_load(os.path.join(path, fname))
+        for k, v in sd.items():
+            if weight_map.get(k) == fname:
+                out[k] = v
+    return out

@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
 
   // convert
   reshard::ConvertOptions co;
-  std::string src, out, layout = "fsdp2", ranks, compress;
+  std::string src, out, layout = "fsdp2", ranks, compress, dtype = "keep";
   uint32_t world_size = 0;
   bool convert_json = false;
   auto* convert = app.add_subcommand(
@@ -95,7 +95,10 @@ int main(int argc, char** argv) {
       "Write one file per rank holding exactly the bytes that rank owns under FSDP.");
   convert->add_option("SRC", src,
                       "Hugging Face checkpoint directory (model.safetensors, or sharded with "
-                      "model.safetensors.index.json) or one .safetensors file")
+                      "model.safetensors.index.json; else pytorch_model.bin, or sharded with "
+                      "pytorch_model.bin.index.json) or one .safetensors or torch.save "
+                      "(.bin/.pt/.pth, zip format) file. torch.save files are read without "
+                      "running any pickled code")
       ->required();
   convert->add_option("-o,--out", out,
                       "output directory; several layouts of one source can live side by side "
@@ -107,6 +110,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1u, 99999u));
   convert->add_option("--layout", layout, "layout kind: fsdp2 (dim-0 chunks, torch.chunk rule)")
       ->check(CLI::IsMember({"fsdp2"}))
+      ->capture_default_str();
+  convert->add_option("--dtype", dtype,
+                      "dtype policy: keep (bytes as in the source), or bf16 / fp16 / fp32: "
+                      "store every F16/BF16/F32/F64 tensor in that dtype, bit for bit as "
+                      "torch's Tensor.to(dtype) (integers, bool and F8 are kept). Part of the "
+                      "layout key: OUT/fsdp2-ws8-bf16/")
+      ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}))
       ->capture_default_str();
   convert->add_option("--ranks", ranks,
                       "write only ranks A-B (inclusive), e.g. 0-3 on one machine and 4-7 on "
@@ -120,6 +130,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
   convert->footer("Example:  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
+                  "          reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
                   "Re-running on a complete output does nothing; a partial one is completed.");
 
   // verify
@@ -131,7 +142,8 @@ int main(int argc, char** argv) {
   verify->add_option("PATH", verify_path, "output directory, a layout directory, or a rank file")
       ->required();
   verify->add_option("--source", verify_source,
-                     "the source checkpoint: check that the ranks reassemble it byte for byte");
+                     "the source checkpoint: check that the ranks reassemble it byte for byte "
+                     "(after the layout's dtype conversion, if any)");
   verify->add_option("--threads", vo.threads, "worker threads (default: all cores)");
   verify->add_flag("--json", verify_json, "print a machine-readable report on stdout");
   verify->footer("Example:  reshard verify ./qwen-shards --source ./Qwen2.5-7B");
@@ -161,6 +173,7 @@ int main(int argc, char** argv) {
       co.out = out;
       co.layout.kind = *reshard::ParseLayoutKind(layout);
       co.layout.world_size = world_size;
+      co.layout.dtype = dtype;
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
       ParseCompress(compress, co);
       const bool tty = ::isatty(2) && !convert_json;
@@ -179,6 +192,7 @@ int main(int argc, char** argv) {
       if (tty && !r.ranks_written.empty()) std::fprintf(stderr, "\n");
       if (convert_json) {
         nlohmann::json j = {{"layout", r.layout_key},
+                            {"dtype", co.layout.dtype},
                             {"layout_dir", r.layout_dir.string()},
                             {"world_size", r.world_size},
                             {"ranks_written", r.ranks_written},
