@@ -4,15 +4,14 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "reshard/checkpoint.h"
 #include "reshard/checksum.h"
@@ -121,7 +120,7 @@ class Converter {
   }
 
   uint64_t total_bytes = 0;
-  uint64_t done_bytes = 0;
+  std::atomic<uint64_t> done_bytes_{0};
 
  private:
   void RunGroup(const std::vector<uint32_t>& ranks, ConvertResult& result) {
@@ -189,86 +188,103 @@ class Converter {
                                           : a.source_offset < b.source_offset;
     });
 
-    const size_t batch = std::max<size_t>(2 * threads_, 4);
+    // Workers take items in source order from one counter: no barrier between chunks.
+    // Raw chunks go straight to their precomputed offsets. zstd frames are compressed in
+    // parallel and appended to their rank file in file order: a worker whose frame is not
+    // next for that file waits (blocking, not spinning) until it is; the smallest unwritten
+    // item is always held by a running worker, so this cannot deadlock.
     const size_t bound = ZSTD_compressBound(o_.chunk_size);
-    std::vector<std::unique_ptr<char[]>> in(batch), converted(batch), packed(batch);
-    std::vector<size_t> packed_size(batch);
-    for (size_t i = 0; i < batch; ++i) {
-      in[i].reset(new char[std::max(o_.chunk_size, max_source_length)]);
-      if (any_converted) converted[i].reset(new char[o_.chunk_size]);
-      if (o_.codec == Codec::kZstd) packed[i].reset(new char[bound]);
+    const bool zstd = o_.codec == Codec::kZstd;
+    std::vector<uint64_t> seq(items.size());
+    {
+      std::vector<uint64_t> per_writer(writers.size(), 0);
+      for (size_t i = 0; i < items.size(); ++i) seq[i] = per_writer[items[i].writer]++;
     }
-    std::vector<ZSTD_CCtx*> cctx(threads_, nullptr);
-    struct CctxFree {
-      std::vector<ZSTD_CCtx*>& v;
-      ~CctxFree() {
-        for (auto* c : v) ZSTD_freeCCtx(c);
-      }
-    } cctx_free{cctx};
+    std::vector<uint64_t> next_seq(writers.size(), 0);
+    std::mutex write_mu;
+    std::condition_variable write_cv;
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::atomic<uint64_t> stored{0}, read{0};
+    std::mutex error_mu;
+    std::exception_ptr error;
+    const unsigned workers = static_cast<unsigned>(
+        std::max<size_t>(1, std::min<size_t>(threads_, items.size())));
 
-    for (size_t start = 0; start < items.size(); start += batch) {
-      const size_t count = std::min(batch, items.size() - start);
-      std::vector<std::exception_ptr> errors(count);
-#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
-      for (size_t k = 0; k < count; ++k) {
-        try {
-          const WorkItem& it = items[start + k];
+    auto worker = [&](unsigned lane) {
+      ZSTD_CCtx* cctx = nullptr;
+      try {
+        std::unique_ptr<char[]> in(new char[std::max(o_.chunk_size, max_source_length)]);
+        std::unique_ptr<char[]> conv(any_converted ? new char[o_.chunk_size] : nullptr);
+        std::unique_ptr<char[]> packed(zstd ? new char[bound] : nullptr);
+        if (zstd) cctx = ZSTD_createCCtx();
+        while (!failed.load(std::memory_order_relaxed)) {
+          const size_t i = next.fetch_add(1);
+          if (i >= items.size()) break;
+          const WorkItem& it = items[i];
           RankWriter& rw = writers[it.writer];
           TensorEntry& e = rw.header.tensors[it.tensor];
           const PlannedTensor& p = rw.plan.tensors[it.tensor];
-          sources_[it.file_index].PReadExact(in[k].get(), it.source_length, it.source_offset);
-          const char* data = in[k].get();
+          sources_[it.file_index].PReadExact(in.get(), it.source_length, it.source_offset);
+          const char* data = in.get();
           if (p.converted()) {
-            ConvertElements(p.source_dtype, p.dtype, in[k].get(), converted[k].get(),
+            ConvertElements(p.source_dtype, p.dtype, in.get(), conv.get(),
                             it.length / (Info(p.dtype).bits / 8));
-            data = converted[k].get();
+            data = conv.get();
           }
           e.chunk_xxh3[it.chunk] = Xxh3(data, it.length);
-          if (e.codec == Codec::kRaw) {
-            rw.file.PWriteExact(data, it.length,
-                                kDataOffset + e.offset + it.chunk * o_.chunk_size);
+          if (!zstd) {
+            rw.file.PWriteExact(data, it.length, kDataOffset + e.offset + it.chunk * o_.chunk_size);
+            stored += it.length;
           } else {
-            int tid = 0;
-#ifdef _OPENMP
-            tid = omp_get_thread_num();
-#endif
-            if (!cctx[tid]) cctx[tid] = ZSTD_createCCtx();
-            size_t n = ZSTD_compressCCtx(cctx[tid], packed[k].get(), bound, data, it.length,
-                                         o_.zstd_level);
+            const size_t n = ZSTD_compressCCtx(cctx, packed.get(), bound, data, it.length,
+                                               o_.zstd_level);
             if (ZSTD_isError(n)) {
               Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
             }
-            packed_size[k] = n;
+            std::unique_lock<std::mutex> lock(write_mu);
+            write_cv.wait(lock, [&] { return next_seq[it.writer] == seq[i] || failed.load(); });
+            if (failed.load()) break;
+            if (it.chunk == 0) {
+              rw.cursor = AlignUp(rw.cursor, kDataAlignment);
+              e.offset = rw.cursor;
+            }
+            const uint64_t at = rw.cursor;
+            rw.cursor += n;
+            e.frames[it.chunk] = {at - e.offset, n};
+            e.stored_size = rw.cursor - e.offset;
+            // Written under the lock: file order is the order of the cursor.
+            rw.file.PWriteExact(packed.get(), n, kDataOffset + at);
+            ++next_seq[it.writer];
+            lock.unlock();
+            write_cv.notify_all();
+            stored += n;
           }
-        } catch (...) {
-          errors[k] = std::current_exception();
+          read += it.source_length;
+          const uint64_t done = (done_bytes_ += it.length);
+          if (lane == 0 && o_.progress) o_.progress(done, total_bytes);
         }
-      }
-      for (auto& e : errors) {
-        if (e) std::rethrow_exception(e);
-      }
-      for (size_t k = 0; k < count; ++k) {
-        const WorkItem& it = items[start + k];
-        if (o_.codec == Codec::kZstd) {
-          RankWriter& rw = writers[it.writer];
-          TensorEntry& e = rw.header.tensors[it.tensor];
-          if (it.chunk == 0) {
-            rw.cursor = AlignUp(rw.cursor, kDataAlignment);
-            e.offset = rw.cursor;
-          }
-          rw.file.PWriteExact(packed[k].get(), packed_size[k], kDataOffset + rw.cursor);
-          e.frames[it.chunk] = {rw.cursor - e.offset, packed_size[k]};
-          rw.cursor += packed_size[k];
-          e.stored_size = rw.cursor - e.offset;
-          result.bytes_stored += packed_size[k];
-        } else {
-          result.bytes_stored += it.length;
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> g(error_mu);
+          if (!error) error = std::current_exception();
         }
-        result.bytes_read += it.source_length;
-        done_bytes += it.length;
+        {
+          std::lock_guard<std::mutex> g(write_mu);
+          failed = true;
+        }
+        write_cv.notify_all();
       }
-      if (o_.progress) o_.progress(done_bytes, total_bytes);
-    }
+      if (cctx) ZSTD_freeCCtx(cctx);
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < workers; ++t) pool.emplace_back(worker, t);
+    worker(0);
+    for (auto& t : pool) t.join();
+    if (error) std::rethrow_exception(error);
+    result.bytes_read += read.load();
+    result.bytes_stored += stored.load();
+    if (o_.progress) o_.progress(done_bytes_.load(), total_bytes);
 
     for (RankWriter& rw : writers) {
       uint64_t data_size = rw.plan.data_size;

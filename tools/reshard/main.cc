@@ -179,8 +179,10 @@ int main(int argc, char** argv) {
       const bool tty = ::isatty(2) && !convert_json;
       const auto t0 = std::chrono::steady_clock::now();
       if (tty) {
-        co.progress = [t0](uint64_t done, uint64_t total) {
+        co.progress = [t0, last = 0.0](uint64_t done, uint64_t total) mutable {
           double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (done < total && s - last < 0.1) return;  // at most ten lines a second
+          last = s;
           double rate = s > 0 ? done / s : 0;
           double eta = rate > 0 ? (total - done) / rate : 0;
           std::fprintf(stderr, "\r  %s / %s  %.2f GB/s  ETA %.0f s   ", Gb(done).c_str(),
