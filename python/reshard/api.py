@@ -82,10 +82,17 @@ def _shard_coordinate(model: nn.Module) -> Tuple[int, int]:
     return found[0]
 
 
-def find_rank_file(out: str, world_size: int, rank: int, dtype: str = "keep") -> Tuple[str, str]:
+_POLICY_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def find_rank_file(out: str, world_size: int, rank: int,
+                   live_dtype: Optional[torch.dtype] = None) -> Tuple[str, str]:
     """Path of the rank file for this job in OUT and its layout key; raises with the command
-    that would create it."""
-    key = f"fsdp2-ws{world_size}" + ("" if dtype == "keep" else f"-{dtype}")
+    that would create it. A layout converted to the live dtype (`--dtype bf16` →
+    fsdp2-wsN-bf16) is preferred; else the one with the checkpoint's own dtypes (fsdp2-wsN)."""
+    base = f"fsdp2-ws{world_size}"
+    policy = _POLICY_NAMES.get(live_dtype)
+    candidates = ([f"{base}-{policy}"] if policy else []) + [base]
     manifest_path = os.path.join(out, "reshard.json")
     if not os.path.exists(manifest_path):
         raise ReshardError(
@@ -94,17 +101,21 @@ def find_rank_file(out: str, world_size: int, rank: int, dtype: str = "keep") ->
     with open(manifest_path) as f:
         manifest = json.load(f)
     layouts = manifest.get("layouts", {})
+    key = next((k for k in candidates if k in layouts), None)
+    if key is None:
+        have = ", ".join(sorted(layouts)) or "none"
+        dtype_flag = f" --dtype {policy}" if policy else ""
+        raise ReshardError(
+            f"{out} has no layout {' or '.join(candidates)} for this job (FSDP2, world size "
+            f"{world_size}); it has: {have}. Create it with: reshard convert <checkpoint> -o {out} "
+            f"--world-size {world_size}{dtype_flag}")
     name = f"rank-{rank:05d}-of-{world_size:05d}.reshard"
     path = os.path.join(out, key, name)
-    if key not in layouts:
-        have = ", ".join(sorted(layouts)) or "none"
-        raise ReshardError(
-            f"{out} has no layout {key} for this job (FSDP2, world size {world_size}); it has: "
-            f"{have}. Create it with: reshard convert <checkpoint> -o {out} --world-size {world_size}")
     if not os.path.exists(path):
         raise ReshardError(
             f"{path}: missing rank file for shard coordinate {rank} of {world_size}. Create it with: "
-            f"reshard convert <checkpoint> -o {out} --world-size {world_size} --ranks {rank}-{rank}")
+            f"reshard convert <checkpoint> -o {out} --world-size {world_size} --ranks {rank}-{rank}"
+            + (f" --dtype {layouts[key]['dtype']}" if layouts[key].get("dtype", "keep") != "keep" else ""))
     return path, key
 
 
@@ -188,7 +199,9 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
         # nn.Module.to_empty gives each module its own new parameter, silently untying
         # shared weights of a plain (not fully_shard'ed) model; tie them again first.
         model.tie_weights()
-    path, key = find_rank_file(out, world_size, coord)
+    float_dtypes = {_local(p).dtype for _, p in model.named_parameters() if p.is_floating_point()}
+    live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+    path, key = find_rank_file(out, world_size, coord, live_dtype)
     header = json.loads(_C.read_header(path))
     if header["layout"]["world_size"] != world_size or header["rank"] != coord:
         raise ReshardError(f"{path}: holds rank {header['rank']} of {header['layout']['world_size']}, "

@@ -164,8 +164,27 @@ def test_refuses_missing_layout_with_command(ckpts, tmp_path):
     out = tmp_path / "out"
     convert(src, out, 2)
     model = _empty_cpu(out)
-    with pytest.raises(reshard.ReshardError, match=r"no layout fsdp2-ws1.*reshard convert .*--world-size 1"):
+    with pytest.raises(reshard.ReshardError, match=r"no layout fsdp2-ws1-bf16 or fsdp2-ws1 .*reshard convert .*--world-size 1 --dtype bf16"):
         reshard.load(model, str(out))
+
+
+def test_prefers_layout_converted_to_live_dtype(ckpts, tmp_path):
+    """OUT holds fsdp2-ws1 (bf16 as in the file) and fsdp2-ws1-fp32 (--dtype fp32): an fp32
+    model loads the fp32 layout directly, with no conversion at load time."""
+    from transformers import AutoModelForCausalLM
+
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 1)
+    convert(src, out, 1, "--dtype", "fp32")
+    model = _empty_cpu(out, dtype=torch.float32)
+    report = reshard.load(model, str(out))
+    assert report.layout == "fsdp2-ws1-fp32" and report.converted_tensors == 0
+    ref = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q.to(torch.float32)), name
+    bf16 = _empty_cpu(out)
+    assert reshard.load(bf16, str(out)).layout == "fsdp2-ws1"
 
 
 def test_refuses_another_model(ckpts, tmp_path):
