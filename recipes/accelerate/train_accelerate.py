@@ -194,6 +194,10 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    # Tear the process group down before interpreter exit: left to the destructors, gloo can
+    # abort at shutdown ("terminate called without an active exception").
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

@@ -1,5 +1,6 @@
 #include "json_util.h"
 
+#include <cctype>
 #include <set>
 #include <vector>
 
@@ -89,6 +90,45 @@ const json& GetArray(const json& value, const std::string& path, const std::stri
 const json& GetObject(const json& value, const std::string& path, const std::string& field) {
   if (!value.is_object()) FailField(path, field, Describe(value), "an object");
   return value;
+}
+
+json SourceToJson(const SourceFingerprint& s) {
+  json files = json::array();
+  for (const auto& f : s.files) {
+    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
+                     {"sample_xxh3", Hex16(f.sample_xxh3)}});
+  }
+  return {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
+}
+
+SourceFingerprint SourceFromJson(const json& j, const std::string& path) {
+  GetObject(j, path, "source");
+  std::vector<SourceFile> files;
+  const json& jf = GetArray(Member(j, "files", path, "source"), path, "source.files");
+  for (size_t i = 0; i < jf.size(); ++i) {
+    const std::string f = "source.files[" + std::to_string(i) + "]";
+    files.push_back({GetString(Member(jf[i], "name", path, f), path, f + ".name"),
+                     GetU64(Member(jf[i], "size", path, f), path, f + ".size"),
+                     GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3"),
+                     GetHex16(Member(jf[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
+  }
+  SourceFingerprint s = SourceFingerprint::FromFiles(files);
+  const uint64_t fp = GetHex16(Member(j, "fingerprint", path, "source"), path, "source.fingerprint");
+  if (fp != s.fingerprint) {
+    FailField(path, "source.fingerprint", Hex16(fp),
+              Hex16(s.fingerprint) + " (computed from source.files)");
+  }
+  return s;
+}
+
+bool ValidLayoutKey(const std::string& key) {
+  if (key.empty() || key == "." || key == "..") return false;
+  for (char c : key) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace reshard::internal

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "reshard/checkpoint.h"
+
 namespace reshard::internal {
 
 /// Parses `text`, rejecting duplicate object keys at any depth. Throws kDataLoss naming
@@ -30,5 +32,13 @@ const nlohmann::json& GetArray(const nlohmann::json& value, const std::string& p
                                const std::string& field);
 const nlohmann::json& GetObject(const nlohmann::json& value, const std::string& path,
                                 const std::string& field);
+
+/// The `source` object shared by rank file headers and manifests (formats/rank-file.md):
+/// written from, and parsed and checked (fingerprint recomputed) into, a SourceFingerprint.
+nlohmann::json SourceToJson(const SourceFingerprint& source);
+SourceFingerprint SourceFromJson(const nlohmann::json& value, const std::string& path);
+
+/// A layout key names a directory inside OUT: [A-Za-z0-9._-]+, not "." or "..".
+bool ValidLayoutKey(const std::string& key);
 
 }  // namespace reshard::internal

@@ -24,44 +24,6 @@ using nlohmann::json;
 
 namespace {
 
-json SourceJson(const SourceFingerprint& s) {
-  json files = json::array();
-  for (const auto& f : s.files) {
-    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
-                     {"sample_xxh3", Hex16(f.sample_xxh3)}});
-  }
-  return {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
-}
-
-SourceFingerprint ParseSource(const json& j, const std::string& path) {
-  std::vector<SourceFile> files;
-  const json& jf = GetArray(Member(j, "files", path, "source"), path, "source.files");
-  for (size_t i = 0; i < jf.size(); ++i) {
-    const std::string f = "source.files[" + std::to_string(i) + "]";
-    files.push_back({GetString(Member(jf[i], "name", path, f), path, f + ".name"),
-                     GetU64(Member(jf[i], "size", path, f), path, f + ".size"),
-                     GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3"),
-                     GetHex16(Member(jf[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
-  }
-  SourceFingerprint s = SourceFingerprint::FromFiles(files);
-  uint64_t fp = GetHex16(Member(j, "fingerprint", path, "source"), path, "source.fingerprint");
-  if (fp != s.fingerprint) {
-    FailField(path, "source.fingerprint", Hex16(fp), Hex16(s.fingerprint));
-  }
-  return s;
-}
-
-// A layout key names a directory inside OUT (formats/rank-file.md invariant 4).
-bool ValidLayoutKey(const std::string& key) {
-  if (key.empty() || key == "." || key == "..") return false;
-  for (char c : key) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
 // Parses "rank-00003-of-00008.reshard"; nullopt for other names.
 std::optional<std::pair<uint32_t, uint32_t>> ParseRankFileName(const std::string& name) {
   if (name.size() != 27 || !name.starts_with("rank-") || name.substr(10, 4) != "-of-" ||
@@ -82,7 +44,7 @@ std::string SerializeManifest(const Manifest& m) {
   j["format"] = kManifestFormatName;
   j["format_version"] = kManifestVersion;
   j["writer"] = m.writer.empty() ? std::string(WriterString()) : m.writer;
-  j["source"] = SourceJson(m.source);
+  j["source"] = internal::SourceToJson(m.source);
   j["aux_files"] = m.aux_files;
   json layouts = json::object();
   for (const auto& [key, l] : m.layouts) {
@@ -114,7 +76,7 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     FailField(path, "format_version", std::to_string(v), std::to_string(kManifestVersion));
   }
   if (j.contains("writer")) m.writer = GetString(j["writer"], path, "writer");
-  m.source = ParseSource(Member(j, "source", path, "manifest"), path);
+  m.source = internal::SourceFromJson(Member(j, "source", path, "manifest"), path);
   const json& aux = GetArray(Member(j, "aux_files", path, "manifest"), path, "aux_files");
   for (size_t i = 0; i < aux.size(); ++i) {
     m.aux_files.push_back(GetString(aux[i], path, "aux_files[" + std::to_string(i) + "]"));
@@ -123,7 +85,7 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
       internal::GetObject(Member(j, "layouts", path, "manifest"), path, "layouts");
   for (const auto& [key, jl] : layouts.items()) {
     const std::string f = "layouts[\"" + key + "\"]";
-    if (!ValidLayoutKey(key)) {
+    if (!internal::ValidLayoutKey(key)) {
       FailField(path, f, "the key \"" + key + "\"", "a directory name of [A-Za-z0-9._-]");
     }
     ManifestLayout l;

@@ -32,16 +32,6 @@ uint64_t GetLE(const uint8_t* p, int bytes) {
   return v;
 }
 
-bool ValidKey(const std::string& key) {
-  if (key.empty() || key == "." || key == "..") return false;
-  for (char c : key) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
 std::string ShapeText(const std::vector<uint64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -159,12 +149,7 @@ std::string SerializeHeader(const RankFileHeader& h) {
                  {"world_size", h.world_size},
                  {"dtype", h.dtype_policy}};
   j["rank"] = h.rank;
-  json files = json::array();
-  for (const auto& f : h.source.files) {
-    files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
-                     {"sample_xxh3", Hex16(f.sample_xxh3)}});
-  }
-  j["source"] = {{"files", files}, {"fingerprint", Hex16(h.source.fingerprint)}};
+  j["source"] = internal::SourceToJson(h.source);
   j["chunk_size"] = h.chunk_size;
   json tensors = json::array();
   for (const auto& t : h.tensors) {
@@ -213,7 +198,7 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
   if (j.contains("writer")) h.writer = GetString(j["writer"], path, "writer");
   const json& layout = internal::GetObject(Member(j, "layout", path, "header"), path, "layout");
   h.layout_key = GetString(Member(layout, "key", path, "layout"), path, "layout.key");
-  if (!ValidKey(h.layout_key)) {
+  if (!internal::ValidLayoutKey(h.layout_key)) {
     FailField(path, "layout.key", "\"" + h.layout_key + "\"", "a name of [A-Za-z0-9._-]");
   }
   std::string kind = GetString(Member(layout, "kind", path, "layout"), path, "layout.kind");
@@ -232,23 +217,7 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
   }
   h.rank = static_cast<uint32_t>(rank);
 
-  const json& source = internal::GetObject(Member(j, "source", path, "header"), path, "source");
-  std::vector<SourceFile> files;
-  const json& jfiles = GetArray(Member(source, "files", path, "source"), path, "source.files");
-  for (size_t i = 0; i < jfiles.size(); ++i) {
-    const std::string f = "source.files[" + std::to_string(i) + "]";
-    files.push_back({GetString(Member(jfiles[i], "name", path, f), path, f + ".name"),
-                     GetU64(Member(jfiles[i], "size", path, f), path, f + ".size"),
-                     GetHex16(Member(jfiles[i], "header_xxh3", path, f), path,
-                              f + ".header_xxh3"),
-                     GetHex16(Member(jfiles[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
-  }
-  h.source = SourceFingerprint::FromFiles(files);
-  uint64_t fp = GetHex16(Member(source, "fingerprint", path, "source"), path, "source.fingerprint");
-  if (fp != h.source.fingerprint) {
-    FailField(path, "source.fingerprint", Hex16(fp),
-              Hex16(h.source.fingerprint) + " (computed from source.files)");
-  }
+  h.source = internal::SourceFromJson(Member(j, "source", path, "header"), path);
 
   h.chunk_size = GetU64(Member(j, "chunk_size", path, "header"), path, "chunk_size");
   if (h.chunk_size == 0 || h.chunk_size % kDataAlignment != 0 || h.chunk_size > (1ull << 34)) {
