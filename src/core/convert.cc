@@ -206,12 +206,12 @@ class Converter {
     std::atomic<size_t> next{0};
     std::atomic<bool> failed{false};
     std::atomic<uint64_t> stored{0}, read{0};
-    std::mutex error_mu;
+    std::mutex error_mu, progress_mu;
     std::exception_ptr error;
     const unsigned workers = static_cast<unsigned>(
         std::max<size_t>(1, std::min<size_t>(threads_, items.size())));
 
-    auto worker = [&](unsigned lane) {
+    auto worker = [&]() {
       ZSTD_CCtx* cctx = nullptr;
       try {
         std::unique_ptr<char[]> in(new char[std::max(o_.chunk_size, max_source_length)]);
@@ -261,8 +261,13 @@ class Converter {
             stored += n;
           }
           read += it.source_length;
-          const uint64_t done = (done_bytes_ += it.length);
-          if (lane == 0 && o_.progress) o_.progress(done, total_bytes);
+          done_bytes_ += it.length;
+          if (o_.progress) {
+            // Serialized, and skipped while another worker reports: the value read under the
+            // lock only grows, so reports are monotonic whichever worker makes them.
+            std::unique_lock<std::mutex> report(progress_mu, std::try_to_lock);
+            if (report.owns_lock()) o_.progress(done_bytes_.load(), total_bytes);
+          }
         }
       } catch (...) {
         {
@@ -278,8 +283,8 @@ class Converter {
       if (cctx) ZSTD_freeCCtx(cctx);
     };
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < workers; ++t) pool.emplace_back(worker, t);
-    worker(0);
+    for (unsigned t = 1; t < workers; ++t) pool.emplace_back(worker);
+    worker();
     for (auto& t : pool) t.join();
     if (error) std::rethrow_exception(error);
     result.bytes_read += read.load();
