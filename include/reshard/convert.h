@@ -22,6 +22,10 @@ struct ConvertOptions {
   Codec codec = Codec::kRaw;
   int zstd_level = 3;
   uint64_t chunk_size = kDefaultChunkSize;
+  /// How long to wait for another conversion into the same OUT to release the manifest lock
+  /// (held only while the manifest is read at the start and rewritten at the end, so that
+  /// conversions of disjoint --ranks can run at the same time, e.g. one per machine).
+  double lock_wait_seconds = 60;
   /// Called now and then with (bytes done, bytes total) from the converting thread.
   std::function<void(uint64_t, uint64_t)> progress;
 };
@@ -41,7 +45,9 @@ struct ConvertResult {
 
 /// Converts `options.source` into `options.out/<layout key>/rank-*.reshard` and updates the
 /// manifest. Rank files already present and valid for the same source and layout are left
-/// alone. Holds OUT's lock for the whole run. Throws reshard::Error.
+/// alone. OUT's lock is held while the manifest is read and while it is rebuilt; rank files
+/// are written to temporaries named by host and pid and renamed into place. Throws
+/// reshard::Error.
 ConvertResult Convert(const ConvertOptions& options);
 
 }  // namespace reshard

@@ -48,11 +48,11 @@ void WriteFileAtomic(const std::filesystem::path& path, std::string_view content
 
 std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size);
 
-/// An exclusive advisory lock (flock) held for the object's lifetime. Throws kBusy when
-/// another process holds it.
+/// An exclusive advisory lock (flock) held for the object's lifetime. Waits up to
+/// `wait_seconds` for another process to release it, then throws kBusy.
 class DirectoryLock {
  public:
-  explicit DirectoryLock(const std::filesystem::path& lock_file);
+  explicit DirectoryLock(const std::filesystem::path& lock_file, double wait_seconds = 0);
   ~DirectoryLock();
   DirectoryLock(const DirectoryLock&) = delete;
   DirectoryLock& operator=(const DirectoryLock&) = delete;

@@ -1,6 +1,11 @@
 #include "reshard/convert.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <zstd.h>
 
 #include <algorithm>
@@ -70,6 +75,18 @@ class TempFiles {
   std::vector<fs::path> paths_;
 };
 
+std::string HostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "host";
+  std::string h(buf);
+  for (char& c : h) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
+  }
+  return h.empty() ? "host" : h;
+}
+
+std::string TempSuffix() { return ".tmp-" + HostName() + "-" + std::to_string(::getpid()); }
+
 bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return false;
@@ -135,8 +152,7 @@ class Converter {
       rw.rank = ranks[w];
       rw.plan = PlanRank(ckpt_, o_.layout, rw.rank);
       rw.final_path = dir / RankFileName(rw.rank, o_.layout.world_size);
-      rw.tmp_path = dir / ("." + rw.final_path.filename().string() + ".tmp-" +
-                           std::to_string(::getpid()));
+      rw.tmp_path = dir / ("." + rw.final_path.filename().string() + TempSuffix());
       temps.Add(rw.tmp_path);
       rw.file = File::Create(rw.tmp_path);
       RankFileHeader& h = rw.header;
@@ -333,13 +349,27 @@ class Converter {
   std::vector<File> sources_;
 };
 
+// Removes temporaries left by dead conversions on this host ("...tmp-<host>-<pid>", or the
+// older "...tmp-<pid>"); a live process's, or another host's, are left alone.
 void RemoveStaleTemporaries(const fs::path& dir) {
+  const std::string host = HostName();
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    if (name.starts_with(".rank-") && name.find(".tmp-") != std::string::npos) {
-      std::error_code ec;
-      fs::remove(e.path(), ec);
-    }
+    const auto at = name.find(".tmp-");
+    if (!name.starts_with(".rank-") || at == std::string::npos) continue;
+    const std::string owner = name.substr(at + 5);
+    const auto dash = owner.rfind('-');
+    const std::string owner_host = dash == std::string::npos ? host : owner.substr(0, dash);
+    const std::string pid_text = dash == std::string::npos ? owner : owner.substr(dash + 1);
+    if (owner_host != host) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(pid_text.c_str(), &end, 10);
+    const bool alive = end && *end == '\0' && pid > 0 &&
+                       (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
+                        errno == EPERM);
+    if (alive) continue;
+    std::error_code ec;
+    fs::remove(e.path(), ec);
   }
 }
 
@@ -382,7 +412,7 @@ ConvertResult Convert(const ConvertOptions& o) {
     Fail(ErrorCode::kIo, o.out.string() + ": cannot create the output directory" +
                              (ec ? " (" + ec.message() + ")" : std::string()));
   }
-  DirectoryLock lock(o.out / kLockName);
+  auto lock = std::make_unique<DirectoryLock>(o.out / kLockName, o.lock_wait_seconds);
   std::optional<Manifest> manifest = ReadManifest(o.out);
   if (manifest && !(manifest->source == ckpt.fingerprint)) {
     Fail(ErrorCode::kMismatch,
@@ -394,6 +424,7 @@ ConvertResult Convert(const ConvertOptions& o) {
   fs::create_directories(dir, ec);
   if (ec) Fail(ErrorCode::kIo, dir.string() + ": cannot create (" + ec.message() + ")");
   RemoveStaleTemporaries(dir);
+  lock.reset();  // rank files need no lock: each is written under a private name and renamed
 
   ConvertResult result;
   result.layout_key = o.layout.Key();
@@ -413,6 +444,12 @@ ConvertResult Convert(const ConvertOptions& o) {
   }
   converter.Run(todo, result);
 
+  lock = std::make_unique<DirectoryLock>(o.out / kLockName, std::max(o.lock_wait_seconds, 600.0));
+  manifest = ReadManifest(o.out);  // another conversion may have rewritten it meanwhile
+  if (manifest && !(manifest->source == ckpt.fingerprint)) {
+    Fail(ErrorCode::kMismatch, o.out.string() + ": another source was converted into this "
+                                                "directory during this conversion");
+  }
   CopyAuxFiles(ckpt, o.out);
   Manifest m = manifest.value_or(Manifest{});
   m.writer = std::string(WriterString());

@@ -5,7 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <string>
 
@@ -157,11 +160,17 @@ std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size) 
   return s;
 }
 
-DirectoryLock::DirectoryLock(const std::filesystem::path& lock_file) {
+DirectoryLock::DirectoryLock(const std::filesystem::path& lock_file, double wait_seconds) {
   fd_ = ::open(lock_file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) FailErrno(lock_file.string(), "cannot create lock file", errno);
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    int err = errno;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration<double>(std::max(0.0, wait_seconds));
+  while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err == EWOULDBLOCK && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     ::close(fd_);
     fd_ = -1;
     if (err == EWOULDBLOCK) {

@@ -1,6 +1,8 @@
 // Convert and Verify end to end on generated multi-file checkpoints: every rank's bytes are
 // compared with a brute-force slice of the tensors the test wrote; the output directory's
 // rules (manifest, lock, same source, atomic rank files) and Verify's findings are checked.
+#include <thread>
+#include <unistd.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -397,12 +399,58 @@ TEST_F(ConvertTest, ConcurrentConversionIsBusy) {
   fs::create_directories(Out());
   {
     DirectoryLock held(Out() / ".reshard.lock");
-    EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kBusy,
+    ConvertOptions o = Options(2);
+    o.lock_wait_seconds = 0.2;
+    EXPECT_TRUE(ThrowsError([&] { Convert(o); }, ErrorCode::kBusy,
                             {Out().string(), "another reshard process"}));
     EXPECT_TRUE(RankFiles(2).empty());
   }
   // Released: now it works.
   EXPECT_TRUE(Convert(Options(2)).layout_complete);
+}
+
+// Disjoint --ranks conversions into one OUT at the same time (one per machine): both finish
+// and the manifest ends complete.
+TEST_F(ConvertTest, ConcurrentDisjointRankConversionsBothComplete) {
+  ConvertOptions a = Options(4), b = Options(4);
+  a.ranks = std::make_pair(0u, 1u);
+  b.ranks = std::make_pair(2u, 3u);
+  std::exception_ptr ea, eb;
+  std::thread ta([&] { try { Convert(a); } catch (...) { ea = std::current_exception(); } });
+  std::thread tb([&] { try { Convert(b); } catch (...) { eb = std::current_exception(); } });
+  ta.join();
+  tb.join();
+  for (auto* e : {&ea, &eb}) {
+    if (*e) {
+      try {
+        std::rethrow_exception(*e);
+      } catch (const std::exception& x) {
+        FAIL() << x.what();
+      }
+    }
+  }
+  std::optional<Manifest> m = ReadManifest(Out());
+  ASSERT_TRUE(m.has_value());
+  EXPECT_TRUE(m->layouts.at("fsdp2-ws4").complete);
+  EXPECT_EQ(m->layouts.at("fsdp2-ws4").ranks.size(), 4u);
+  EXPECT_TRUE(Temporaries().empty());
+}
+
+// A temporary of a live process on this host (another conversion in progress) is kept.
+TEST_F(ConvertTest, LiveProcessTemporaryIsKept) {
+  fs::create_directories(Out() / "fsdp2-ws2");
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::string h(host);
+  for (char& c : h) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
+  }
+  // pid 1 is always alive.
+  const fs::path live = Out() / "fsdp2-ws2" / (".rank-00000-of-00002.reshard.tmp-" + h + "-1");
+  test::WriteBytes(live, "in progress elsewhere");
+  Convert(Options(2));
+  EXPECT_TRUE(fs::exists(live));
+  fs::remove(live);
 }
 
 TEST_F(ConvertTest, StaleTemporariesAreRemoved) {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 import re
 import shutil
 import struct
@@ -619,7 +620,9 @@ def test_concurrent_conversion_is_refused(cli, checkpoint, tmp_path):
     fd = os.open(out / ".reshard.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        r = convert(cli, ckpt, out, 2, rc=3)
+        t0 = time.monotonic()
+        r = convert(cli, ckpt, out, 2, "--lock-wait", "1", rc=3)
+        assert time.monotonic() - t0 >= 1.0, "gave up before --lock-wait ran out"
         assert "another reshard process" in r.err, r
         assert not layout_dir(out, 2).exists()
     finally:
@@ -739,3 +742,23 @@ def test_rank_file_headers_match_spec(cli, checkpoint, tmp_path, compress):
                 assert t["chunk_xxh3"] == [] and t["xxh3"] == rf.hex16(rf.xxh3_64(b""))
             seen_files.add(t["name"])
     assert seen_files == set(load_source(ckpt))
+
+
+def test_disjoint_rank_conversions_run_at_the_same_time(reshard_bin, cli, checkpoint, tmp_path):
+    """Two `--ranks` conversions into one OUT at once (as on two machines sharing a
+    directory): both succeed, and the manifest ends complete and verified."""
+    import subprocess
+
+    ckpt = checkpoint("llama", "bf16", True)
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([reshard_bin, "convert", str(ckpt), "-o", str(out), "--world-size", "6",
+                               "--ranks", r, "--threads", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in ("0-2", "3-5")]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+    manifest = json.loads((out / "reshard.json").read_text())
+    assert manifest["layouts"]["fsdp2-ws6"]["complete"] is True
+    assert [r["rank"] for r in manifest["layouts"]["fsdp2-ws6"]["ranks"]] == list(range(6))
+    assert not [p.name for p in layout_dir(out, 6).iterdir() if ".tmp-" in p.name]
+    cli("verify", out, "--source", ckpt, rc=0)

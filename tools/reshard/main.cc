@@ -128,6 +128,11 @@ int main(int argc, char** argv) {
   convert->add_option("--chunk-size", co.chunk_size,
                       "bytes per checksum/compression chunk, a multiple of 4096")
       ->capture_default_str();
+  convert->add_option("--lock-wait", co.lock_wait_seconds,
+                      "seconds to wait for another conversion into OUT to release the manifest "
+                      "lock (conversions of disjoint --ranks may run at the same time)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
   convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
   convert->footer("Example:  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
                   "          reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
