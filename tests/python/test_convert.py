@@ -762,3 +762,48 @@ def test_disjoint_rank_conversions_run_at_the_same_time(reshard_bin, cli, checkp
     assert [r["rank"] for r in manifest["layouts"]["fsdp2-ws6"]["ranks"]] == list(range(6))
     assert not [p.name for p in layout_dir(out, 6).iterdir() if ".tmp-" in p.name]
     cli("verify", out, "--source", ckpt, rc=0)
+
+
+def test_sigkill_at_many_points_never_leaves_a_valid_looking_partial_output(reshard_bin, cli, tmp_path):
+    """`reshard convert` killed with SIGKILL at many points: every rank file under its final
+    name verifies on its own, the layout verifies only when complete, and a re-run completes
+    it. The source is large enough (tiny chunks) that kills land mid-write."""
+    import signal
+    import subprocess
+
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(7)
+    save_file({f"w{i}": torch.randn(509, 1031, generator=g) for i in range(12)},
+              str(src / "model.safetensors"))
+    out = tmp_path / "out"
+    cmd = [reshard_bin, "convert", str(src), "-o", str(out), "--world-size", "5",
+           "--chunk-size", "4096", "--threads", "2"]
+    # Time a full run once to spread the kill points over it.
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, capture_output=True)
+    full = time.monotonic() - t0
+    kills = 0
+    for k in range(12):
+        shutil.rmtree(out)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(full * (k + 0.5) / 12)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            kills += 1
+        p.wait()
+        layout = layout_dir(out, 5)
+        finals = sorted(layout.glob("rank-*.reshard")) if layout.exists() else []
+        for f in finals:  # a file under its final name is complete and intact
+            cli("verify", f, rc=0)
+        complete = len(finals) == 5
+        cli("verify", out, "--source", src, rc=0 if complete and (out / "reshard.json").exists() else None)
+        if not complete and (out / "reshard.json").exists():
+            cli("verify", out, "--source", src, rc=1)
+        subprocess.run(cmd, check=True, capture_output=True)  # re-run completes it
+        cli("verify", out, "--source", src, rc=0)
+        assert not [q.name for q in layout.iterdir() if ".tmp-" in q.name]
+    assert kills >= 6, f"only {kills} of 12 runs were still running when killed"
