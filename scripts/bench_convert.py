@@ -44,99 +44,12 @@ import time
 import zipfile
 from pathlib import Path
 
+from bench_checkpoint import make_checkpoint  # shared generator
+
 REPO = Path(__file__).resolve().parent.parent
 BUF = 8 << 20  # ceiling buffer size
 
-VOCAB, HIDDEN, INTER = 32000, 4096, 11008
-HEADS, KV_HEADS = 32, 32
-
-
-# --------------------------------------------------------------------------------------------
-# checkpoint generation
-# --------------------------------------------------------------------------------------------
-def llama_tensors(n_layers: int):
-    """(name, shape) in the order Hugging Face writes a Llama checkpoint."""
-    t = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        t += [
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "self_attn.k_proj.weight", (HIDDEN * KV_HEADS // HEADS, HIDDEN)),
-            (p + "self_attn.v_proj.weight", (HIDDEN * KV_HEADS // HEADS, HIDDEN)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
-            (p + "mlp.gate_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
-        ]
-    t += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-    return t
-
-
-def nbytes(shape) -> int:
-    return math.prod(shape) * 2  # bf16
-
-
-def layers_for(size_gb: float) -> int:
-    fixed = nbytes((VOCAB, HIDDEN)) * 2 + nbytes((HIDDEN,))
-    per_layer = sum(nbytes(s) for _, s in llama_tensors(1)) - fixed
-    return max(1, int((size_gb * 1e9 - fixed) // per_layer))
-
-
-def make_checkpoint(d: Path, size_gb: float, seed: int = 0, file_gb: float = 1.0) -> dict:
-    """Writes (or reuses) a Llama-shaped bf16 checkpoint; returns its description."""
-    stamp = d / "bench-stamp.json"
-    n_layers = layers_for(size_gb)
-    want = {"n_layers": n_layers, "seed": seed, "file_gb": file_gb, "vocab": VOCAB,
-            "hidden": HIDDEN, "intermediate": INTER, "generator": 2}
-    if stamp.exists():
-        got = json.loads(stamp.read_text())
-        if got.get("params") == want:
-            return got
-    import torch
-    from safetensors.torch import save_file
-
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    tensors = llama_tensors(n_layers)
-    groups, cur, cur_b = [], [], 0
-    for name, shape in tensors:  # greedy split into files of at most file_gb
-        if cur and cur_b + nbytes(shape) > file_gb * 1e9:
-            groups.append(cur)
-            cur, cur_b = [], 0
-        cur.append((name, shape))
-        cur_b += nbytes(shape)
-    groups.append(cur)
-    gen = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    t0 = time.perf_counter()
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        data = {}
-        for name, shape in group:
-            if len(shape) == 1:  # RMSNorm weights: around 1.0, as in a trained model
-                t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
-            else:  # std 0.02, the usual init/trained scale of Llama weights
-                t = 0.02 * torch.randn(shape, generator=gen)
-            data[name] = t.to(torch.bfloat16)
-            del t
-            weight_map[name] = fname
-            total += nbytes(shape)
-        save_file(data, str(d / fname), metadata={"format": "pt"})
-        del data  # one file in memory at a time
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTER, "num_hidden_layers": n_layers,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-        "torch_dtype": "bfloat16", "tie_word_embeddings": False}, indent=2))
-    desc = {"params": want, "tensor_bytes": total, "tensors": len(tensors),
-            "files": len(groups), "file_bytes": sum(p.stat().st_size for p in d.glob("*.safetensors")),
-            "generate_seconds": round(time.perf_counter() - t0, 1)}
-    stamp.write_text(json.dumps(desc, indent=2))
-    return desc
+KV_HEADS = 32  # runs A-C in BENCHMARKS.md used full multi-head attention
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,8 +396,8 @@ def main():
     src = workdir / f"ckpt-{args.size_gb:g}gb"
     half = workdir / f"ckpt-{args.size_gb / 2:g}gb"
     print("bench: preparing checkpoints (cached) ...", flush=True)
-    ck = make_checkpoint(src, args.size_gb)
-    ck_half = make_checkpoint(half, args.size_gb / 2)
+    ck = make_checkpoint(src, args.size_gb, kv_heads=KV_HEADS, file_gb=1.0)
+    ck_half = make_checkpoint(half, args.size_gb / 2, kv_heads=KV_HEADS, file_gb=1.0)
     B, B_half = ck["tensor_bytes"], ck_half["tensor_bytes"]
     print(f"bench: {src}: {ck['files']} files, {ck['tensors']} tensors, {B / 1e9:.3f} GB; "
           f"{half}: {B_half / 1e9:.3f} GB", flush=True)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import shlex
@@ -52,115 +51,12 @@ import time
 import traceback
 from pathlib import Path
 
+from bench_checkpoint import make_checkpoint  # shared generator
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "@@RESULT "
 
-VOCAB, HIDDEN, INTER, HEADS, KV_HEADS = 32000, 4096, 11008, 32, 8
-GENERATOR_VERSION = 1
-
-
-# ============================================================================================
-# checkpoint
-# ============================================================================================
-def llama_tensors(n_layers: int):
-    """(name, shape) in the order Hugging Face writes a Llama checkpoint."""
-    kv = HIDDEN * KV_HEADS // HEADS
-    t = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        t += [
-            (p + "input_layernorm.weight", (HIDDEN,)),
-            (p + "self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "self_attn.k_proj.weight", (kv, HIDDEN)),
-            (p + "self_attn.v_proj.weight", (kv, HIDDEN)),
-            (p + "self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-            (p + "post_attention_layernorm.weight", (HIDDEN,)),
-            (p + "mlp.gate_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.up_proj.weight", (INTER, HIDDEN)),
-            (p + "mlp.down_proj.weight", (HIDDEN, INTER)),
-        ]
-    t += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
-    return t
-
-
-def nbytes(shape) -> int:
-    return math.prod(shape) * 2  # bf16
-
-
-def layers_for(size_gb: float) -> int:
-    fixed = sum(nbytes(s) for _, s in llama_tensors(0))
-    per_layer = sum(nbytes(s) for _, s in llama_tensors(1)) - fixed
-    return max(1, int((size_gb * 1e9 - fixed) // per_layer))
-
-
-def llama_config(n_layers: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER,
-        "num_hidden_layers": n_layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "head_dim": HIDDEN // HEADS, "hidden_act": "silu",
-        "max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "bfloat16", "dtype": "bfloat16", "use_cache": True,
-    }
-
-
-def make_checkpoint(d: Path, size_gb: float, log, seed: int = 0) -> dict:
-    """Writes (or reuses) the checkpoint, one safetensors file in memory at a time."""
-    stamp = d / "bench-stamp.json"
-    n_layers = layers_for(size_gb)
-    file_gb = max(0.25, size_gb / 4)  # several files (4 for the default size)
-    want = {"n_layers": n_layers, "seed": seed, "file_gb": file_gb, "vocab": VOCAB,
-            "hidden": HIDDEN, "intermediate": INTER, "heads": HEADS, "kv_heads": KV_HEADS,
-            "generator": GENERATOR_VERSION}
-    if stamp.exists():
-        got = json.loads(stamp.read_text())
-        if got.get("params") == want:
-            log(f"checkpoint: reusing {d}")
-            return got
-    import torch
-    from safetensors.torch import save_file
-
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    tensors = llama_tensors(n_layers)
-    groups, cur, cur_b = [], [], 0
-    for name, shape in tensors:  # greedy split into files of at most file_gb
-        if cur and cur_b + nbytes(shape) > file_gb * 1e9:
-            groups.append(cur)
-            cur, cur_b = [], 0
-        cur.append((name, shape))
-        cur_b += nbytes(shape)
-    groups.append(cur)
-    gen = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    t0 = time.perf_counter()
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        data = {}
-        for name, shape in group:
-            t = torch.randn(shape, generator=gen)
-            if len(shape) == 1:
-                t.mul_(0.05).add_(1.0)  # RMSNorm weights around 1
-            else:
-                t.mul_(0.02)  # the usual scale of Llama weights
-            data[name] = t.to(torch.bfloat16)
-            del t
-            weight_map[name] = fname
-            total += nbytes(shape)
-        save_file(data, str(d / fname), metadata={"format": "pt"})
-        del data
-        log(f"checkpoint: wrote {fname} ({time.perf_counter() - t0:.1f} s)")
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (d / "config.json").write_text(json.dumps(llama_config(n_layers), indent=2))
-    os.sync()
-    desc = {"params": want, "tensor_bytes": total, "tensors": len(tensors), "files": len(groups),
-            "file_bytes": sum(p.stat().st_size for p in d.glob("*.safetensors")),
-            "generate_seconds": round(time.perf_counter() - t0, 1)}
-    stamp.write_text(json.dumps(desc, indent=2))
-    return desc
+KV_HEADS = 8  # grouped-query attention, as in Llama 3
 
 
 def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log) -> dict:
@@ -957,7 +853,7 @@ def run_bench(b: Bench, args, threads) -> int:
 
     # ---- checkpoint and conversion ------------------------------------------------------------
     src = workdir / f"ckpt-{args.size_gb:g}gb"
-    ck = make_checkpoint(src, args.size_gb, log)
+    ck = make_checkpoint(src, args.size_gb, kv_heads=KV_HEADS, file_gb=max(0.25, args.size_gb / 4), log=log)
     b.result["checkpoint"] = {"dir": str(src), **ck}
     out = workdir / f"out-{args.size_gb:g}gb"
     b.result["convert"] = convert(str(reshard), src, out, sorted({args.world_size, 1}, reverse=True), ck, log)
