@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <mutex>
 #include <vector>
 
 #include "reshard/error.h"
@@ -37,26 +38,32 @@ class CudaCopier final : public DeviceCopier {
       if (lane.stream) cudaStreamSynchronize(lane.stream);
       for (auto& s : lane.slots) {
         if (s.event) cudaEventDestroy(s.event);
-        if (s.buffer) cudaFreeHost(s.buffer);
       }
       if (lane.stream) cudaStreamDestroy(lane.stream);
     }
+    if (pool_) cudaFreeHost(pool_);
   }
 
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
 
   void* Staging(int lane, int slot, size_t bytes) override {
-    Slot& s = lanes_.at(lane).slots.at(slot);
-    if (s.capacity < bytes) {
-      if (s.buffer) {
-        Check(cudaEventSynchronize(s.event), "cudaEventSynchronize");
-        Check(cudaFreeHost(s.buffer), "cudaFreeHost");
-        s.buffer = nullptr;
+    // One pinned block for every (lane, slot), allocated by the first lane that asks: one
+    // cudaHostAlloc instead of lanes × slots of them (each call has a fixed cost that
+    // dominated the set-up of a first load).
+    {
+      std::lock_guard<std::mutex> g(pool_mu_);
+      if (slot_bytes_ < bytes) {
+        if (pool_) {
+          Synchronize();
+          Check(cudaFreeHost(pool_), "cudaFreeHost");
+          pool_ = nullptr;
+        }
+        const size_t total = bytes * lanes_.size() * static_cast<size_t>(slots_);
+        Check(cudaHostAlloc(&pool_, total, cudaHostAllocDefault), "cudaHostAlloc");
+        slot_bytes_ = bytes;
       }
-      Check(cudaHostAlloc(&s.buffer, bytes, cudaHostAllocDefault), "cudaHostAlloc");
-      s.capacity = bytes;
     }
-    return s.buffer;
+    return static_cast<char*>(pool_) + (static_cast<size_t>(lane) * slots_ + slot) * slot_bytes_;
   }
 
   void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
@@ -87,8 +94,6 @@ class CudaCopier final : public DeviceCopier {
 
  private:
   struct Slot {
-    void* buffer = nullptr;
-    size_t capacity = 0;
     cudaEvent_t event = nullptr;
     bool pending = false;
   };
@@ -99,6 +104,9 @@ class CudaCopier final : public DeviceCopier {
   int device_;
   int slots_;
   std::vector<Lane> lanes_;
+  std::mutex pool_mu_;
+  void* pool_ = nullptr;     // pinned staging for all lanes and slots
+  size_t slot_bytes_ = 0;
 };
 
 }  // namespace
