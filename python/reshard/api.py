@@ -14,16 +14,7 @@ from torch import nn
 
 from . import _C
 from ._C import ReshardError
-
-_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+from .format import torch_dtype
 
 # Host memory used at once by dtype-converting loads (file dtype != live dtype).
 _CONVERT_BATCH_BYTES = 64 << 20
@@ -237,9 +228,10 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                 f"Convert for it: {convert_cmd}")
         if not local.is_contiguous():
             raise ReshardError(f"parameter {name}: local shard is not contiguous")
-        file_dtype = _DTYPES.get(e["dtype"])
-        if file_dtype is None:
-            raise ReshardError(f"parameter {name}: file dtype {e['dtype']} has no torch dtype")
+        try:
+            file_dtype = torch_dtype(e["dtype"])
+        except ValueError:
+            raise ReshardError(f"parameter {name}: file dtype {e['dtype']} has no torch dtype") from None
         on_device = local.device.type == "cuda"
         if on_device:
             if device_index is not None and device_index != local.device.index:
@@ -303,7 +295,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             if item is not None:
                 k, dst = item
                 e = entries[k]
-                batch.append((k, dst, torch.empty(e["local_shape"], dtype=_DTYPES[e["dtype"]])))
+                batch.append((k, dst, torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]))))
                 size += e["nbytes"]
             if batch and (item is None or size >= _CONVERT_BATCH_BYTES):
                 r = _C.load(path, [(k, t.data_ptr(), t.numel() * t.element_size(), False)

@@ -112,11 +112,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   std::sort(jobs.begin(), jobs.end(),
             [](const Job& a, const Job& b) { return a.entry->offset < b.entry->offset; });
   std::vector<Item> items;
-  uint64_t max_frame = 0;
   for (uint32_t j = 0; j < jobs.size(); ++j) {
     const TensorEntry& e = *jobs[j].entry;
     for (uint64_t c = 0; c < e.ChunkCount(cs); ++c) items.push_back({j, c});
-    for (const auto& f : e.frames) max_frame = std::max(max_frame, f.size);
   }
 
   // Files in the page cache are read with plain buffered reads. For cold files, measured on
