@@ -17,6 +17,9 @@ struct ConvertOptions {
   std::filesystem::path source;
   std::filesystem::path out;
   LayoutSpec layout;
+  /// FSDP1 layouts: the model manifest (formats/model-manifest.md). When unset, SOURCE/ and
+  /// then OUT/reshard-model.json are used. layout.wrap empty: the manifest's no_split_modules.
+  std::optional<std::filesystem::path> model_manifest;
   std::optional<std::pair<uint32_t, uint32_t>> ranks;  // inclusive range; all when unset
   unsigned threads = 0;                                 // 0: hardware concurrency
   Codec codec = Codec::kRaw;
@@ -41,6 +44,8 @@ struct ConvertResult {
   double seconds = 0;
   bool layout_complete = false;   // every rank of the layout present afterwards
   uint32_t world_size = 0;
+  std::vector<std::string> unused_tensors;  // FSDP1: source tensors the model does not use
+  std::vector<std::string> wrap;            // FSDP1: the wrap classes used
 };
 
 /// Converts `options.source` into `options.out/<layout key>/rank-*.reshard` and updates the

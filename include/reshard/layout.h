@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -11,7 +12,10 @@
 
 namespace reshard {
 
-enum class LayoutKind { kFsdp2 };
+enum class LayoutKind {
+  kFsdp2,  // one DTensor per parameter, Shard(0) (fully_shard)
+  kFsdp1,  // one FlatParameter per wrapped unit (FullyShardedDataParallel)
+};
 
 struct RowRange {
   uint64_t start = 0;
@@ -28,13 +32,48 @@ struct LayoutSpec {
   LayoutKind kind = LayoutKind::kFsdp2;
   uint32_t world_size = 1;
   std::string dtype = "keep";  // the dtype policy: keep, bf16, fp16, fp32 (dtype_convert.h)
+  // FSDP1 only (empty/false for FSDP2):
+  std::vector<std::string> wrap;  // wrapped module classes, sorted and unique
+  bool use_orig_params = false;   // alignment padding (fsdp-layouts R17)
+  std::string param_dtype;        // MixedPrecision.param_dtype ("", bf16, fp16, fp32); only
+                                  // meaningful with use_orig_params (it sets the alignment)
 
-  /// Directory name and manifest key, e.g. "fsdp2-ws8", "fsdp2-ws8-bf16".
+  /// Directory name and manifest key, e.g. "fsdp2-ws8", "fsdp2-ws8-bf16",
+  /// "fsdp1-ws8-LlamaDecoderLayer-orig-pbf16-fp32" (classes joined by '.', or "w<hash>" when
+  /// the list is long).
   std::string Key() const;
   std::string KindName() const;
+  /// Sorts and dedups `wrap`, drops param_dtype without use_orig_params; checks values.
+  /// Throws kInvalidArgument.
+  void Normalize();
 };
 
 std::optional<LayoutKind> ParseLayoutKind(std::string_view name);
+
+/// One original parameter inside an FSDP1 FlatParameter (fsdp-layouts R15–R19).
+struct FlatParamInfo {
+  std::string fqn;                 // relative to the unit's module, as FlatParameter._fqns
+  std::string key;                 // source tensor holding its values
+  std::vector<uint64_t> shape;
+  uint64_t numel = 0;
+  uint64_t offset = 0;             // first element in the unsharded flat parameter
+  bool operator==(const FlatParamInfo&) const = default;
+};
+
+/// The unsharded FlatParameter of one FSDP1 unit: `params` in flat order; every element of
+/// [0, numel) not covered by a param is padding holding 42 (_FLAT_PARAM_PADDING_VALUE); a
+/// rank's shard is flat [r·c, (r+1)·c), c = ceil(numel / W), zero beyond numel.
+struct FlatInfo {
+  std::string unit;              // module FQN of the unit ("" for the root)
+  uint64_t numel = 0;            // alignment and (use_orig_params) world-size padding included
+  uint64_t aligned_numel = 0;    // 0 without use_orig_params
+  std::vector<FlatParamInfo> params;
+  std::vector<std::string> shared;  // FQNs (relative) of aliases of params in this unit
+  bool operator==(const FlatInfo&) const = default;
+};
+
+/// Name of a unit's entry in rank files: "<unit>._flat_param", "_flat_param" for the root.
+std::string FlatEntryName(const std::string& unit);
 
 /// One tensor's part in one rank file.
 struct PlannedTensor {
@@ -50,6 +89,9 @@ struct PlannedTensor {
   uint64_t source_nbytes = 0;  // bytes of this rank's part in the source (= nbytes unless converted)
   uint64_t source_offset = 0;  // absolute offset of this rank's bytes in the source file
   uint64_t offset = 0;         // in the data region (raw codec; 4096-aligned)
+  // FSDP1 flat shards: the unit (shared by the plans of every rank); source_* then describe
+  // the first source bytes (for read ordering) and the bytes come from FillFlatShard.
+  std::shared_ptr<const FlatInfo> flat;
 
   bool converted() const { return dtype != source_dtype; }
 };
@@ -64,5 +106,11 @@ struct RankPlan {
 /// and sizes). Throws kInvalidArgument for an unknown dtype policy, kUnsupported when a tensor
 /// cannot be split into whole bytes per row (sub-byte dtypes with odd rows).
 RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank);
+
+struct Fsdp1Plan;  // fsdp1.h
+/// FSDP1: the rank's flat shards (one per unit, in unit construction order) followed by the
+/// model's persistent buffers, stored whole.
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1Plan& units,
+                  uint32_t rank);
 
 }  // namespace reshard

@@ -30,9 +30,14 @@ struct ManifestLayout {
   LayoutKind kind = LayoutKind::kFsdp2;
   uint32_t world_size = 1;
   std::string dtype = "keep";
+  std::vector<std::string> wrap;  // FSDP1 (LayoutSpec)
+  bool use_orig_params = false;
+  std::string param_dtype;
   std::string dir;
   std::vector<ManifestRank> ranks;
   bool complete = false;
+
+  LayoutSpec Layout() const;
 };
 
 struct Manifest {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <memory>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -62,6 +63,9 @@ struct TensorEntry {
   std::vector<uint64_t> chunk_xxh3;
   std::vector<Frame> frames;  // zstd only
   uint64_t xxh3 = 0;
+  // FSDP1 flat shard: the unit's unsharded layout (global_shape = {flat->numel}, rows the
+  // part of [0, numel) in this rank, local_shape = {ceil(numel / W)}). Null otherwise.
+  std::shared_ptr<const FlatInfo> flat;
 
   uint64_t ChunkCount(uint64_t chunk_size) const { return CeilDiv(nbytes, chunk_size); }
 };
@@ -72,12 +76,16 @@ struct RankFileHeader {
   LayoutKind kind = LayoutKind::kFsdp2;
   uint32_t world_size = 1;
   std::string dtype_policy = "keep";
+  std::vector<std::string> wrap;  // FSDP1: LayoutSpec::wrap, use_orig_params, param_dtype
+  bool use_orig_params = false;
+  std::string param_dtype;
   uint32_t rank = 0;
   SourceFingerprint source;
   uint64_t chunk_size = kDefaultChunkSize;
   std::vector<TensorEntry> tensors;
 
   const TensorEntry* Find(std::string_view name) const;
+  LayoutSpec Layout() const;
 };
 
 std::string SerializeHeader(const RankFileHeader& header);

@@ -10,6 +10,6 @@ OUT is what `reshard convert SRC -o OUT --world-size N` wrote.
 """
 
 from ._C import ReshardError, build_info  # noqa: F401
-from .api import LoadReport, empty_model, find_rank_file, load  # noqa: F401
+from .api import LoadReport, empty_model, find_rank_file, fsdp1_param_init_fn, load  # noqa: F401
 
 __version__ = build_info()["version"]

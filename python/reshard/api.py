@@ -110,6 +110,31 @@ def find_rank_file(out: str, world_size: int, rank: int,
     return path, key
 
 
+def _load_via_host(path: str, entries: dict, items, dev: int, n_threads: int, verify: bool):
+    """Loads entries into host tensors of the file's dtype, batch by batch, and copies them
+    into their destinations (converting exactly as Tensor.to() when the dtypes differ).
+    Returns (bytes, seconds)."""
+    total_bytes, total_seconds = 0, 0.0
+    batch, size = [], 0
+    for item in list(items) + [None]:
+        if item is not None:
+            k, dst = item
+            e = entries[k]
+            batch.append((k, dst, torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]))))
+            size += e["nbytes"]
+        if batch and (item is None or size >= _CONVERT_BATCH_BYTES):
+            r = _C.load(path, [(k, t.data_ptr(), t.numel() * t.element_size(), False)
+                               for k, _, t in batch], device=dev, threads=n_threads,
+                        verify=verify, io="buffered")
+            total_bytes += r["bytes"]
+            total_seconds += r["seconds"]
+            with torch.no_grad():
+                for _, dst, t in batch:
+                    dst.copy_(t)  # same rounding as Tensor.to()
+            batch, size = [], 0
+    return total_bytes, total_seconds
+
+
 def _file_key(name: str, keys, prefix: str) -> Optional[str]:
     if name in keys:
         return name
@@ -127,6 +152,7 @@ def _fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
     stash = getattr(model, "_reshard_buffers", None)
     if stash is not None:
         return stash
+    model = getattr(model, "_fsdp_wrapped_module", model)
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -142,8 +168,27 @@ def _fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
     return _non_persistent_buffers(fresh)
 
 
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _clean_name(name: str) -> str:
+    """A module/parameter/buffer path without FSDP1 / activation-checkpoint wrapper parts."""
+    return ".".join(part for part in name.split(".") if part and part not in _WRAPPER_PARTS)
+
+
+def _persistent_buffer_names(model: nn.Module) -> set:
+    """Names of the persistent buffers, as state_dict() would list them, without calling it
+    (FSDP1's state_dict() gathers the whole model)."""
+    names = set()
+    for mname, m in model.named_modules():
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                names.add(_clean_name(f"{mname}.{bname}" if mname else bname))
+    return names
+
+
 def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
-    persistent = set(model.state_dict().keys())
+    persistent = _persistent_buffer_names(model)
     return {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}
 
 
@@ -175,6 +220,49 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     return model
 
 
+def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
+    """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones are
+    restored from a fresh model (their names)."""
+    persistent = _persistent_buffer_names(model)
+    buffer_targets = []
+    needs_fresh = []
+    for name, b in model.named_buffers():
+        name = _clean_name(name)
+        key_in_file = _file_key(name, entries, prefix)
+        if name in persistent and key_in_file is not None:
+            e = entries[key_in_file]
+            used.add(key_in_file)
+            if e["shard"] is not None and e["local_shape"] != e["global_shape"]:
+                raise ReshardError(
+                    f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
+                    "rank (not supported yet for world size > 1)")
+            buffer_targets.append((key_in_file, b))
+        elif name not in persistent:
+            needs_fresh.append(name)
+        else:
+            raise ReshardError(f"persistent buffer {name} is not in {path}")
+    return buffer_targets, needs_fresh
+
+
+def _restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bool) -> List[str]:
+    restored = []
+    if needs_fresh:
+        fresh = _fresh_buffers(model)
+        missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
+        if missing_fresh and strict_buffers:
+            raise ReshardError(
+                f"cannot restore non-persistent buffers {missing_fresh} (to_empty left them "
+                "uninitialised): build the model with reshard.empty_model(OUT), or restore them "
+                "yourself and pass strict_buffers=False")
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                name = _clean_name(name)
+                if name in needs_fresh and fresh is not None and name in fresh:
+                    b.copy_(fresh[name])
+                    restored.append(name)
+    return restored
+
+
 def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
          io: str = "auto", strict_buffers: bool = True) -> LoadReport:
     """Loads this rank's shard from OUT into `model` in place.
@@ -184,7 +272,14 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     (name, global shape, local shape, dtype) before any byte moves; a mismatch raises
     ReshardError naming the parameter. Non-persistent buffers are restored to a freshly
     constructed model's values. Raises ReshardError on any failure; then the model must be
-    considered not loaded."""
+    considered not loaded.
+
+    FSDP1 models (FullyShardedDataParallel, any sharding strategy) load from an fsdp1 layout
+    whose units match the live FlatParameters exactly (see _load_fsdp1)."""
+    units = _fsdp1_units(model)
+    if units:
+        return _load_fsdp1(model, out, units, threads=threads, verify=verify, io=io,
+                           strict_buffers=strict_buffers)
     world_size, coord = _shard_coordinate(model)
     if world_size == 1 and hasattr(model, "tie_weights"):
         # nn.Module.to_empty gives each module its own new parameter, silently untying
@@ -254,24 +349,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
             f"{' ...' if len(missing) > 8 else ''}. Is OUT converted from this model's checkpoint? {convert_cmd}")
 
-    # Buffers: persistent ones come from the file; non-persistent ones from a fresh model.
-    persistent = set(model.state_dict().keys())
-    buffer_targets = []
-    needs_fresh = []
-    for name, b in model.named_buffers():
-        key_in_file = _file_key(name, entries, prefix)
-        if name in persistent and key_in_file is not None:
-            e = entries[key_in_file]
-            used.add(key_in_file)
-            if e["shard"] is not None and e["local_shape"] != e["global_shape"]:
-                raise ReshardError(
-                    f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
-                    "rank (not supported yet for world size > 1)")
-            buffer_targets.append((key_in_file, b))
-        elif name not in persistent:
-            needs_fresh.append(name)
-        else:
-            raise ReshardError(f"persistent buffer {name} is not in {path}")
+    buffer_targets, needs_fresh = _buffer_targets(model, entries, prefix, path, used)
     unexpected = sorted(set(entries) - used)
     aliases = set()
     for n, _ in model.named_parameters(remove_duplicate=False):
@@ -288,42 +366,11 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
     total_bytes, total_seconds = result["bytes"], result["seconds"]
 
-    def load_via_host(items):
-        nonlocal total_bytes, total_seconds
-        batch, size = [], 0
-        for item in items + [None]:
-            if item is not None:
-                k, dst = item
-                e = entries[k]
-                batch.append((k, dst, torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]))))
-                size += e["nbytes"]
-            if batch and (item is None or size >= _CONVERT_BATCH_BYTES):
-                r = _C.load(path, [(k, t.data_ptr(), t.numel() * t.element_size(), False)
-                                   for k, _, t in batch], device=dev, threads=n_threads,
-                            verify=verify, io="buffered")
-                total_bytes += r["bytes"]
-                total_seconds += r["seconds"]
-                with torch.no_grad():
-                    for _, dst, t in batch:
-                        dst.copy_(t)  # same rounding as Tensor.to()
-                batch, size = [], 0
+    b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
+    total_bytes += b
+    total_seconds += sec
 
-    load_via_host(converted + buffer_targets)
-
-    restored = []
-    if needs_fresh:
-        fresh = _fresh_buffers(model)
-        missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
-        if missing_fresh and strict_buffers:
-            raise ReshardError(
-                f"cannot restore non-persistent buffers {missing_fresh} (to_empty left them "
-                "uninitialised): build the model with reshard.empty_model(OUT), or restore them "
-                "yourself and pass strict_buffers=False")
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in needs_fresh and fresh is not None and name in fresh:
-                    b.copy_(fresh[name])
-                    restored.append(name)
+    restored = _restore_buffers(model, needs_fresh, strict_buffers)
     if device_index is not None:
         torch.cuda.synchronize(device_index)
     return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
@@ -332,3 +379,211 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                       staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
                       threads=result["threads"], converted_tensors=len(converted),
                       buffers_restored=restored)
+
+
+# ---- FSDP1 (FullyShardedDataParallel, FlatParameter) -----------------------------------------
+
+def _fsdp1_units(model: nn.Module):
+    """[(unit FQN, FSDP module, handle)] of the FSDP1 units that hold a FlatParameter."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:
+        return []
+    units = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDP) and getattr(m, "_handle", None) is not None:
+            units.append((_clean_name(name), m, m._handle))
+    return units
+
+
+def _live_flat(handle) -> dict:
+    """The live FlatParameter's layout, in the terms of the rank file's `flat` object."""
+    fp = handle.flat_param
+    fqns, shapes = list(fp._fqns), [list(s) for s in fp._shapes]
+    numels, mask = list(fp._numels_with_padding), list(fp._is_padding_mask)
+    params, offset, k = [], 0, 0
+    for n, is_pad in zip(numels, mask):
+        if not is_pad:
+            params.append({"fqn": _clean_name(fqns[k]), "shape": shapes[k], "offset": offset})
+            k += 1
+        offset += n
+    return {"params": params, "numel": int(fp._unpadded_unsharded_size.numel()),
+            "aligned_numel": int(handle._aligned_numel), "world_size": int(handle.world_size),
+            "rank": int(handle.rank), "local_numel": int(fp.numel()),
+            "shard_numel_padded": int(fp._shard_numel_padded), "dtype": fp.dtype}
+
+
+def _flat_difference(unit: str, live: dict, e: Optional[dict], world_size: int) -> Optional[str]:
+    if e is None:
+        return f"unit {unit or '(root)'} is not in the file"
+    f = e["flat"]
+    want = [{"fqn": p["fqn"], "shape": p["shape"], "offset": p["offset"]} for p in f["params"]]
+    if want != live["params"]:
+        untied = [p["fqn"] for p in live["params"] if p["fqn"] in set(f.get("shared", []))]
+        if untied:
+            return (f"unit {unit or '(root)'}: {untied[0]} is a parameter of its own in the model but "
+                    "tied (shared) in the file: the param_init_fn untied it (nn.Module.to_empty "
+                    "does); build FSDP with param_init_fn=reshard.fsdp1_param_init_fn(device)")
+        for i, (a, b) in enumerate(zip(want, live["params"])):
+            if a != b:
+                return (f"unit {unit or '(root)'}: parameter {i} is {b['fqn']} {b['shape']} at flat "
+                        f"offset {b['offset']} in the model, {a['fqn']} {a['shape']} at {a['offset']} "
+                        "in the file")
+        return (f"unit {unit or '(root)'}: {len(live['params'])} parameters in the model, "
+                f"{len(want)} in the file")
+    if f["numel"] != live["numel"]:
+        return f"unit {unit or '(root)'}: flat numel {live['numel']} in the model, {f['numel']} in the file"
+    if f["aligned_numel"] != live["aligned_numel"]:
+        return (f"unit {unit or '(root)'}: alignment {live['aligned_numel']} elements in the model, "
+                f"{f['aligned_numel']} in the file (use_orig_params / param_dtype differ)")
+    c = -(-f["numel"] // world_size)
+    if live["local_numel"] != c:
+        return (f"unit {unit or '(root)'}: the local shard has {live['local_numel']} elements, the "
+                f"file {c}; the FlatParameter is not sharded (call load before the first forward, "
+                "outside summon_full_params)")
+    if live["shard_numel_padded"] != c - (e["shard"]["end"] - e["shard"]["start"]):
+        return f"unit {unit or '(root)'}: shard padding differs"
+    return None
+
+
+def _fsdp1_convert_command(out: str, model: nn.Module, units, live_dtype) -> str:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    classes = sorted({type(m.module).__name__ for u, m, _ in units if u != ""} |
+                     {type(m.module).__name__ for n, m in model.named_modules()
+                      if isinstance(m, FSDP) and _clean_name(n) != "" and m._handle is None})
+    root = units[0][1] if units else model
+    cmd = (f"python -m reshard.manifest <checkpoint> -o {out}/reshard-model.json && "
+           f"reshard convert <checkpoint> -o {out} --world-size {units[0][2].world_size} --layout fsdp1")
+    cmd += "".join(f" --wrap {c}" for c in classes) if classes else ""
+    if getattr(root, "_use_orig_params", False):
+        cmd += " --use-orig-params"
+        mp = getattr(units[0][2], "_fwd_bwd_param_dtype", None)
+        if mp is not None and mp != units[0][2]._orig_param_dtype and mp in _POLICY_NAMES:
+            cmd += f" --param-dtype {_POLICY_NAMES[mp]}"
+    if live_dtype in _POLICY_NAMES:
+        cmd += f" --dtype {_POLICY_NAMES[live_dtype]}"
+    return cmd
+
+
+def _load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict_buffers) -> LoadReport:
+    """Loads an FSDP1 model: every unit's local flat shard (padding included) from the rank file
+    of the fsdp1 layout whose units match the live FlatParameters (FQNs, shapes, offsets with
+    padding, flat numel, alignment, world size), the shard coordinate being the handle's rank
+    in its shard group (HYBRID_SHARD: within the replica)."""
+    lives = [(u, m, h, _live_flat(h)) for u, m, h in units]
+    world_size, coord = lives[0][3]["world_size"], lives[0][3]["rank"]
+    dtypes = {lv["dtype"] for *_, lv in lives}
+    live_dtype = dtypes.pop() if len(dtypes) == 1 else None
+    command = _fsdp1_convert_command(out, model, units, live_dtype)
+    manifest_path = os.path.join(out, "reshard.json")
+    if not os.path.exists(manifest_path):
+        raise ReshardError(f"{out}: no reshard.json; this is not a reshard output directory. "
+                           f"Create one with: {command}")
+    with open(manifest_path) as f:
+        layouts = json.load(f).get("layouts", {})
+    policy = _POLICY_NAMES.get(live_dtype)
+    candidates = [k for k, l in layouts.items()
+                  if l.get("kind") == "fsdp1" and l.get("world_size") == world_size]
+    candidates.sort(key=lambda k: (layouts[k].get("dtype") != policy, layouts[k].get("dtype") != "keep", k))
+    name = f"rank-{coord:05d}-of-{world_size:05d}.reshard"
+    chosen, reasons = None, []
+    for key in candidates:
+        path = os.path.join(out, key, name)
+        if not os.path.exists(path):
+            reasons.append(f"{key}: {path} is missing (convert with --ranks {coord}-{coord})")
+            continue
+        header = json.loads(_C.read_header(path))
+        entries = {t["name"]: t for t in header["tensors"]}
+        if header["rank"] != coord or header["layout"]["world_size"] != world_size:
+            reasons.append(f"{path}: holds rank {header['rank']} of {header['layout']['world_size']}")
+            continue
+        diff = None
+        for u, _, _, lv in lives:
+            diff = _flat_difference(u, lv, entries.get(_flat_entry_name(u)), world_size)
+            if diff:
+                break
+        live_units = {_flat_entry_name(u) for u, *_ in lives}
+        extra = [n for n, e in entries.items() if e.get("flat") and n not in live_units]
+        if diff is None and extra:
+            diff = f"the file has unit(s) the model lacks: {', '.join(extra[:4])}"
+        if diff:
+            reasons.append(f"{key}: {diff}")
+            continue
+        chosen = (key, path, entries)
+        break
+    if chosen is None:
+        have = "; ".join(reasons) if reasons else (
+            f"no fsdp1 layout for world size {world_size} (layouts: {', '.join(sorted(layouts)) or 'none'})")
+        raise ReshardError(f"{out}: no layout matches this FSDP1 job ({have}). Create one with: {command}")
+    key, path, entries = chosen
+
+    direct, converted = [], []
+    device_index = None
+    for u, m, h, lv in lives:
+        e = entries[_flat_entry_name(u)]
+        fp = h.flat_param
+        target = getattr(fp, "_local_shard", None)
+        if target is None or target.numel() != fp.numel():
+            target = fp.data
+        if target.device.type == "meta":
+            raise ReshardError(f"unit {u or '(root)'}: the FlatParameter is on the meta device; "
+                               "build FSDP with param_init_fn (e.g. lambda m: m.to_empty(device=..., "
+                               "recurse=False)) or device_id")
+        on_device = target.device.type == "cuda"
+        if on_device:
+            if device_index is not None and device_index != target.device.index:
+                raise ReshardError("FlatParameters on several CUDA devices; one device per rank expected")
+            device_index = target.device.index
+        elif target.device.type != "cpu":
+            raise ReshardError(f"unit {u or '(root)'} is on {target.device}; reshard loads onto CUDA or CPU")
+        if torch_dtype(e["dtype"]) == target.dtype:
+            direct.append((e["name"], target.data_ptr(), e["nbytes"], on_device))
+        else:
+            converted.append((e["name"], target))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    used = {_flat_entry_name(u) for u, *_ in lives}
+    buffer_targets, needs_fresh = _buffer_targets(model, entries, prefix, path, used)
+    n_threads = threads or min(8, os.cpu_count() or 1)
+    dev = device_index or 0
+    result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
+    b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
+    restored = _restore_buffers(model, needs_fresh, strict_buffers)
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    total_bytes, total_seconds = result["bytes"] + b, result["seconds"] + sec
+    return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
+                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
+                      tensors=len(direct) + len(converted) + len(buffer_targets),
+                      staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
+                      threads=result["threads"], converted_tensors=len(converted),
+                      buffers_restored=restored)
+
+
+def fsdp1_param_init_fn(device):
+    """A param_init_fn for FullyShardedDataParallel over a meta-device model that allocates each
+    module's own parameters and buffers (uninitialised, as `to_empty(recurse=False)`) on
+    `device` while keeping tied parameters tied: FSDP1 materialises module by module, and
+    to_empty would give `lm_head` and `embed_tokens` separate tensors. Values come from
+    reshard.load afterwards."""
+    device = torch.device(device)
+    memo: Dict[int, Tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def init(module: nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            hit = memo.get(id(p))
+            if hit is None:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                memo[id(p)] = hit = (p, new)  # keep the meta tensor alive: its id stays unique
+            module._parameters[name] = hit[1]
+        for name, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+
+    return init
+
+
+def _flat_entry_name(unit: str) -> str:
+    return f"{unit}._flat_param" if unit else "_flat_param"

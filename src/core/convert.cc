@@ -9,6 +9,8 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +25,7 @@
 #include "reshard/dtype_convert.h"
 #include "reshard/error.h"
 #include "reshard/file_io.h"
+#include "reshard/fsdp1.h"
 #include "reshard/manifest.h"
 #include "reshard/rank_file.h"
 #include "reshard/version.h"
@@ -87,7 +90,8 @@ std::string HostName() {
 
 std::string TempSuffix() { return ".tmp-" + HostName() + "-" + std::to_string(::getpid()); }
 
-bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source) {
+bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source,
+              const RankPlan& plan) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return false;
   try {
@@ -100,6 +104,21 @@ bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerp
     }
     for (const auto& t : h.tensors) {
       if (t.nbytes > 0 && t.codec != o.codec) return false;
+    }
+    if (h.kind != o.layout.kind || h.wrap != o.layout.wrap ||
+        h.use_orig_params != o.layout.use_orig_params || h.param_dtype != o.layout.param_dtype ||
+        h.tensors.size() != plan.tensors.size()) {
+      return false;
+    }
+    for (size_t i = 0; i < plan.tensors.size(); ++i) {
+      const auto& want = plan.tensors[i];
+      const auto& have = h.tensors[i];
+      if (have.name != want.name || have.dtype != want.dtype ||
+          have.global_shape != want.global_shape || have.local_shape != want.local_shape ||
+          (want.flat == nullptr) != (have.flat == nullptr) ||
+          (want.flat && !(*want.flat == *have.flat))) {
+        return false;
+      }
     }
     return true;
   } catch (const Error&) {
@@ -123,9 +142,20 @@ void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
 
 class Converter {
  public:
-  Converter(const ConvertOptions& o, const Checkpoint& ckpt, unsigned threads)
-      : o_(o), ckpt_(ckpt), threads_(threads) {
+  Converter(const ConvertOptions& o, const Checkpoint& ckpt, unsigned threads,
+            const Fsdp1Plan* units)
+      : o_(o), ckpt_(ckpt), threads_(threads), units_(units) {
     for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
+    if (units_) {
+      for (const auto& u : units_->units) {
+        auto& v = flat_sources_[u.get()];
+        for (const auto& p : u->params) v.push_back(ckpt.Find(p.key));
+      }
+    }
+  }
+
+  RankPlan Plan(uint32_t rank) const {
+    return units_ ? PlanRank(ckpt_, o_.layout, *units_, rank) : PlanRank(ckpt_, o_.layout, rank);
   }
 
   void Run(std::vector<uint32_t> ranks, ConvertResult& result) {
@@ -150,7 +180,7 @@ class Converter {
     for (size_t w = 0; w < ranks.size(); ++w) {
       RankWriter& rw = writers[w];
       rw.rank = ranks[w];
-      rw.plan = PlanRank(ckpt_, o_.layout, rw.rank);
+      rw.plan = Plan(rw.rank);
       rw.final_path = dir / RankFileName(rw.rank, o_.layout.world_size);
       rw.tmp_path = dir / ("." + rw.final_path.filename().string() + TempSuffix());
       temps.Add(rw.tmp_path);
@@ -161,6 +191,9 @@ class Converter {
       h.kind = o_.layout.kind;
       h.world_size = o_.layout.world_size;
       h.dtype_policy = o_.layout.dtype;
+      h.wrap = o_.layout.wrap;
+      h.use_orig_params = o_.layout.use_orig_params;
+      h.param_dtype = o_.layout.param_dtype;
       h.rank = rw.rank;
       h.source = ckpt_.fingerprint;
       h.chunk_size = o_.chunk_size;
@@ -177,6 +210,7 @@ class Converter {
         e.offset = p.offset;
         e.stored_size = p.nbytes;
         e.codec = p.nbytes == 0 ? Codec::kRaw : o_.codec;
+        e.flat = p.flat;
         const uint64_t n = e.ChunkCount(o_.chunk_size);
         e.chunk_xxh3.resize(n);
         if (e.codec == Codec::kZstd) e.frames.resize(n);
@@ -187,7 +221,11 @@ class Converter {
           const uint64_t length = std::min(o_.chunk_size, p.nbytes - begin);
           WorkItem it{static_cast<uint32_t>(w), ti, c, p.source_offset + begin, length, length,
                       ckpt_.tensors[p.source_index].file_index};
-          if (p.converted()) {  // chunk_size is a multiple of 4096, so of every element size
+          if (p.flat) {  // ordered by the first source bytes the chunk reads
+            std::tie(it.file_index, it.source_offset) =
+                FlatSourcePosition(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
+                                   flat_sources_.at(p.flat.get()), begin);
+          } else if (p.converted()) {  // chunk_size is a multiple of 4096: whole elements
             it.source_offset = p.source_offset + begin / out_item * in_item;
             it.source_length = length / out_item * in_item;
           }
@@ -233,6 +271,7 @@ class Converter {
         std::unique_ptr<char[]> in(new char[std::max(o_.chunk_size, max_source_length)]);
         std::unique_ptr<char[]> conv(any_converted ? new char[o_.chunk_size] : nullptr);
         std::unique_ptr<char[]> packed(zstd ? new char[bound] : nullptr);
+        std::vector<char> flat_scratch;
         if (zstd) cctx = ZSTD_createCCtx();
         while (!failed.load(std::memory_order_relaxed)) {
           const size_t i = next.fetch_add(1);
@@ -241,8 +280,14 @@ class Converter {
           RankWriter& rw = writers[it.writer];
           TensorEntry& e = rw.header.tensors[it.tensor];
           const PlannedTensor& p = rw.plan.tensors[it.tensor];
-          sources_[it.file_index].PReadExact(in.get(), it.source_length, it.source_offset);
           const char* data = in.get();
+          if (p.flat) {
+            FillFlatShard(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
+                          flat_sources_.at(p.flat.get()), sources_, it.chunk * o_.chunk_size,
+                          it.length, in.get(), flat_scratch);
+          } else {
+            sources_[it.file_index].PReadExact(in.get(), it.source_length, it.source_offset);
+          }
           if (p.converted()) {
             ConvertElements(p.source_dtype, p.dtype, in.get(), conv.get(),
                             it.length / (Info(p.dtype).bits / 8));
@@ -346,8 +391,25 @@ class Converter {
   const ConvertOptions& o_;
   const Checkpoint& ckpt_;
   unsigned threads_;
+  const Fsdp1Plan* units_;
   std::vector<File> sources_;
+  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
 };
+
+// The model manifest of an FSDP1 conversion: the option, else SOURCE/ or OUT/reshard-model.json.
+fs::path FindModelManifest(const ConvertOptions& o) {
+  if (o.model_manifest) return *o.model_manifest;
+  std::error_code ec;
+  const fs::path src_dir = fs::is_directory(o.source, ec) ? o.source : o.source.parent_path();
+  for (const fs::path& dir : {src_dir, o.out}) {
+    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
+  }
+  Fail(ErrorCode::kNotFound,
+       "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
+       "not hold (its keys are sorted). Capture them once with: python -m reshard.manifest " +
+           o.source.string() + " -o " + (o.out / kModelManifestName).string() +
+           "  (or pass --model-manifest FILE)");
+}
 
 // Removes temporaries left by dead conversions on this host ("...tmp-<host>-<pid>", or the
 // older "...tmp-<pid>"); a live process's, or another host's, are left alone.
@@ -375,8 +437,17 @@ void RemoveStaleTemporaries(const fs::path& dir) {
 
 }  // namespace
 
-ConvertResult Convert(const ConvertOptions& o) {
+ConvertResult Convert(const ConvertOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
+  ConvertOptions o = options;
+  std::optional<ModelManifest> model;
+  fs::path model_path;
+  if (o.layout.kind == LayoutKind::kFsdp1) {
+    model_path = FindModelManifest(o);
+    model = ReadModelManifest(model_path);
+    if (o.layout.wrap.empty()) o.layout.wrap = model->no_split_modules;
+  }
+  o.layout.Normalize();
   if (o.layout.world_size == 0) {
     Fail(ErrorCode::kInvalidArgument, "--world-size must be at least 1");
   }
@@ -406,6 +477,8 @@ ConvertResult Convert(const ConvertOptions& o) {
   unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
 
   Checkpoint ckpt = OpenCheckpoint(o.source);
+  std::optional<Fsdp1Plan> units;
+  if (model) units = PlanFsdp1(ckpt, *model, o.layout);
   std::error_code ec;
   fs::create_directories(o.out, ec);
   if (ec || !fs::is_directory(o.out)) {
@@ -427,20 +500,23 @@ ConvertResult Convert(const ConvertOptions& o) {
   lock.reset();  // rank files need no lock: each is written under a private name and renamed
 
   ConvertResult result;
+  if (units) {
+    result.unused_tensors = units->unused;
+    result.wrap = o.layout.wrap;
+  }
   result.layout_key = o.layout.Key();
   result.layout_dir = dir;
   result.world_size = o.layout.world_size;
   std::vector<uint32_t> todo;
+  Converter converter(o, ckpt, threads, units ? &*units : nullptr);
   for (uint32_t r = first; r <= last; ++r) {
-    if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint)) {
+    const RankPlan plan = converter.Plan(r);
+    if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint, plan)) {
       result.ranks_up_to_date.push_back(r);
     } else {
       todo.push_back(r);
+      for (const auto& t : plan.tensors) converter.total_bytes += t.nbytes;
     }
-  }
-  Converter converter(o, ckpt, threads);
-  for (uint32_t r : todo) {
-    for (const auto& t : PlanRank(ckpt, o.layout, r).tensors) converter.total_bytes += t.nbytes;
   }
   converter.Run(todo, result);
 
@@ -452,6 +528,16 @@ ConvertResult Convert(const ConvertOptions& o) {
   }
   CopyAuxFiles(ckpt, o.out);
   Manifest m = manifest.value_or(Manifest{});
+  if (model) {
+    // Kept beside the layouts: later FSDP1 conversions into OUT find it there.
+    const std::string name(kModelManifestName);
+    if (!fs::equivalent(model_path, o.out / name, ec)) {
+      WriteFileAtomic(o.out / name, ReadWholeFile(model_path, 256ull << 20));
+    }
+    if (std::find(m.aux_files.begin(), m.aux_files.end(), name) == m.aux_files.end()) {
+      m.aux_files.push_back(name);
+    }
+  }
   m.writer = std::string(WriterString());
   m.source = ckpt.fingerprint;
   for (const auto& a : ckpt.aux_files) {

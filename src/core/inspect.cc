@@ -30,9 +30,19 @@ json RankFileJson(const RankFileReader& r, bool with_tensors) {
               {"nbytes", t.nbytes},     {"stored_size", t.stored_size},
               {"codec", CodecName(t.codec)}, {"offset", t.offset}, {"xxh3", Hex16(t.xxh3)}};
     e["rows"] = t.sharded ? json::array({t.rows.start, t.rows.end}) : json(nullptr);
+    if (t.flat) {
+      json params = json::array();
+      for (const auto& p : t.flat->params) {
+        params.push_back({{"fqn", p.fqn}, {"key", p.key}, {"shape", p.shape},
+                          {"offset", p.offset}, {"numel", p.numel}});
+      }
+      e["flat"] = {{"unit", t.flat->unit}, {"numel", t.flat->numel},
+                   {"aligned_numel", t.flat->aligned_numel}, {"params", params},
+                   {"shared", t.flat->shared}};
+    }
     tensors.push_back(std::move(e));
   }
-  LayoutSpec spec{h.kind, h.world_size, h.dtype_policy};
+  const LayoutSpec spec = h.Layout();
   json j = {{"kind", "rank_file"},
             {"path", r.path()},
             {"layout", h.layout_key},
@@ -47,6 +57,11 @@ json RankFileJson(const RankFileReader& r, bool with_tensors) {
             {"nbytes", nbytes},
             {"stored_size", stored},
             {"writer", h.writer}};
+  if (h.kind == LayoutKind::kFsdp1) {
+    j["wrap"] = h.wrap;
+    j["use_orig_params"] = h.use_orig_params;
+    j["param_dtype"] = h.param_dtype;
+  }
   if (with_tensors) j["tensors"] = std::move(tensors);
   return j;
 }
@@ -148,6 +163,12 @@ json Inspect(const fs::path& path) {
     for (const auto& [key, l] : m->layouts) {
       json lj = LayoutJson(path / l.dir, l.world_size);
       lj["manifest_complete"] = l.complete;
+      lj["layout_kind"] = l.Layout().KindName();
+      if (l.kind == LayoutKind::kFsdp1) {
+        lj["wrap"] = l.wrap;
+        lj["use_orig_params"] = l.use_orig_params;
+        lj["param_dtype"] = l.param_dtype;
+      }
       layouts[key] = std::move(lj);
     }
     return {{"kind", "output"},
@@ -174,6 +195,16 @@ std::string RenderInspect(const json& d) {
       << Bytes(l["nbytes"]) << " of tensor data";
     if (l["stored_size"] != l["nbytes"]) o << ", " << Bytes(l["stored_size"]) << " stored";
     o << "\n";
+    if (l.contains("wrap")) {
+      o << "    FSDP1: wrap";
+      for (const auto& w : l["wrap"]) o << " " << w.get<std::string>();
+      if (l["wrap"].empty()) o << " (root only)";
+      o << ", use_orig_params " << (l["use_orig_params"].get<bool>() ? "True" : "False");
+      if (!l["param_dtype"].get<std::string>().empty()) {
+        o << ", param_dtype " << l["param_dtype"].get<std::string>();
+      }
+      o << "\n";
+    }
     for (const auto& r : l["ranks"]) {
       o << "    rank " << r["rank"] << "  " << r["file"].get<std::string>() << "  "
         << Bytes(r["nbytes"]) << "  (" << r["tensor_count"] << " tensors, file "
@@ -198,9 +229,23 @@ std::string RenderInspect(const json& d) {
       << " tensors, " << Bytes(d["nbytes"]) << " of data, file " << Bytes(d["file_size"])
       << ", chunk size " << Bytes(d["chunk_size"]) << ", written by "
       << d["writer"].get<std::string>() << "\n";
+    if (d.contains("wrap")) {
+      o << "  FSDP1: wrap";
+      for (const auto& w : d["wrap"]) o << " " << w.get<std::string>();
+      o << ", use_orig_params " << (d["use_orig_params"].get<bool>() ? "True" : "False") << "\n";
+    }
     for (const auto& t : d["tensors"]) {
       o << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << " "
         << Shape(t["global_shape"]);
+      if (t.contains("flat")) {
+        o << " flat [" << t["rows"][0] << ", " << t["rows"][1] << ") -> " << Shape(t["local_shape"])
+          << "  " << Bytes(t["nbytes"]) << ", " << t["flat"]["params"].size() << " params\n";
+        for (const auto& p : t["flat"]["params"]) {
+          o << "      " << p["fqn"].get<std::string>() << " " << Shape(p["shape"]) << " at "
+            << p["offset"] << "\n";
+        }
+        continue;
+      }
       if (!t["rows"].is_null()) o << " rows [" << t["rows"][0] << ", " << t["rows"][1] << ")";
       else o << " whole";
       o << " -> " << Shape(t["local_shape"]) << "  " << Bytes(t["nbytes"]);

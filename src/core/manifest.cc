@@ -39,6 +39,17 @@ std::optional<std::pair<uint32_t, uint32_t>> ParseRankFileName(const std::string
 
 }  // namespace
 
+LayoutSpec ManifestLayout::Layout() const {
+  LayoutSpec spec;
+  spec.kind = kind;
+  spec.world_size = world_size;
+  spec.dtype = dtype;
+  spec.wrap = wrap;
+  spec.use_orig_params = use_orig_params;
+  spec.param_dtype = param_dtype;
+  return spec;
+}
+
 std::string SerializeManifest(const Manifest& m) {
   json j;
   j["format"] = kManifestFormatName;
@@ -55,10 +66,14 @@ std::string SerializeManifest(const Manifest& m) {
                        {"size", r.size},
                        {"header_xxh3", Hex16(r.header_xxh3)}});
     }
-    LayoutSpec spec{l.kind, l.world_size, l.dtype};
-    layouts[key] = {{"kind", spec.KindName()}, {"world_size", l.world_size},
+    layouts[key] = {{"kind", l.Layout().KindName()}, {"world_size", l.world_size},
                     {"dtype", l.dtype},        {"dir", l.dir},
                     {"ranks", ranks},          {"complete", l.complete}};
+    if (l.kind == LayoutKind::kFsdp1) {
+      layouts[key]["wrap"] = l.wrap;
+      layouts[key]["use_orig_params"] = l.use_orig_params;
+      layouts[key]["param_dtype"] = l.param_dtype;
+    }
   }
   j["layouts"] = layouts;
   return j.dump(2) + "\n";
@@ -92,8 +107,17 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     l.key = key;
     std::string kind = GetString(Member(jl, "kind", path, f), path, f + ".kind");
     auto k = ParseLayoutKind(kind);
-    if (!k) FailField(path, f + ".kind", "\"" + kind + "\"", "\"fsdp2\"");
+    if (!k) FailField(path, f + ".kind", "\"" + kind + "\"", "\"fsdp2\" or \"fsdp1\"");
     l.kind = *k;
+    if (l.kind == LayoutKind::kFsdp1) {
+      const json& wrap = GetArray(Member(jl, "wrap", path, f), path, f + ".wrap");
+      for (size_t i = 0; i < wrap.size(); ++i) {
+        l.wrap.push_back(GetString(wrap[i], path, f + ".wrap[" + std::to_string(i) + "]"));
+      }
+      l.use_orig_params =
+          GetBool(Member(jl, "use_orig_params", path, f), path, f + ".use_orig_params");
+      l.param_dtype = GetString(Member(jl, "param_dtype", path, f), path, f + ".param_dtype");
+    }
     uint64_t ws = GetU64(Member(jl, "world_size", path, f), path, f + ".world_size");
     if (ws == 0 || ws > 1u << 24) FailField(path, f + ".world_size", std::to_string(ws), "1..2^24");
     l.world_size = static_cast<uint32_t>(ws);
@@ -152,6 +176,9 @@ ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
   l.kind = layout.kind;
   l.world_size = layout.world_size;
   l.dtype = layout.dtype;
+  l.wrap = layout.wrap;
+  l.use_orig_params = layout.use_orig_params;
+  l.param_dtype = layout.param_dtype;
   l.dir = l.key;
   const fs::path dir = out / l.key;
   std::error_code ec;
@@ -165,7 +192,9 @@ ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
       RankFileReader reader = RankFileReader::Open(e.path());
       const RankFileHeader& h = reader.header();
       if (h.layout_key != l.key || h.world_size != layout.world_size ||
-          h.dtype_policy != layout.dtype || h.rank != parsed->first) {
+          h.dtype_policy != layout.dtype || h.rank != parsed->first || h.kind != layout.kind ||
+          h.wrap != layout.wrap || h.use_orig_params != layout.use_orig_params ||
+          h.param_dtype != layout.param_dtype) {
         Fail(ErrorCode::kMismatch, e.path().string() + ": holds layout " + h.layout_key +
                                        " rank " + std::to_string(h.rank) + ", expected " +
                                        l.key + " rank " + std::to_string(parsed->first));

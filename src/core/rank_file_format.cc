@@ -1,5 +1,7 @@
 #include "reshard/rank_file_format.h"
 
+#include "reshard/fsdp1.h"
+
 #include <cstdio>
 #include <cstring>
 #include <set>
@@ -45,6 +47,62 @@ std::vector<uint64_t> GetShape(const json& v, const std::string& path, const std
     shape.push_back(GetU64(a[i], path, field + "[" + std::to_string(i) + "]"));
   }
   return shape;
+}
+
+// The "flat" object of an FSDP1 entry (formats/rank-file.md): parameters in flat order,
+// inside [0, numel), not overlapping, each numel = product of its shape.
+std::shared_ptr<const FlatInfo> ParseFlat(const json& v, const TensorEntry& t,
+                                          const RankFileHeader& h, const std::string& path,
+                                          const std::string& f) {
+  const std::string ff = f + ".flat";
+  internal::GetObject(v, path, ff);
+  auto flat = std::make_shared<FlatInfo>();
+  flat->unit = GetString(Member(v, "unit", path, ff), path, ff + ".unit");
+  if (t.name != FlatEntryName(flat->unit)) {
+    FailField(path, ff + ".unit", "\"" + flat->unit + "\"",
+              "the unit named by the entry \"" + t.name + "\"");
+  }
+  flat->numel = GetU64(Member(v, "numel", path, ff), path, ff + ".numel");
+  if (t.global_shape.size() != 1 || t.global_shape[0] != flat->numel) {
+    FailField(path, f + ".global_shape", ShapeText(t.global_shape),
+              "[" + std::to_string(flat->numel) + "] (flat.numel)");
+  }
+  flat->aligned_numel = GetU64(Member(v, "aligned_numel", path, ff), path, ff + ".aligned_numel");
+  if (flat->aligned_numel > 16 || (flat->aligned_numel > 0) != h.use_orig_params) {
+    FailField(path, ff + ".aligned_numel", std::to_string(flat->aligned_numel),
+              h.use_orig_params ? "1 to 16 (use_orig_params)" : "0 (no use_orig_params)");
+  }
+  if (t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16 &&
+      t.dtype != DType::kF64) {
+    FailField(path, f + ".dtype", std::string(Name(t.dtype)), "F16, BF16, F32 or F64 (FSDP1)");
+  }
+  const json& params = GetArray(Member(v, "params", path, ff), path, ff + ".params");
+  if (params.empty()) FailField(path, ff + ".params", "an empty list", "at least one parameter");
+  uint64_t end = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string pf = ff + ".params[" + std::to_string(i) + "]";
+    FlatParamInfo p;
+    p.fqn = GetString(Member(params[i], "fqn", path, pf), path, pf + ".fqn");
+    p.key = GetString(Member(params[i], "key", path, pf), path, pf + ".key");
+    p.shape = GetShape(Member(params[i], "shape", path, pf), path, pf + ".shape");
+    p.offset = GetU64(Member(params[i], "offset", path, pf), path, pf + ".offset");
+    p.numel = 1;
+    for (uint64_t d : p.shape) p.numel = CheckedMul(p.numel, d, path + ": " + pf + ".shape");
+    const uint64_t pe = CheckedAdd(p.offset, p.numel, path + ": " + pf);
+    if (p.offset < end || pe > flat->numel) {
+      FailField(path, pf + ".offset",
+                "[" + std::to_string(p.offset) + ", " + std::to_string(pe) + ")",
+                "after the previous parameter (" + std::to_string(end) + ") and inside numel " +
+                    std::to_string(flat->numel));
+    }
+    end = pe;
+    flat->params.push_back(std::move(p));
+  }
+  const json& shared = GetArray(Member(v, "shared", path, ff), path, ff + ".shared");
+  for (size_t i = 0; i < shared.size(); ++i) {
+    flat->shared.push_back(GetString(shared[i], path, ff + ".shared[" + std::to_string(i) + "]"));
+  }
+  return flat;
 }
 
 }  // namespace
@@ -132,6 +190,17 @@ const TensorEntry* RankFileHeader::Find(std::string_view name) const {
   return nullptr;
 }
 
+LayoutSpec RankFileHeader::Layout() const {
+  LayoutSpec spec;
+  spec.kind = kind;
+  spec.world_size = world_size;
+  spec.dtype = dtype_policy;
+  spec.wrap = wrap;
+  spec.use_orig_params = use_orig_params;
+  spec.param_dtype = param_dtype;
+  return spec;
+}
+
 std::string RankFileName(uint32_t rank, uint32_t world_size) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "rank-%05u-of-%05u", rank, world_size);
@@ -143,11 +212,16 @@ std::string SerializeHeader(const RankFileHeader& h) {
   j["format"] = kRankFileFormatName;
   j["format_version"] = kRankFileVersion;
   j["writer"] = h.writer.empty() ? std::string(WriterString()) : h.writer;
-  LayoutSpec spec{h.kind, h.world_size, h.dtype_policy};
+  const LayoutSpec spec = h.Layout();
   j["layout"] = {{"key", h.layout_key},
                  {"kind", spec.KindName()},
                  {"world_size", h.world_size},
                  {"dtype", h.dtype_policy}};
+  if (h.kind == LayoutKind::kFsdp1) {
+    j["layout"]["wrap"] = h.wrap;
+    j["layout"]["use_orig_params"] = h.use_orig_params;
+    j["layout"]["param_dtype"] = h.param_dtype;
+  }
   j["rank"] = h.rank;
   j["source"] = internal::SourceToJson(h.source);
   j["chunk_size"] = h.chunk_size;
@@ -176,6 +250,17 @@ std::string SerializeHeader(const RankFileHeader& h) {
       e["frames"] = std::move(frames);
     }
     e["xxh3"] = Hex16(t.xxh3);
+    if (t.flat) {
+      json params = json::array();
+      for (const auto& p : t.flat->params) {
+        params.push_back({{"fqn", p.fqn}, {"key", p.key}, {"shape", p.shape}, {"offset", p.offset}});
+      }
+      e["flat"] = {{"unit", t.flat->unit},
+                   {"numel", t.flat->numel},
+                   {"aligned_numel", t.flat->aligned_numel},
+                   {"params", std::move(params)},
+                   {"shared", t.flat->shared}};
+    }
     tensors.push_back(std::move(e));
   }
   j["tensors"] = std::move(tensors);
@@ -211,6 +296,16 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
   }
   h.world_size = static_cast<uint32_t>(ws);
   h.dtype_policy = GetString(Member(layout, "dtype", path, "layout"), path, "layout.dtype");
+  if (h.kind == LayoutKind::kFsdp1) {
+    const json& wrap = GetArray(Member(layout, "wrap", path, "layout"), path, "layout.wrap");
+    for (size_t i = 0; i < wrap.size(); ++i) {
+      h.wrap.push_back(GetString(wrap[i], path, "layout.wrap[" + std::to_string(i) + "]"));
+    }
+    h.use_orig_params = internal::GetBool(Member(layout, "use_orig_params", path, "layout"), path,
+                                          "layout.use_orig_params");
+    h.param_dtype =
+        GetString(Member(layout, "param_dtype", path, "layout"), path, "layout.param_dtype");
+  }
   uint64_t rank = GetU64(Member(j, "rank", path, "header"), path, "rank");
   if (rank >= ws) {
     FailField(path, "rank", std::to_string(rank), "less than world_size " + std::to_string(ws));
@@ -243,9 +338,14 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     t.local_shape = GetShape(Member(e, "local_shape", path, f), path, f + ".local_shape");
     const json& shard = Member(e, "shard", path, f);
     std::vector<uint64_t> expected_local = t.global_shape;
+    const bool is_flat = e.contains("flat");
+    if (is_flat && h.kind != LayoutKind::kFsdp1) {
+      FailField(path, f + ".flat", "a flat parameter", "none in a " + h.Layout().KindName() + " layout");
+    }
     if (shard.is_null()) {
       t.sharded = false;
-      if (!t.global_shape.empty()) {
+      // FSDP1 layouts store buffers whole; FSDP2 only 0-dim tensors.
+      if (!t.global_shape.empty() && (h.kind != LayoutKind::kFsdp1 || is_flat)) {
         FailField(path, f + ".shard", "null for a tensor of shape " + ShapeText(t.global_shape),
                   "a shard (only 0-dim tensors are stored whole)");
       }
@@ -263,14 +363,20 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
                   "0 <= start <= end <= global_shape[0]");
       }
       RowRange rule = ChunkRows(t.global_shape[0], h.world_size, h.rank);
-      if (h.kind == LayoutKind::kFsdp2 && rule != t.rows) {
+      if (h.kind == LayoutKind::kFsdp1) {
+        if (!is_flat) FailField(path, f + ".flat", "none", "the flat parameter's layout");
+        t.flat = ParseFlat(e["flat"], t, h, path, f);
+        const uint64_t c = CeilDiv(t.global_shape[0], h.world_size);
+        rule = {std::min(t.global_shape[0], h.rank * c), std::min(t.global_shape[0], (h.rank + 1) * c)};
+      }
+      if (rule != t.rows) {
         FailField(path, f + ".shard",
                   "rows [" + std::to_string(t.rows.start) + ", " + std::to_string(t.rows.end) + ")",
                   "rows [" + std::to_string(rule.start) + ", " + std::to_string(rule.end) +
                       ") by the FSDP2 chunk rule for rank " + std::to_string(h.rank) + " of " +
                       std::to_string(h.world_size));
       }
-      expected_local[0] = t.rows.size();
+      expected_local[0] = t.flat ? CeilDiv(t.global_shape[0], h.world_size) : t.rows.size();
     }
     if (t.local_shape != expected_local) {
       FailField(path, f + ".local_shape", ShapeText(t.local_shape), ShapeText(expected_local));

@@ -15,6 +15,7 @@
 #include "reshard/checksum.h"
 #include "reshard/dtype_convert.h"
 #include "reshard/error.h"
+#include "reshard/fsdp1.h"
 #include "reshard/manifest.h"
 #include "reshard/rank_file.h"
 
@@ -184,6 +185,11 @@ class Verifier {
           Problem(r.path(), t.name, "not present in " + readers.front().path());
         } else if (it->second->global_shape != t.global_shape || it->second->dtype != t.dtype) {
           Problem(r.path(), t.name, "global shape or dtype differs from " + readers.front().path());
+        } else if ((it->second->flat == nullptr) != (t.flat == nullptr) ||
+                   (t.flat && !(*t.flat == *it->second->flat))) {
+          Problem(r.path(), t.name,
+                  "the flat parameter's layout (parameters, offsets, padding) differs from " +
+                      readers.front().path());
         }
       }
       for (const auto& [n, _] : names0) {
@@ -208,15 +214,45 @@ class Verifier {
                     o_.source->string() + " is " + Hex16(ckpt_->fingerprint.fingerprint) +
                     " (another checkpoint, or it changed)");
       }
-      for (const auto& t : ckpt_->tensors) {
-        if (!names0.count(t.name)) {
-          Problem(readers.front().path(), t.name, "source tensor missing from the layout");
+      if (h0.kind == LayoutKind::kFsdp2) {
+        for (const auto& t : ckpt_->tensors) {
+          if (!names0.count(t.name)) {
+            Problem(readers.front().path(), t.name, "source tensor missing from the layout");
+          }
         }
       }
-      for (const auto& [n, _] : names0) {
+      // FSDP1 files hold the model's parameters and persistent buffers; the source's other
+      // tensors (if any) are not part of the layout.
+      for (const auto& [n, t] : names0) {
+        if (t->flat) continue;
         if (!ckpt_->Find(n)) Problem(readers.front().path(), n, "not a tensor of the source");
       }
       for (const auto& f : ckpt_->files) sources_.push_back(File::OpenRead(f.path));
+      for (const auto& r : readers) {
+        for (const auto& t : r.header().tensors) {
+          if (!t.flat || flat_sources_.count(t.flat.get())) continue;
+          std::vector<const SourceTensor*> v;
+          for (const auto& p : t.flat->params) {
+            const SourceTensor* s = ckpt_->Find(p.key);
+            if (!s || s->shape != p.shape) {
+              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
+                                            (s ? " has another shape" : " is not in the source"));
+              v.clear();
+              break;
+            }
+            if (s->dtype != t.dtype && (!IsConvertibleFloat(s->dtype) ||
+                                        r.header().dtype_policy == "keep")) {
+              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
+                                            " is " + std::string(Name(s->dtype)) +
+                                            ", the flat parameter " + std::string(Name(t.dtype)));
+              v.clear();
+              break;
+            }
+            v.push_back(s);
+          }
+          flat_sources_[t.flat.get()] = std::move(v);
+        }
+      }
     }
     std::vector<ChunkItem> items;
     for (size_t ri = 0; ri < readers.size(); ++ri) {
@@ -240,6 +276,7 @@ class Verifier {
 #pragma omp parallel num_threads(threads_)
     {
       std::string scratch;
+      std::vector<char> flat_scratch;
       std::unique_ptr<char[]> buf, src, conv;
       uint64_t cap = 0;
 #pragma omp for schedule(dynamic, 4)
@@ -257,7 +294,30 @@ class Verifier {
           }
           const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
           bytes[i] = len;
-          if (compare) {
+          if (compare && t.flat) {
+            const auto& sources = flat_sources_.at(t.flat.get());
+            if (!sources.empty()) {
+              FillFlatShard(*t.flat, t.dtype, r.header().world_size, r.header().rank, sources,
+                            sources_, it.chunk * cs, len, conv.get(), flat_scratch);
+              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && conv[k] == buf[k]) ++k;
+                const uint64_t item = Info(t.dtype).bits / 8;
+                const uint64_t e = t.rows.start + (it.chunk * cs + k) / item;
+                std::string what = e >= t.flat->numel ? "zero padding past the flat parameter"
+                                                      : "padding (42)";
+                for (const auto& p : t.flat->params) {
+                  if (e >= p.offset && e < p.offset + p.numel) {
+                    what = "parameter " + p.fqn + " (source " + p.key + ", element " +
+                           std::to_string(e - p.offset) + ")";
+                  }
+                }
+                Problem(r.path(), t.name,
+                        "differs from the source at flat element " + std::to_string(e) + ": " + what);
+              }
+              compared[i] = len;
+            }
+          } else if (compare) {
             const SourceTensor* s = ckpt_->Find(t.name);
             const auto& policy = policies[it.reader];
             const DType stored = s && policy ? StoredDType(s->dtype, *policy) : DType::kU8;
@@ -322,6 +382,7 @@ class Verifier {
       report_.source_bytes_compared += compared[i];
     }
     sources_.clear();
+    flat_sources_.clear();  // keyed by headers of this layout's readers, destroyed now
   }
 
   const VerifyOptions& o_;
@@ -329,6 +390,7 @@ class Verifier {
   std::optional<Checkpoint> ckpt_;
   std::optional<SourceFingerprint> manifest_source_;
   std::vector<File> sources_;
+  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
   std::mutex mu_;
   VerifyReport report_;
 };

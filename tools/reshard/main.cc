@@ -108,9 +108,28 @@ int main(int argc, char** argv) {
                       "number of shards: the size of the FSDP shard mesh dimension")
       ->required()
       ->check(CLI::Range(1u, 99999u));
-  convert->add_option("--layout", layout, "layout kind: fsdp2 (dim-0 chunks, torch.chunk rule)")
-      ->check(CLI::IsMember({"fsdp2"}))
+  convert->add_option("--layout", layout,
+                      "layout kind: fsdp2 (fully_shard: each parameter in dim-0 chunks, the "
+                      "torch.chunk rule) or fsdp1 (FullyShardedDataParallel: one flat, padded "
+                      "parameter per wrapped unit, split in equal chunks)")
+      ->check(CLI::IsMember({"fsdp2", "fsdp1"}))
       ->capture_default_str();
+  std::string model_manifest;
+  convert->add_option("--wrap", co.layout.wrap,
+                      "fsdp1: module classes wrapped as FSDP units (auto_wrap_policy / "
+                      "accelerate's transformer_layer_cls_to_wrap), e.g. --wrap "
+                      "LlamaDecoderLayer; repeat for several. Default: the model's "
+                      "_no_split_modules, as accelerate does");
+  convert->add_flag("--use-orig-params", co.layout.use_orig_params,
+                    "fsdp1: the job uses use_orig_params=True (accelerate's default), which adds "
+                    "alignment padding between parameters");
+  convert->add_option("--param-dtype", co.layout.param_dtype,
+                      "fsdp1 with --use-orig-params: MixedPrecision(param_dtype=...) of the job "
+                      "(bf16, fp16, fp32); it sets the alignment padding")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  convert->add_option("--model-manifest", model_manifest,
+                      "fsdp1: the model's modules and parameter order, captured with python -m "
+                      "reshard.manifest SRC -o FILE (default: SRC/ or OUT/reshard-model.json)");
   convert->add_option("--dtype", dtype,
                       "dtype policy: keep (bytes as in the source), or bf16 / fp16 / fp32: "
                       "store every F16/BF16/F32/F64 tensor in that dtype, bit for bit as "
@@ -136,6 +155,9 @@ int main(int argc, char** argv) {
   convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
   convert->footer("Example:  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
                   "          reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
+                  "FSDP1:    python -m reshard.manifest ./Llama-3.1-8B -o ./shards/reshard-model.json\n"
+                  "          reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 "
+                  "--use-orig-params --param-dtype bf16 --dtype fp32\n"
                   "Re-running on a complete output does nothing; a partial one is completed.");
 
   // verify
@@ -179,6 +201,7 @@ int main(int argc, char** argv) {
       co.layout.kind = *reshard::ParseLayoutKind(layout);
       co.layout.world_size = world_size;
       co.layout.dtype = dtype;
+      if (!model_manifest.empty()) co.model_manifest = model_manifest;
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
       ParseCompress(compress, co);
       const bool tty = ::isatty(2) && !convert_json;
@@ -209,6 +232,10 @@ int main(int argc, char** argv) {
                             {"bytes_decoded", r.bytes_decoded},
                             {"seconds", r.seconds},
                             {"layout_complete", r.layout_complete}};
+        if (co.layout.kind == reshard::LayoutKind::kFsdp1) {
+          j["wrap"] = r.wrap;
+          j["unused_tensors"] = r.unused_tensors;
+        }
         std::cout << j.dump(2) << "\n";
       } else if (r.ranks_written.empty()) {
         std::cout << r.layout_dir.string() << ": all " << r.ranks_up_to_date.size()
@@ -225,6 +252,11 @@ int main(int argc, char** argv) {
           std::printf("; %zu were already up to date", r.ranks_up_to_date.size());
         }
         std::printf("\n");
+        if (!r.unused_tensors.empty()) {
+          std::printf("note: %zu source tensor(s) are no parameter or persistent buffer of the "
+                      "model and are not in FSDP1 rank files (e.g. %s)\n",
+                      r.unused_tensors.size(), r.unused_tensors.front().c_str());
+        }
         if (!r.layout_complete) {
           std::printf("layout %s is not complete yet: convert the remaining ranks into the same "
                       "directory\n", r.layout_key.c_str());
