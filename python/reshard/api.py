@@ -569,7 +569,7 @@ def fsdp1_param_init_fn(device):
     device = torch.device(device)
     memo: Dict[int, Tuple[nn.Parameter, nn.Parameter]] = {}
 
-    def init(module: nn.Module) -> None:
+    def init(module: nn.Module) -> nn.Module:
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
@@ -581,6 +581,7 @@ def fsdp1_param_init_fn(device):
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)
+        return module  # as nn.Module.to_empty does (accelerate's tie wrapper uses it)
 
     return init
 

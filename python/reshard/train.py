@@ -32,6 +32,7 @@ CPU (gloo) when there is no GPU, CUDA (NCCL) otherwise. Only FSDP2 layouts are s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -98,7 +99,10 @@ def local_param_bytes(model: nn.Module) -> int:
 
 
 def global_param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    # An FSDP1 FlatParameter (use_orig_params=False) is the local shard; its unsharded size
+    # (padding included) is recorded on it.
+    return sum((p._unpadded_unsharded_size.numel() if hasattr(p, "_unpadded_unsharded_size")
+                else p.numel()) * p.element_size() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,25 +226,42 @@ def check_weights(model: nn.Module, src: str, model_class=None, log=print) -> in
     with Tensor.to(), bit for bit; buffers too; tied weights still tied. Raises otherwise.
     Returns the number of parameters checked. Collective: call it on every rank."""
     cls = model_class or reference_class(model)
+    if is_fsdp1(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False):
+            return _check_weights(model, src, cls, log, fsdp1=True)
+    return _check_weights(model, src, cls, log, fsdp1=False)
+
+
+def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
+    from .api import _clean_name
+
     _quiet_transformers()
     ref = cls.from_pretrained(src, dtype="auto")
     ref_params = dict(ref.named_parameters())
-    names = [n for n, _ in model.named_parameters()]
+    named = [(_clean_name(n), p) for n, p in model.named_parameters()]
+    names = [n for n, _ in named]
     if sorted(names) != sorted(ref_params):
         raise AssertionError(f"parameter names differ from from_pretrained({src}): "
                              f"{sorted(set(names) ^ set(ref_params))[:8]}")
     bad = []
-    for name, p in model.named_parameters():
+    for name, p in named:
         full = full_tensor(p.detach())
         want = ref_params[name].detach().to(full.dtype)
         if full.shape != want.shape or not torch.equal(bits(full), bits(want)):
             bad.append(name)
     ref_buffers = dict(ref.named_buffers())
-    for name, b in model.named_buffers():
-        if name not in ref_buffers or b.dtype != ref_buffers[name].dtype or \
-                not torch.equal(bits(b), bits(ref_buffers[name])):
+    for name, b in ((_clean_name(n), b) for n, b in model.named_buffers()):
+        # FSDP1's MixedPrecision(buffer_dtype=...) (accelerate sets it) casts buffers at
+        # construction, as it would from_pretrained's: compare in the live dtype.
+        want = ref_buffers[name].to(b.dtype) if name in ref_buffers else None
+        if want is None or (b.dtype != want.dtype and not fsdp1) or \
+                not torch.equal(bits(b.detach().cpu()), bits(want)):
             bad.append(f"buffer {name}")
-    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+    # (FSDP1 keeps ties inside its FlatParameter; reshard.load checked the shared entries.)
+    if not fsdp1 and getattr(model.config, "tie_word_embeddings", False) and \
+            model.get_output_embeddings() is not None:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             bad.append("tied weights are no longer tied")
     if bad:
@@ -265,6 +286,14 @@ def reshard_all(model: nn.Module) -> None:
             m.reshard()
 
 
+def _greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding without a KV cache: each step runs model(ids) on the whole sequence."""
+    for _ in range(new_tokens):
+        nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
 def check_generate(model: nn.Module, src: str, prompt_ids: torch.Tensor, compute_dtype: torch.dtype,
                    new_tokens: int = 12, model_class=None, log=print) -> Dict[str, object]:
     """Greedy generation of the sharded model (FSDP2 gathers parameters in each forward; all
@@ -279,9 +308,17 @@ def check_generate(model: nn.Module, src: str, prompt_ids: torch.Tensor, compute
     world = dist.get_world_size() if dist.is_initialized() else 1
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        logits = model(ids).logits.float().cpu()
-        got = model.generate(ids, synced_gpus=world > 1, **kwargs).cpu()
+    fsdp1 = is_fsdp1(model)
+    if fsdp1:
+        # FSDP1's root forward must run (generate() on the wrapped module would skip it): a
+        # plain greedy loop through model(...), the reference below doing the same.
+        with torch.no_grad():
+            logits = model(ids).logits.float().cpu()
+            got = _greedy(model, ids, new_tokens).cpu()
+    else:
+        with torch.no_grad():
+            logits = model(ids).logits.float().cpu()
+            got = model.generate(ids, synced_gpus=world > 1, **kwargs).cpu()
     reshard_all(model)
     model.train(was_training)
     _quiet_transformers()
@@ -289,7 +326,7 @@ def check_generate(model: nn.Module, src: str, prompt_ids: torch.Tensor, compute
     ref = cls.from_pretrained(src, dtype=compute_dtype).to(device).eval()
     with torch.no_grad():
         ref_logits = ref(ids).logits.float().cpu()
-        want = ref.generate(ids, **kwargs).cpu()
+        want = (_greedy(ref, ids, new_tokens) if fsdp1 else ref.generate(ids, **kwargs)).cpu()
     del ref
     gc.collect()
     max_diff = (logits - ref_logits).abs().max().item()
@@ -327,6 +364,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="compute in the parameter dtype")
     ap.add_argument("--param-dtype", choices=["fp32", "bf16", "checkpoint"], default="fp32",
                     help="dtype of the sharded (master) parameters; 'checkpoint' keeps the file's")
+    ap.add_argument("--fsdp1", action="store_true",
+                    help="FSDP1 (FullyShardedDataParallel, FlatParameters, units = the model's "
+                         "_no_split_modules) instead of FSDP2; OUT needs a matching fsdp1 layout "
+                         "(reshard convert --layout fsdp1 ...)")
+    ap.add_argument("--use-orig-params", action="store_true", help="FSDP1 use_orig_params=True")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
@@ -396,6 +438,33 @@ def shard_model(model: nn.Module, mesh, mp_policy) -> int:
     return units + 1
 
 
+def is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
+
+
+def shard_model_fsdp1(model: nn.Module, device: torch.device, mixed_precision: bool,
+                      use_orig_params: bool) -> Tuple[nn.Module, int]:
+    """FullyShardedDataParallel over the meta model: units = model._no_split_modules (as
+    accelerate wraps), parameters allocated per unit on `device` keeping ties
+    (reshard.fsdp1_param_init_fn). Returns (FSDP root, number of units with parameters)."""
+    import reshard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in no_split}
+    kwargs = dict(auto_wrap_policy=ModuleWrapPolicy(classes), device_id=device,
+                  param_init_fn=reshard.fsdp1_param_init_fn(device), use_orig_params=use_orig_params)
+    if mixed_precision:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapped = FSDP(model, **kwargs)
+    units = sum(1 for m in FSDP.fsdp_modules(wrapped) if m._handle is not None)
+    return wrapped, units
+
+
 def mixed_precision_policy(enabled: bool, device: torch.device, log) -> Optional[object]:
     if not enabled:
         return None
@@ -433,18 +502,21 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         model = reshard.empty_model(args.out, dtype=_DTYPES[args.param_dtype])
     cls = reference_class(model)
     require_causal_lm(cls, args.out)
-    units = shard_model(model, mesh, mp)
-    model.to_empty(device=device)
+    if args.fsdp1:
+        model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
+    else:
+        units = shard_model(model, mesh, mp)
+        model.to_empty(device=device)
     live_dtype = next(model.parameters()).dtype
     compute_dtype = torch.bfloat16 if mp is not None else live_dtype
     log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-         f"{units} FSDP2 units on {world} rank(s), {device.type}/{dist.get_backend()}, parameters "
-         f"{live_dtype}, compute {compute_dtype}{' (MixedPrecisionPolicy bf16/fp32)' if mp else ''}")
+         f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s), {device.type}/{dist.get_backend()}, parameters "
+         f"{live_dtype}, compute {compute_dtype}{' (mixed precision bf16/fp32)' if mp else ''}")
 
     result: Dict[str, object] = {
         "rank": rank, "world_size": world, "device": str(device), "backend": dist.get_backend(),
         "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
-        "mixed_precision": mp is not None, "fsdp_units": units,
+        "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
         "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
     }
     rss_before = current_rss_bytes()
@@ -505,13 +577,22 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         t_step = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for micro in range(args.grad_accum):
-            model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-            ids = batches.next().to(device)
-            loss = model(input_ids=ids, labels=ids).loss
-            (loss / args.grad_accum).backward()
+            last = micro == args.grad_accum - 1
+            if args.fsdp1:
+                sync = contextlib.nullcontext() if last else model.no_sync()
+            else:
+                model.set_requires_gradient_sync(last)
+                sync = contextlib.nullcontext()
+            with sync:
+                ids = batches.next().to(device)
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / args.grad_accum).backward()
             loss_sum += loss.detach().float()
         if args.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if args.fsdp1:  # FSDP1's own: the norm over all ranks' shards
+                norm = model.clip_grad_norm_(args.max_grad_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             grad_norms.append(float(norm))
         opt.step()

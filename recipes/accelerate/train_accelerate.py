@@ -1,4 +1,4 @@
-"""accelerate + FSDP2 + reshard: the model is built empty (no rank ever reads the whole
+"""accelerate + FSDP (FSDP2 or FSDP1) + reshard: the model is built empty (no rank ever reads the whole
 checkpoint), accelerate shards it, and every rank then reads only its own rank file.
 
     accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes N \
@@ -23,6 +23,14 @@ Two things accelerate 1.15 does not do for a meta-device model, handled here:
 * CPU: accelerate enables FSDP only on accelerator devices (on CPU it sets up MULTI_CPU/gloo
   and ignores the FSDP plugin); FSDP2 itself runs on CPU with gloo, so without a GPU the recipe
   switches accelerate's state to FSDP2 itself. On GPUs nothing is patched.
+
+FSDP1 (``recipes/accelerate/fsdp1.yaml``, ``fsdp_version: 1``): OUT needs an fsdp1 layout
+matching the plugin (``python -m reshard.manifest SRC -o OUT/reshard-model.json``, then
+``reshard convert SRC -o OUT --world-size N --layout fsdp1 --dtype fp32``: accelerate keeps fp32
+FlatParameters under bf16 mixed precision). The recipe sets the plugin's ``param_init_fn`` to
+``reshard.fsdp1_param_init_fn`` (allocates each unit's parameters, keeps tied weights tied;
+accelerate's own needs ``sync_module_states``, a broadcast from rank 0), prepares the model,
+then builds and prepares the optimizer over the FlatParameters, and loads.
 """
 
 from __future__ import annotations
@@ -78,9 +86,14 @@ def enable_fsdp2_on_cpu(accelerator, plugin) -> None:
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.fsdp_plugin = plugin
+    if plugin.fsdp_version == 1:
+        # FSDP1 requires device_id (accelerate passes its device, "cpu:<local rank>" in this
+        # state) to equal the compute device, plain "cpu" on CPU.
+        PartialState._shared_state["device"] = torch.device("cpu")
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
-    accelerator.print("note: accelerate enables FSDP only on GPUs; FSDP2 switched on for CPU (gloo)")
+    accelerator.print(f"note: accelerate enables FSDP only on GPUs; FSDP{plugin.fsdp_version} switched "
+                      "on for CPU (gloo)")
 
 
 def repoint_optimizer(optimizer, model, names_per_group) -> None:
@@ -103,15 +116,17 @@ def main(argv=None) -> int:
                          "recipes/accelerate/fsdp2.yaml --num_processes N ...` (without --cpu: that "
                          "starts one process without FSDP; the script picks CPU itself when there is no GPU)")
     plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* environment
-    if plugin.fsdp_version != 2:
-        raise SystemExit("this recipe needs fsdp_version: 2 (reshard has no FSDP1 layouts yet)")
-    if plugin.cpu_ram_efficient_loading:
-        raise SystemExit("set fsdp_cpu_ram_efficient_loading: false: reshard.load does the loading")
+    if plugin.cpu_ram_efficient_loading or plugin.sync_module_states:
+        raise SystemExit("set fsdp_cpu_ram_efficient_loading: false and fsdp_sync_module_states: false: "
+                         "reshard.load does the loading (no broadcast from rank 0)")
     cpu = not torch.cuda.is_available()
+    fsdp1 = plugin.fsdp_version == 1
     accelerator = Accelerator(cpu=cpu, fsdp_plugin=plugin, gradient_accumulation_steps=args.grad_accum)
     if cpu:
         enable_fsdp2_on_cpu(accelerator, plugin)
-    assert accelerator.is_fsdp2, accelerator.distributed_type
+    if fsdp1:  # used by prepare(); FSDP1 checks it allocates on FSDP's device_id, accelerator.device
+        accelerator.state.fsdp_plugin.param_init_fn = reshard.fsdp1_param_init_fn(accelerator.device)
+    assert accelerator.is_fsdp2 != fsdp1, accelerator.distributed_type
     rank, world = accelerator.process_index, accelerator.num_processes
     torch.manual_seed(args.seed)
 
@@ -119,21 +134,29 @@ def main(argv=None) -> int:
     model = reshard.empty_model(args.out)
     cls = reference_class(model)
     file_dtype = next(model.parameters()).dtype
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    names_per_group = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    if fsdp1:
+        # 2'. FSDP1: prepare the model (units materialised by param_init_fn, fp32 upcast under
+        # mixed precision), then the optimizer over its FlatParameters.
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=args.lr))
+        still_meta = False
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        names_per_group = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
-    # 2. accelerate shards it (fp32 upcast under mixed precision); still on meta.
-    model, optimizer = accelerator.prepare(model, optimizer)
+        # 2. accelerate shards it (fp32 upcast under mixed precision); still on meta.
+        model, optimizer = accelerator.prepare(model, optimizer)
+        still_meta = all(p.device.type == "meta" for p in model.parameters())
     live_dtype = next(model.parameters()).dtype
-    still_meta = all(p.device.type == "meta" for p in model.parameters())
     accelerator.print(f"prepared: {type(model).__name__}, parameters {live_dtype} on "
                       f"{'meta' if still_meta else next(model.parameters()).device}, mixed precision "
                       f"{accelerator.mixed_precision}, {world} process(es)")
 
     # 3. Materialize the shards and read this rank's file into them.
-    model.to_empty(device=accelerator.device)
-    repoint_optimizer(optimizer, model, names_per_group)
+    if not fsdp1:
+        model.to_empty(device=accelerator.device)
+        repoint_optimizer(optimizer, model, names_per_group)
     rss_before = current_rss_bytes()
     report = reshard.load(model, args.out)
     peak_after = peak_rss_bytes()
@@ -141,6 +164,7 @@ def main(argv=None) -> int:
                       f"({report.gbps:.2f} GB/s), {report.converted_tensors} tensor(s) converted "
                       f"{file_dtype} -> {live_dtype}")
     result = {"rank": rank, "world_size": world, "param_dtype": str(live_dtype), "file_dtype": str(file_dtype),
+              "fsdp_version": plugin.fsdp_version, "layout": report.layout,
               "mixed_precision": accelerator.mixed_precision, "prepared_on_meta": still_meta,
               "local_param_bytes": local_param_bytes(model),
               "optimizer_params": len({id(p) for g in optimizer.param_groups for p in g["params"]}),

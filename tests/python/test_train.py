@@ -318,3 +318,59 @@ def test_shipped_corpus_and_data_helpers(tmp_path):
     good.write_text('{"text": "one"}\n\n{"text": "two", "meta": 1}\n')
     assert train.load_documents(str(good)) == ["one", "two"]
     assert train.token_stream(["ab", "cd"], encode, 1, 37).tolist() == [97 % 37, 98 % 37, 1, 99 % 37, 100 % 37]
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP1: the trainer (--fsdp1) and accelerate's FSDP1 plugin
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fsdp1_out(tiny, reshard_bin):
+    """tiny's output directory with an fsdp1 layout for 2 ranks, fp32 (the live dtype of both
+    jobs: fp32 master weights under bf16 mixed precision)."""
+    _run([sys.executable, "-m", "reshard.manifest", tiny["src"], "-o",
+          os.path.join(tiny["out2"], "reshard-model.json")])
+    _run([reshard_bin, "convert", tiny["src"], "-o", tiny["out2"], "--world-size", "2",
+          "--layout", "fsdp1", "--dtype", "fp32"])
+    return tiny["out2"]
+
+
+def test_trainer_fsdp1_two_ranks(tiny, fsdp1_out, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    json_dir = tmp_path / "json"
+    proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", fsdp1_out,
+                      "--fsdp1", "--steps", "24", "--grad-accum", "2", "--batch-size", "4", "--seq-len", "64",
+                      "--lr", "3e-3", "--log-every", "4", "--check-weights", tiny["src"],
+                      "--check-generate", tiny["src"], "--json-out", json_dir])
+    reps = _reports(json_dir, 2)
+    n_params = len(list(AutoModelForCausalLM.from_pretrained(tiny["src"]).parameters()))
+    for r, rep in enumerate(reps):
+        assert rep["fsdp"] == 1 and rep["fsdp_units"] == 3  # 2 decoder layers + the root
+        assert rep["load"]["file"].endswith(f"fsdp1-ws2-LlamaDecoderLayer-fp32/rank-{r:05d}-of-00002.reshard")
+        assert rep["load"]["converted_tensors"] == 0  # converted offline
+        assert rep["params_checked"] == n_params
+        assert rep["losses"] == reps[0]["losses"]
+    assert reps[0]["generate"]["generated"] == reps[1]["generate"]["generated"]
+    first, last = _loss_fell(reps[0]["losses"], 1.0)
+    assert "FSDP1 units" in proc.stdout and "check-generate:" in proc.stdout, log
+    print(f"\ntrainer --fsdp1 2 ranks: loss {first:.3f} -> {last:.3f}")
+
+
+def test_accelerate_recipe_fsdp1_two_processes(tiny, fsdp1_out, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    json_dir = tmp_path / "json"
+    proc, log = _run([ACCELERATE, "launch", "--config_file", os.path.join(RECIPE, "fsdp1.yaml"),
+                      "--num_processes", "2", "--main_process_port", _free_port(),
+                      os.path.join(RECIPE, "train_accelerate.py"), fsdp1_out, "--steps", "20",
+                      "--seq-len", "64", "--batch-size", "4", "--lr", "3e-3", "--log-every", "5",
+                      "--check-weights", tiny["src"], "--json-out", json_dir])
+    reps = _reports(json_dir, 2)
+    n_params = len(list(AutoModelForCausalLM.from_pretrained(tiny["src"]).parameters()))
+    for r, rep in enumerate(reps):
+        assert rep["fsdp_version"] == 1 and rep["param_dtype"] == "torch.float32"  # accelerate's upcast
+        assert rep["layout"] == "fsdp1-ws2-LlamaDecoderLayer-fp32", rep
+        assert rep["params_checked"] == n_params
+    first, last = _loss_fell(reps[0]["losses"], 1.0)
+    print(f"\naccelerate recipe (fsdp1.yaml) 2 ranks: loss {first:.3f} -> {last:.3f}")
