@@ -126,3 +126,33 @@ def test_trainer_on_cuda_one_process(llama_bf16, tmp_path):
     assert r["losses"][-1] < r["losses"][0], r["losses"]
     assert r.get("cuda_peak_bytes", 0) > 0
     print("\n" + "\n".join(l for l in proc.stdout.splitlines() if l.startswith(("load:", "rank 0", "check"))))
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_fsdp1_on_cuda_equals_fsdp1_own_sharding(llama_bf16, tmp_path, orig):
+    """FSDP1 on CUDA with NCCL, one process per visible GPU: reshard.load's local flat shards
+    equal FSDP1's own from from_pretrained (padding included), full parameters equal, logits
+    equal, loss falls (tests/python/fsdp1_worker.py)."""
+    _require_cuda()
+    import glob
+    import sys
+
+    n = torch.cuda.device_count()
+    out = tmp_path / "out"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "..", "python"), here]))
+    subprocess.run([sys.executable, "-m", "reshard.manifest", str(llama_bf16), "-o",
+                    str(out / "reshard-model.json")], check=True, env=env, capture_output=True)
+    flags = ["--use-orig-params", "--param-dtype", "bf16"] if orig else []
+    convert(llama_bf16, out, n, "--layout", "fsdp1", "--dtype", "fp32", *flags)
+    worker = ["--live-dtype", "fp32", "--device", "cuda"] + (["--orig", "--param-dtype", "bf16"] if orig else [])
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n),
+                           os.path.join(here, "fsdp1_worker.py"), "--src", str(llama_bf16), "--out", str(out),
+                           "--result", str(tmp_path / "r"), *worker],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "r.*")))]
+    assert len(results) == n
+    for r in results:
+        assert r["ok"], r
