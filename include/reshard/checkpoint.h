@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,13 @@ struct Checkpoint {
 /// in .bin, .pt or .pth. Every header (every data.pkl) is validated; index entries pointing at
 /// missing files or keys are errors; only the index's weight_map is trusted.
 Checkpoint OpenCheckpoint(const std::filesystem::path& src);
+
+/// Parses the text of an index file (model.safetensors.index.json,
+/// pytorch_model.bin.index.json): its weight_map, tensor name -> file name in the checkpoint
+/// directory (a plain name, no '/'); every other member is ignored. Throws kDataLoss naming
+/// `path` and the field (not JSON, no weight_map, a value that is not a string or not a plain
+/// file name, an empty map, duplicate keys).
+std::map<std::string, std::string> ParseWeightMap(std::string_view text, const std::string& path);
 
 /// Files copied beside the layouts so the output directory is self-contained.
 const std::vector<std::string>& AuxFileNames();

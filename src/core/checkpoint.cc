@@ -94,10 +94,13 @@ bool IsPlainFileName(const std::string& name) {
   return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
 }
 
-// weight_map of an index file: key -> file name.
 std::map<std::string, std::string> ReadWeightMap(const fs::path& index_path) {
-  const std::string path = index_path.string();
-  std::string text = ReadWholeFile(index_path, 256ull << 20);
+  return ParseWeightMap(ReadWholeFile(index_path, 256ull << 20), index_path.string());
+}
+
+}  // namespace
+
+std::map<std::string, std::string> ParseWeightMap(std::string_view text, const std::string& path) {
   nlohmann::json index = internal::ParseStrictJson(text, path, "index");
   const auto& map = internal::GetObject(internal::Member(index, "weight_map", path, "index"),
                                         path, "weight_map");
@@ -113,8 +116,6 @@ std::map<std::string, std::string> ReadWeightMap(const fs::path& index_path) {
   if (result.empty()) FailField(path, "weight_map", "an empty map", "at least one tensor");
   return result;
 }
-
-}  // namespace
 
 Checkpoint OpenCheckpoint(const fs::path& src) {
   std::error_code ec;

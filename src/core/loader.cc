@@ -145,7 +145,13 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       std::max<size_t>(1, std::min<size_t>(options.threads ? options.threads : 1, items.size())));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
   report.threads = threads;
-  if (any_device) report.staging_bytes = uint64_t{threads} * slots * cs;
+  // A staging slot holds one chunk; no chunk is longer than its tensor, so slots are sized by
+  // the largest target when it is smaller than chunk_size (a header may say 16 GiB chunks).
+  uint64_t stage_bytes = kDataAlignment;
+  for (const auto& j : jobs) {
+    stage_bytes = std::max(stage_bytes, std::min(cs, AlignUp(j.entry->nbytes, kDataAlignment)));
+  }
+  if (any_device) report.staging_bytes = uint64_t{threads} * slots * stage_bytes;
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -209,7 +215,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           continue;
         }
         copier->WaitSlot(lane, slot);
-        char* stage = static_cast<char*>(copier->Staging(lane, slot, cs));
+        char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
         if (e.codec == Codec::kRaw) {
           const uint64_t at = data_offset + e.offset + begin;
           if (direct) {

@@ -286,11 +286,13 @@ class Verifier {
         const TensorEntry& t = r.header().tensors[it.tensor];
         try {
           const uint64_t cs = r.header().chunk_size;
-          if (cap < cs) {
-            buf.reset(new char[cs]);
-            src.reset(new char[4 * cs]);  // a converted chunk reads up to 4x (F64 -> BF16)
-            conv.reset(new char[cs]);
-            cap = cs;
+          // Sized by this chunk's length, not chunk_size: a header may say 16 GiB chunks.
+          const uint64_t need = ChunkLength(t, cs, it.chunk);
+          if (cap < need) {
+            buf.reset(new char[need]);
+            src.reset(new char[4 * need]);  // a converted chunk reads up to 4x (F64 -> BF16)
+            conv.reset(new char[need]);
+            cap = need;
           }
           const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
           bytes[i] = len;

@@ -1,19 +1,37 @@
-"""Writes seed corpora for the fuzz targets from real torch.save output.
+"""Writes seed corpora for the fuzz targets from real files.
 
-    python tests/fuzz/make_seeds.py OUT_DIR
-creates OUT_DIR/zip (whole archives) and OUT_DIR/pickle (their data.pkl records): state
-dicts of every dtype, tied storages, views, Parameters, fp8 (_rebuild_tensor_v3), pickle
-protocols 2-5, an OrderedDict with _metadata, a plain dict, and a Python-zipfile archive
-without 64-byte alignment.
+    python tests/fuzz/make_seeds.py OUT_DIR [RESHARD_BIN]
+creates
+  OUT_DIR/zip (whole archives) and OUT_DIR/pickle (their data.pkl records), from torch.save:
+    state dicts of every dtype, tied storages, views, Parameters, fp8 (_rebuild_tensor_v3),
+    pickle protocols 2-5, an OrderedDict with _metadata, a plain dict, and a Python-zipfile
+    archive without 64-byte alignment;
+  OUT_DIR/safetensors (whole files): tiny models written by transformers' save_pretrained
+    (one file and sharded), the test suite's "mixed" checkpoint (every dtype, 0-dim, empty,
+    escaped and non-ASCII names) and safetensors' save_file with and without metadata;
+  OUT_DIR/index: model.safetensors.index.json of sharded save_pretrained checkpoints and
+    pytorch_model.bin.index.json of sharded torch.save checkpoints;
+  OUT_DIR/rank (preamble + header, the data region cut out: the input format of
+    fuzz_rank_file.cc) and OUT_DIR/manifest (reshard.json), from RESHARD_BIN (default
+    build/reshard) converting those checkpoints: world sizes 1, 2, 3 and 8, raw and zstd,
+    --dtype fp32, and a partial --ranks conversion.
+Every file is deterministic (seeded); names are the file's role, so reruns overwrite.
 """
 
 import collections
+import glob
 import io
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import zipfile
 
 import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def states():
@@ -40,7 +58,97 @@ def states():
     yield "empty", {}
 
 
-def main(out):
+def tiny_llama(path, dtype, sharded):
+    """A Llama small enough that its safetensors file is a good fuzz seed (a few KB)."""
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=12,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=16, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(path, max_shard_size=600 if sharded else 1 << 20)
+    return path
+
+
+def write_safetensors_and_index(out, work):
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+    from checkpoints import make_bin_checkpoint, make_checkpoint
+
+    st = os.path.join(out, "safetensors")
+    ix = os.path.join(out, "index")
+    os.makedirs(st, exist_ok=True)
+    os.makedirs(ix, exist_ok=True)
+    ckpts = {}
+    for name, dtype, sharded in (("llama-bf16", torch.bfloat16, False),
+                                 ("llama-fp32", torch.float32, False),
+                                 ("llama-bf16-sharded", torch.bfloat16, True)):
+        ckpts[name] = tiny_llama(os.path.join(work, name), dtype, sharded)
+    ckpts["mixed"] = make_checkpoint(os.path.join(work, "mixed"), "mixed", "bf16", sharded=False)
+    ckpts["mixed-sharded"] = make_checkpoint(os.path.join(work, "mixed-sharded"), "mixed",
+                                             "bf16", sharded=True)
+    ckpts["gpt2-sharded"] = make_checkpoint(os.path.join(work, "gpt2-sharded"), "gpt2", "bf16",
+                                            sharded=True)
+    for name, path in ckpts.items():
+        for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            if os.path.getsize(f) <= 64 << 10:
+                shutil.copy(f, os.path.join(st, f"{name}-{os.path.basename(f)}"))
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            shutil.copy(index, os.path.join(ix, f"{name}.safetensors.index.json"))
+    gen = torch.Generator().manual_seed(3)
+    small = {"a": torch.randn(3, 2, generator=gen), "s": torch.tensor(1.5),
+             "e": torch.empty(0, 2, dtype=torch.bfloat16), "i": torch.arange(3, dtype=torch.int8)}
+    save_file(small, os.path.join(st, "small-meta.safetensors"), metadata={"format": "pt"})
+    save_file(small, os.path.join(st, "small.safetensors"))
+    save_file({}, os.path.join(st, "empty.safetensors"))
+    bin_path = make_bin_checkpoint(os.path.join(work, "bin-sharded"), "gpt2", "bf16",
+                                   sharded=True)
+    shutil.copy(os.path.join(bin_path, "pytorch_model.bin.index.json"),
+                os.path.join(ix, "gpt2.bin.index.json"))
+    return ckpts
+
+
+def write_rank_and_manifest(out, work, ckpts, reshard_bin):
+    rk = os.path.join(out, "rank")
+    mf = os.path.join(out, "manifest")
+    os.makedirs(rk, exist_ok=True)
+    os.makedirs(mf, exist_ok=True)
+    runs = [
+        ("llama-bf16", [["--world-size", "1"], ["--world-size", "3"],
+                        ["--world-size", "2", "--compress", "zstd"],
+                        ["--world-size", "2", "--dtype", "fp32"]]),
+        ("mixed-sharded", [["--world-size", "8", "--compress", "zstd:1"]]),
+        ("gpt2-sharded", [["--world-size", "5", "--ranks", "1-2"]]),
+    ]
+    for name, convs in runs:
+        dest = os.path.join(work, "out-" + name)
+        for args in convs:
+            subprocess.run([reshard_bin, "convert", ckpts[name], "-o", dest, *args],
+                           check=True, stdout=subprocess.DEVNULL)
+        shutil.copy(os.path.join(dest, "reshard.json"), os.path.join(mf, f"{name}.json"))
+        for f in sorted(glob.glob(os.path.join(dest, "*", "rank-*.reshard"))):
+            with open(f, "rb") as fh:
+                raw = fh.read()
+            header_offset = int.from_bytes(raw[32:40], "little")
+            layout = os.path.basename(os.path.dirname(f))
+            base = os.path.basename(f)[: -len(".reshard")]
+            with open(os.path.join(rk, f"{name}-{layout}-{base}.bin"), "wb") as fh:
+                fh.write(raw[:64] + raw[header_offset:])
+
+
+def main(out, reshard_bin=None):
+    with tempfile.TemporaryDirectory() as work:
+        ckpts = write_safetensors_and_index(out, work)
+        reshard_bin = reshard_bin or os.environ.get("RESHARD_BIN") or os.path.join(
+            ROOT, "build", "reshard")
+        write_rank_and_manifest(out, work, ckpts, reshard_bin)
+    write_torch_save(out)
+
+
+def write_torch_save(out):
     os.makedirs(os.path.join(out, "zip"), exist_ok=True)
     os.makedirs(os.path.join(out, "pickle"), exist_ok=True)
     for name, sd in states():
@@ -64,4 +172,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

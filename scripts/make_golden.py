@@ -1,0 +1,407 @@
+#!/usr/bin/env python3
+"""Writes the hostile-file corpus tests/golden/ and its table tests/golden/expectations.json.
+
+    python scripts/make_golden.py [RESHARD_BIN]      # default build/reshard
+
+Every file is a small, deliberately broken input, made from the format descriptions
+(formats/*.md, the safetensors spec) by this script, not by the library: the safetensors files
+are written byte by byte here; the rank files are real ones written by RESHARD_BIN (`reshard
+convert` of a tiny safetensors checkpoint written here), then broken by editing bytes, with
+XXH3-64 (libxxhash, through ctypes) recomputed where a case means to get past a checksum.
+
+expectations.json lists, per case: the file (relative to tests/golden), its kind (what reads
+it), the reshard::Error code and the substrings its message must contain (file, field, what
+was found, what was expected), and the CLI runs with their exit code. tests/core/golden_test.cc
+replays the table through the core (also under ASan+UBSan: scripts/sanitize.sh) and
+tests/python/test_golden.py through the CLI. Output is deterministic: rerunning rewrites the
+same bytes (the rank files' writer string is fixed for that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+_xxh = ctypes.CDLL("libxxhash.so.0")
+_xxh.XXH3_64bits.restype = ctypes.c_uint64
+_xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+
+
+def xxh3(b: bytes) -> int:
+    return _xxh.XXH3_64bits(b, len(b))
+
+
+CASES = []
+
+
+def case(file, kind, contains, cli, code="corrupt input", what=""):
+    CASES.append({"file": file, "kind": kind, "code": code, "contains": contains,
+                  "cli": cli, "what": what})
+
+
+def write(rel, data: bytes):
+    path = os.path.join(GOLDEN, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+# ---- safetensors ----------------------------------------------------------------------
+
+def st_bytes(header, data=b"", length=None, raw_header=None):
+    text = raw_header if raw_header is not None else json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(text) if length is None else length) + text + data
+
+
+def st_cli(contains):
+    return [{"args": ["inspect", "{path}"], "exit": 3, "stderr": contains},
+            {"args": ["convert", "{path}", "-o", "{tmp}/out", "--world-size", "2"], "exit": 3,
+             "stderr": contains}]
+
+
+def safetensors_cases():
+    def add(name, data, contains, what):
+        rel = f"safetensors/{name}.safetensors"
+        write(rel, data)
+        case(rel, "safetensors", [name + ".safetensors"] + contains, st_cli(contains), what=what)
+
+    ok = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+    add("giant_header_length", st_bytes(ok, bytes(16), length=(1 << 64) - 1),
+        ["header length", "18446744073709551615 bytes", "at most 100000000"],
+        "u64 header length 2^64-1")
+    add("header_length_past_eof", st_bytes(ok, bytes(16), length=5000),
+        ["header length", "5000 bytes", "truncated file"],
+        "header length larger than the file")
+    add("shorter_than_length_field", b"\x10\x00\x00",
+        ["header length", "a file of 3 bytes", "at least 8 bytes"], "3-byte file")
+    add("offsets_past_end",
+        st_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [1000, 1016]}}, bytes(16)),
+        ['tensor "w".data_offsets', "end 1016 past the data (16 bytes)"],
+        "data_offsets beyond the end of the file")
+    add("truncated_data", st_bytes(ok, bytes(10)),
+        ['tensor "w".data_offsets', "end 16 past the data (10 bytes)"],
+        "file cut inside the last tensor")
+    add("overlapping_tensors",
+        st_bytes({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                  "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, bytes(24)),
+        ['tensor "b".data_offsets', 'overlapping "a"', "non-overlapping tensors"],
+        "two tensors sharing bytes")
+    add("hole_between_tensors",
+        st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                  "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}}, bytes(24)),
+        ['tensor "b".data_offsets', "leaving a hole", "packed without holes"],
+        "unused bytes between tensors")
+    add("shape_product_overflow",
+        st_bytes({"w": {"dtype": "F32", "shape": [4294967296, 4294967296, 16],
+                        "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".shape: element count: arithmetic overflow'], "dims whose product overflows u64")
+    add("byte_count_overflow",
+        st_bytes({"w": {"dtype": "F64", "shape": [4611686018427387904],
+                        "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".shape', "4611686018427387904 elements of F64",
+         "whole number of bytes without overflow"], "numel fits, numel*8 does not")
+    add("negative_dim",
+        st_bytes({"w": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".shape[0]', "found number -1", "a non-negative integer"], "dim -1")
+    add("fractional_dim",
+        st_bytes({"w": {"dtype": "F32", "shape": [2.5, 2], "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".shape[0]', "2.5", "a non-negative integer"], "dim 2.5")
+    add("string_dim",
+        st_bytes({"w": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".shape[0]', 'found string "4"', "a non-negative integer"], 'dim "4"')
+    add("wrong_dtype_size",
+        st_bytes({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 6]}}, bytes(6)),
+        ['tensor "w".data_offsets', "6 bytes [0, 6)", "12 bytes (3 elements of F32)"],
+        "F32 [3] given 6 bytes (the size of F16)")
+    add("unknown_dtype",
+        st_bytes({"w": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}, bytes(16)),
+        ['tensor "w".dtype', '"F128"', "a safetensors dtype"], "dtype F128")
+    add("sub_byte_odd_count",
+        st_bytes({"w": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, bytes(2)),
+        ['tensor "w".shape', "3 elements of F4", "whole number of bytes"],
+        "three 4-bit values (1.5 bytes)")
+    add("end_before_begin",
+        st_bytes({"w": {"dtype": "F32", "shape": [0], "data_offsets": [8, 0]}}, bytes(8)),
+        ['tensor "w".data_offsets', "[8, 0]", "begin <= end"], "data_offsets [8, 0]")
+    add("duplicate_key",
+        st_bytes(None, bytes(16), raw_header=b'{"w":{"dtype":"F32","shape":[2,2],"data_offsets":'
+                 b'[0,16]},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}'),
+        ['duplicate key "w"'], "one tensor name twice")
+    add("not_json", st_bytes(None, bytes(16), raw_header=b'{"w":{"dtype":"F32",\xff'),
+        ["safetensors header is not valid JSON"], "broken JSON with a non-UTF-8 byte")
+    add("header_is_array", st_bytes([], b""), ["header: found array", "a JSON object"],
+        "header [] instead of an object")
+    add("metadata_not_string",
+        st_bytes({"__metadata__": {"format": 1}, **ok}, bytes(16)),
+        ["__metadata__.format", "found number 1", "a string"], "metadata value 1")
+    add("extra_key_in_entry",
+        st_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], "x": 1}},
+                 bytes(16)),
+        ['tensor "w"', 'unknown key "x"'], "entry with an unknown key")
+    add("trailing_data",
+        st_bytes(ok, bytes(20)),
+        ["data size", "20 bytes after the header, tensors cover 16"], "4 bytes nobody owns")
+
+
+# ---- rank files -----------------------------------------------------------------------
+
+class Rank:
+    """A rank file split into preamble fields, data region and header (formats/rank-file.md)."""
+
+    def __init__(self, raw: bytes):
+        assert raw[:8] == b"\x89RSHD\r\n\x1a"
+        (self.version, self.flags, self.data_offset, self.data_size, self.header_offset,
+         self.header_size, self.header_xxh3) = struct.unpack_from("<IIQQQQQ", raw, 8)
+        self.raw = raw
+        self.data = raw[self.data_offset:self.data_offset + self.data_size]
+        self.header = json.loads(raw[self.header_offset:self.header_offset + self.header_size])
+
+    def preamble(self, **override) -> bytes:
+        f = dict(version=self.version, flags=self.flags, data_offset=self.data_offset,
+                 data_size=self.data_size, header_offset=self.header_offset,
+                 header_size=self.header_size, header_xxh3=self.header_xxh3)
+        f.update(override)
+        b = b"\x89RSHD\r\n\x1a" + struct.pack(
+            "<IIQQQQQ", f["version"], f["flags"], f["data_offset"], f["data_size"],
+            f["header_offset"], f["header_size"], f["header_xxh3"])
+        return b + struct.pack("<Q", xxh3(b))
+
+    def with_header(self, header) -> bytes:
+        """The file with `header` re-serialized and every checksum made to match it."""
+        text = json.dumps(header, indent=1).encode()
+        pre = self.preamble(header_size=len(text), header_xxh3=xxh3(text))
+        return pre + self.raw[64:self.data_offset] + self.data + text
+
+
+def flip(b: bytes, at: int, bit: int = 0) -> bytes:
+    return b[:at] + bytes([b[at] ^ (1 << bit)]) + b[at + 1:]
+
+
+def convert(reshard_bin, src, out, *args):
+    subprocess.run([reshard_bin, "convert", src, "-o", out, *args], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def rank_cases(reshard_bin, work):
+    # A tiny source, one tensor (each tensor takes 4096 bytes of a rank file's data region):
+    # w F32 [6, 4], sharded by rows.
+    src = os.path.join(work, "src")
+    os.makedirs(src)
+    w = struct.pack("<24f", *[i * 0.5 - 3 for i in range(24)])
+    header = {"w": {"dtype": "F32", "shape": [6, 4], "data_offsets": [0, 96]}}
+    with open(os.path.join(src, "model.safetensors"), "wb") as f:
+        f.write(st_bytes(header, w))
+    out = {}
+    for key, args in (("raw2", ["--world-size", "2"]),
+                      ("zstd2", ["--world-size", "2", "--compress", "zstd"]),
+                      ("zstd4", ["--world-size", "4", "--compress", "zstd"])):
+        o = os.path.join(work, key)
+        convert(reshard_bin, src, o, *args)
+        layout = [d for d in os.listdir(o) if d.startswith("fsdp2-")][0]
+        out[key] = os.path.join(o, layout)
+
+    def load(key, rank, ws):
+        with open(os.path.join(out[key], f"rank-{rank:05d}-of-{ws:05d}.reshard"), "rb") as f:
+            r = Rank(f.read())
+        r.header["writer"] = "reshard golden"  # no version string in checked-in files
+        r.raw = r.with_header(r.header)
+        return Rank(r.raw)
+
+    raw0 = load("raw2", 0, 2)
+    z0, z1 = load("zstd2", 0, 2), load("zstd2", 1, 2)
+    z4 = load("zstd4", 0, 4)
+    name0 = "rank-00000-of-00002.reshard"
+
+    def add(case_name, data, kind, contains, what, code="corrupt input", file_name=name0):
+        rel = f"rank/{case_name}/{file_name}"
+        write(rel, data)
+        full = [file_name] + contains
+        if kind == "rank_open":
+            cli = [{"args": ["inspect", "{path}"], "exit": 3, "stderr": full},
+                   {"args": ["verify", "{path}"], "exit": 1, "stdout": full}]
+        else:
+            cli = [{"args": ["verify", "{path}"], "exit": 1, "stdout": full}]
+        case(rel, kind, full, cli, code=code, what=what)
+
+    def tensor(header, name):
+        return [t for t in header["tensors"] if t["name"] == name][0]
+
+    # The untouched file, as the control: it must open and verify.
+    write(f"rank/valid/{name0}", z0.raw)
+    case(f"rank/valid/{name0}", "rank_valid", [], [{"args": ["verify", "{path}"], "exit": 0}],
+         code="", what="unbroken zstd rank file (control)")
+
+    # Truncation.
+    cut = raw0.data_offset + 100
+    add("truncated_in_data", raw0.raw[:cut], "rank_open",
+        ["file size", f"{cut} bytes", "the file is truncated"], "raw file cut inside the data")
+    add("truncated_in_header", z0.raw[:-10], "rank_open",
+        ["file size", "the file is truncated"], "last 10 bytes of the header missing")
+    add("truncated_in_preamble", z0.raw[:40], "rank_open",
+        ["preamble", "a file of 40 bytes", "at least 64 bytes"], "40-byte file")
+    # Bit flips.
+    wt = tensor(raw0.header, "w")
+    add("bitflip_raw_data", flip(raw0.raw, raw0.data_offset + wt["offset"] + 5, 3), "rank_data",
+        ['tensor "w"', "chunk 0: checksum mismatch", "the file is corrupt"],
+        "one bit of raw tensor data")
+    zt = tensor(z0.header, "w")
+    frame_at = z0.data_offset + zt["offset"] + zt["frames"][0][0]
+    add("bitflip_zstd_frame", flip(z0.raw, frame_at + zt["frames"][0][1] - 6, 1), "rank_data",
+        ['tensor "w"', "chunk 0: "], "one bit inside a zstd frame's compressed block")
+    add("bitflip_zstd_frame_header", flip(z0.raw, frame_at + 5, 0), "rank_data",
+        ['tensor "w"', "chunk 0: zstd frame declares 49 bytes, expected 48"], "one bit of a zstd frame's content size")
+    add("bitflip_header", flip(z0.raw, z0.header_offset + z0.header_size // 2, 2), "rank_open",
+        ["header_xxh3", "the header is corrupt"], "one bit of the header JSON")
+    add("bitflip_preamble", flip(z0.raw, 25, 4), "rank_open",
+        ["preamble_xxh3", "preamble corrupt"], "one bit of data_size")
+    add("bad_magic", b"PK\x03\x04" + z0.raw[4:], "rank_open",
+        ["magic", "50 4b 03 04", "not a reshard rank file"], "a ZIP signature")
+    # Versions and sizes with consistent checksums.
+    add("newer_version", z0.preamble(version=2) + z0.raw[64:], "rank_open",
+        ["format_version", "found 2", "upgrade reshard"], "format_version 2 (a newer writer)")
+    add("version_zero", z0.preamble(version=0) + z0.raw[64:], "rank_open",
+        ["format_version", "found 0", "expected 1"], "format_version 0")
+    add("header_size_huge", z0.preamble(header_size=1 << 40) + z0.raw[64:], "rank_open",
+        ["header_size", "1099511627776", "1 to 268435456"], "header_size 1 TiB")
+    add("data_size_overflow", z0.preamble(data_size=(1 << 64) - 4096) + z0.raw[64:], "rank_open",
+        ["header_offset"], "data_offset + data_size overflows u64")
+    # Header edits (checksums recomputed, so the parser's own checks must catch them).
+    h = json.loads(json.dumps(z0.header))
+    tensor(h, "w")["offset"] = z0.data_size + 4096
+    add("tensor_past_data", z0.with_header(h), "rank_open",
+        ['tensor "w".offset', "inside the data region"], "tensor offset past the data region")
+    h = json.loads(json.dumps(z0.header))
+    tensor(h, "w")["global_shape"] = [4294967296, 4294967296, 16]
+    tensor(h, "w")["local_shape"] = [2147483648, 4294967296, 16]
+    tensor(h, "w")["shard"] = {"dim": 0, "start": 0, "end": 2147483648}
+    add("shape_product_overflow", z0.with_header(h), "rank_open",
+        ['tensor "w" numel: arithmetic overflow'], "a shape whose product overflows u64")
+    h = json.loads(json.dumps(z0.header))
+    tensor(h, "w")["local_shape"] = [-3, 4]
+    add("negative_dim", z0.with_header(h), "rank_open",
+        ['tensor "w".local_shape[0]', "found number -3", "a non-negative integer"],
+        "local_shape [-3, 4]")
+    h = json.loads(json.dumps(z0.header))
+    tensor(h, "w")["dtype"] = "F16"
+    add("wrong_dtype_size", z0.with_header(h), "rank_open",
+        ['tensor "w".nbytes', "found 48", "expected 24"], "dtype F16 with F32's byte count")
+    h = json.loads(json.dumps(z0.header))
+    h["chunk_size"] = 1 << 34
+    rel = f"rank/chunk_size_16g/{name0}"
+    write(rel, z0.with_header(h))
+    case(rel, "rank_valid", [], [{"args": ["verify", "{path}"], "exit": 0}], code="",
+         what="valid file with 16 GiB chunks and a 96-byte tensor: nothing may allocate by "
+              "chunk_size")
+    h = json.loads(json.dumps(z0.header))
+    h["layout"]["world_size"] = 1 << 32
+    add("world_size_2p32", z0.with_header(h), "rank_open",
+        ["layout.world_size", "4294967296", "1 to 16777216"], "world size 2^32")
+    # Files that are intact but do not belong where they are.
+    add("wrong_world_size", z4.raw, "rank_data",
+        ["holds rank 0, expected file name rank-00000-of-00004.reshard"],
+        "rank 0 of 4 saved as rank 0 of 2", code="")
+    swapped = z0.preamble(header_size=z1.header_size, header_xxh3=z1.header_xxh3)
+    swapped = swapped[:64] + z0.raw[64:z0.header_offset] + z1.raw[z1.header_offset:]
+    # Rank 1's header is longer or shorter than rank 0's: the preamble above already says so;
+    # the data region stays rank 0's, so the header's offsets may point past it.
+    add("header_from_other_rank", swapped, "rank_data",
+        ["holds rank 1, expected file name rank-00001-of-00002.reshard"],
+        "rank 1's header on rank 0's data (checksums consistent)", code="")
+
+
+# ---- index and manifest ----------------------------------------------------------------
+
+def index_cases():
+    def add(name, text: bytes, contains, what):
+        rel = f"index/{name}/model.safetensors.index.json"
+        write(rel, text)
+        d = f"index/{name}"
+        full = ["model.safetensors.index.json"] + contains
+        case(d, "checkpoint", full,
+             [{"args": ["convert", "{path}", "-o", "{tmp}/out", "--world-size", "2"], "exit": 3,
+               "stderr": full}], what=what)
+
+    add("path_escape", json.dumps({"weight_map": {"w": "../model.safetensors"}}).encode(),
+        ['weight_map["w"]', '"../model.safetensors"', "a file name in the checkpoint directory"],
+        "weight_map points outside the directory")
+    add("no_weight_map", b'{"metadata": {"total_size": 16}}',
+        ["index.weight_map", "found nothing"], "index without weight_map")
+    add("value_not_string", b'{"weight_map": {"w": 3}}',
+        ['weight_map["w"]', "found number 3", "a string"], "weight_map value 3")
+    add("empty_map", b'{"weight_map": {}}', ["weight_map", "an empty map"], "empty weight_map")
+    add("not_json", b'{"weight_map": {"w": "a.safetensors"', ["index is not valid JSON"],
+        "truncated JSON")
+    add("duplicate_key",
+        b'{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}',
+        ['index: duplicate key "w"'], "one key twice")
+
+
+def manifest_cases(reshard_bin, work):
+    src = os.path.join(work, "src")
+    o = os.path.join(work, "zstd2")
+    with open(os.path.join(o, "reshard.json")) as f:
+        good = json.load(f)
+    good["writer"] = "reshard golden"
+
+    def add(name, m, contains, what):
+        rel = f"manifest/{name}/reshard.json"
+        write(rel, (json.dumps(m, indent=2) + "\n").encode() if not isinstance(m, bytes) else m)
+        full = ["reshard.json"] + contains
+        case(f"manifest/{name}", "manifest", full,
+             [{"args": ["inspect", "{path}"], "exit": 3, "stderr": full}], what=what)
+
+    key = next(iter(good["layouts"]))
+    m = json.loads(json.dumps(good))
+    m["layouts"][key]["ranks"][0]["file"] = "../../etc/passwd"
+    add("rank_file_escape", m, [f'layouts["{key}"].ranks[0]', "its canonical file name"],
+        "a rank entry naming a path outside the layout")
+    m = json.loads(json.dumps(good))
+    m["layouts"]["../x"] = m["layouts"].pop(key)
+    add("layout_key_escape", m, ['layouts["../x"]', "a directory name of [A-Za-z0-9._-]"],
+        "a layout key that is a path")
+    m = json.loads(json.dumps(good))
+    m["layouts"][key]["complete"] = True
+    m["layouts"][key]["ranks"] = m["layouts"][key]["ranks"][:1]
+    add("complete_but_missing_ranks", m, [f'layouts["{key}"].complete', "found true",
+                                          "1 of 2 ranks listed"],
+        "complete true with a rank missing")
+    m = json.loads(json.dumps(good))
+    m["source"]["fingerprint"] = "0123456789abcdef"
+    add("fingerprint_mismatch", m, ["source.fingerprint", "0123456789abcdef",
+                                    "computed from source.files"], "source fingerprint altered")
+    m = json.loads(json.dumps(good))
+    m["layouts"][key]["world_size"] = 4294967298
+    add("world_size_2p32", m, [f'layouts["{key}"].world_size', "4294967298"],
+        "world size 2^32 + 2")
+
+
+def main():
+    reshard_bin = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build", "reshard")
+    if os.path.isdir(GOLDEN):
+        for d in ("safetensors", "rank", "index", "manifest"):
+            shutil.rmtree(os.path.join(GOLDEN, d), ignore_errors=True)
+    with tempfile.TemporaryDirectory() as work:
+        safetensors_cases()
+        rank_cases(reshard_bin, work)
+        index_cases()
+        manifest_cases(reshard_bin, work)
+    with open(os.path.join(GOLDEN, "expectations.json"), "w") as f:
+        json.dump({"note": "written by scripts/make_golden.py; see tests/golden/README.md",
+                   "cases": CASES}, f, indent=1)
+        f.write("\n")
+    total = sum(os.path.getsize(os.path.join(dp, n))
+                for dp, _, ns in os.walk(GOLDEN) for n in ns)
+    print(f"{len(CASES)} cases, {total} bytes under {GOLDEN}")
+
+
+if __name__ == "__main__":
+    main()
