@@ -290,7 +290,16 @@ TEST(LayoutSpec, KeysAndKindNames) {
   EXPECT_EQ((LayoutSpec{LayoutKind::kFsdp2, 1, "keep"}.Key()), "fsdp2-ws1");
   EXPECT_EQ((LayoutSpec{LayoutKind::kFsdp2, 8, "bf16"}.Key()), "fsdp2-ws8-bf16");
   EXPECT_EQ(ParseLayoutKind("fsdp2"), LayoutKind::kFsdp2);
-  EXPECT_FALSE(ParseLayoutKind("fsdp1").has_value());
+  EXPECT_EQ(ParseLayoutKind("fsdp1"), LayoutKind::kFsdp1);
+  EXPECT_FALSE(ParseLayoutKind("fsdp3").has_value());
+  LayoutSpec f1{LayoutKind::kFsdp1, 8, "fp32", {"LlamaDecoderLayer"}, true, "bf16"};
+  EXPECT_EQ(f1.Key(), "fsdp1-ws8-LlamaDecoderLayer-orig-pbf16-fp32");
+  LayoutSpec many{LayoutKind::kFsdp1, 2, "keep", {"B", "A", "A"}, false, "bf16"};
+  many.Normalize();  // sorted, unique; param_dtype dropped without use_orig_params
+  EXPECT_EQ(many.Key(), "fsdp1-ws2-A.B");
+  LayoutSpec longer{LayoutKind::kFsdp1, 2, "keep", {std::string(70, 'X')}, false, ""};
+  EXPECT_TRUE(longer.Key().starts_with("fsdp1-ws2-w")) << longer.Key();
+  EXPECT_EQ(longer.Key().size(), std::string("fsdp1-ws2-w").size() + 8);
   EXPECT_FALSE(ParseLayoutKind("FSDP2").has_value());
 }
 

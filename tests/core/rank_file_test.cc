@@ -450,7 +450,7 @@ const HeaderCase kHeaderCases[] = {
      {"format_version (header): found 2"}},
     {"MissingKey", [](ojson& h) { h.erase("chunk_size"); }, {"header.chunk_size", "found nothing"}},
     {"BadLayoutKey", [](ojson& h) { h["layout"]["key"] = "../up"; }, {"layout.key", "\"../up\""}},
-    {"UnknownLayoutKind", [](ojson& h) { h["layout"]["kind"] = "fsdp1"; }, {"layout.kind"}},
+    {"UnknownLayoutKind", [](ojson& h) { h["layout"]["kind"] = "fsdp3"; }, {"layout.kind"}},
     {"ZeroWorldSize", [](ojson& h) { h["layout"]["world_size"] = 0; },
      {"layout.world_size", "found 0"}},
     {"RankOutsideWorld", [](ojson& h) { h["rank"] = 2; }, {"rank: found 2", "less than world_size 2"}},
