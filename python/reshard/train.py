@@ -487,6 +487,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    t_job = time.perf_counter()
     rank, world, device = init_distributed(args.device)
 
     def log0(msg: str) -> None:
@@ -535,6 +536,10 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     report = reshard.load(model, args.out, threads=args.threads)
     peak_after = peak_rss_bytes()
     result["rss"]["peak_after_load"] = peak_after
+    if device.type == "cuda":
+        result["cuda_after_load_bytes"] = torch.cuda.memory_allocated(device)
+        result["cuda_peak_after_load_bytes"] = torch.cuda.max_memory_allocated(device)
+    result["load_wall_s"] = time.perf_counter() - t_job
     result["rss"]["load_increment"] = peak_after - rss_before
     result["load"] = {"file": report.file, "layout": report.layout, "bytes": report.bytes,
                       "seconds": report.seconds, "gbps": report.gbps, "tensors": report.tensors,
