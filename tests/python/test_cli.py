@@ -90,7 +90,7 @@ BAD_USAGE = {
     "compress-level-text": ["--world-size", "2", "--compress", "zstd:fast"],
     "compress-level-trailing": ["--world-size", "2", "--compress", "zstd:3x"],
     "compress-suffix": ["--world-size", "2", "--compress", "zstdx"],
-    "layout-unknown": ["--world-size", "2", "--layout", "fsdp1"],
+    "layout-unknown": ["--world-size", "2", "--layout", "fsdp3"],
     "chunk-size-unaligned": ["--world-size", "2", "--chunk-size", "1000"],
     "chunk-size-0": ["--world-size", "2", "--chunk-size", "0"],
     "threads-negative": ["--world-size", "2", "--threads", "-1"],
