@@ -78,8 +78,10 @@ int main(int argc, char** argv) {
       "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
       "reshard"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string(reshard::WriterString()) + " (rank file format " +
-                                        std::to_string(reshard::kRankFileVersion) + ")");
+  // Version, rank-file format and build options (CUDA, zstd, OpenMP, xxhash, compiler), the
+  // same facts as reshard._C.build_info().
+  app.set_version_flag("--version", reshard::VersionText(),
+                       "print the version, the rank-file format and the build options, then exit");
   app.footer(
       "Exit codes: 0 success, 1 verify found problems, 2 bad usage, 3 the operation failed.\n"
       "Example:  reshard convert ./Llama-3.2-1B -o ./llama-shards --world-size 8\n"
