@@ -4,8 +4,8 @@ Every fenced ```bash block that follows a ``<!-- quickstart -->`` line in README
 order, by ``bash -euo pipefail``, in a fresh copy of the repository (its git-tracked and
 untracked-but-not-ignored files) inside a temporary directory, with a fresh virtual environment
 first on PATH. That environment sees the torch, transformers, accelerate, scikit-build-core and
-pybind11 of the interpreter running pytest (a .pth file; ``pip install torch ...`` then finds
-them installed and downloads nothing), the way a user's training environment already holds
+pybind11 of the interpreter running pytest (a .pth file, and a ``torchrun`` script; ``pip
+install torch ...`` then finds them installed and downloads nothing), the way a user's training environment already holds
 torch; ``pip install --no-build-isolation .`` builds and installs reshard into it for real.
 PYTHONPATH and RESHARD_BIN are removed, so the commands can only use the installed ``reshard``
 command and package.
@@ -31,7 +31,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-FENCE = re.compile(r"^<!-- (quickstart[^ >]*)[^>]*-->\n```bash\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^<!-- (quickstart[-a-z]*)[^>]*-->\n```bash\n(.*?)^```", re.M | re.S)
 
 
 def blocks(kind: str) -> List[str]:
@@ -70,6 +70,12 @@ def make_venv(path: Path) -> Path:
                           check=True, capture_output=True, text=True).stdout.strip()
     parents = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     Path(site, "_reshard_test_parent_env.pth").write_text("".join(p + "\n" for p in sorted(parents)))
+    # torch's console script, as pip writes it into an environment that holds torch (the
+    # parent's own torchrun would start the parent's interpreter, which lacks reshard).
+    torchrun = path / "bin" / "torchrun"
+    torchrun.write_text(f"#!{py}\nimport sys\nfrom torch.distributed.run import main\n"
+                        "sys.exit(main())\n")
+    torchrun.chmod(0o755)
     return path
 
 
@@ -99,9 +105,7 @@ def test_readme_quickstart_runs_verbatim(tmp_path):
     venv = make_venv(tmp_path / "venv")
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "RESHARD_BIN", "PYTHONHOME")}
-    # The venv first; then the bin/ of the environment that holds torch (torchrun lives there).
-    env["PATH"] = os.pathsep.join([str(venv / "bin"), str(Path(sys.executable).parent),
-                                   env.get("PATH", "/usr/bin:/bin")])
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "/usr/bin:/bin")])
     env["VIRTUAL_ENV"] = str(venv)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
