@@ -49,17 +49,26 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "reshard native module";
   py::register_exception<reshard::Error>(m, "ReshardError", PyExc_RuntimeError);
 
-  m.def("build_info", [] {
+  m.def("build_info", [] {  // the same facts as `reshard --version` (reshard::GetBuildInfo)
+    const reshard::BuildInfo b = reshard::GetBuildInfo();
     py::dict d;
-    d["version"] = std::string(reshard::kVersion);
-    d["format_version"] = reshard::kRankFileVersion;
+    d["version"] = b.version;
+    d["format_version"] = b.format_version;
 #ifdef RESHARD_HAVE_CUDA
-    d["cuda"] = true;
+    d["cuda"] = true;  // this extension has the CUDA copy engine linked in
 #else
     d["cuda"] = false;
 #endif
+    d["cuda_version"] = b.cuda_version;
     d["zstd"] = true;
-    d["openmp"] = true;
+    d["zstd_version"] = b.zstd_version;
+    d["openmp"] = b.openmp;
+    d["openmp_version"] = b.openmp_version;
+    d["xxhash_version"] = b.xxhash_version;
+    d["compiler"] = b.compiler;
+    d["build_type"] = b.build_type;
+    d["torch_version"] = b.torch_version;
+    d["version_text"] = reshard::VersionText();
     return d;
   });
 

@@ -46,7 +46,29 @@ def out_ws3(cli, ckpt, tmp_path):
 
 def test_version(cli):
     r = cli("--version", rc=0)
-    assert r.out.strip() == f"reshard {project_version()} (rank file format 1)", r
+    lines = r.out.rstrip("\n").split("\n")
+    assert lines[:2] == [f"reshard {project_version()}", "rank file format: 1"], r
+    patterns = [r"CUDA: (yes \([0-9.]+\)|no \(CPU-only build\))", r"zstd: [0-9]+\.[0-9]+\.[0-9]+",
+                r"OpenMP: (yes \([0-9.]+\)|no)", r"xxhash: [0-9]+\.[0-9]+\.[0-9]+",
+                r"compiler: (GNU|Clang|AppleClang|IntelLLVM) [0-9.]+", r"build type: \S+",
+                r"torch \(Python extension built for\): .+"]
+    assert len(lines) == 2 + len(patterns), r
+    for line, pattern in zip(lines[2:], patterns):
+        assert re.fullmatch(pattern, line), (line, pattern)
+    # The Python extension of the same build reports the same facts.
+    try:
+        from reshard import _C
+    except ImportError:
+        return  # no extension next to this CLI (a C++-only build): nothing to compare
+    if os.path.dirname(os.path.abspath(_C.__file__)) != str(REPO / "python" / "reshard"):
+        return  # an installed reshard, not this build's
+    assert _C.build_info()["version_text"] == r.out.rstrip("\n")
+
+
+def test_subcommand_help_has_examples(cli):
+    for cmd in ("convert", "verify", "inspect"):
+        r = cli(cmd, "--help", rc=0)
+        assert "Examples:\n  reshard " + cmd in r.out, r
 
 
 def test_help(cli):

@@ -78,8 +78,10 @@ int main(int argc, char** argv) {
       "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
       "reshard"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string(reshard::WriterString()) + " (rank file format " +
-                                        std::to_string(reshard::kRankFileVersion) + ")");
+  // Version, rank-file format and build options (CUDA, zstd, OpenMP, xxhash, compiler), the
+  // same facts as reshard._C.build_info().
+  app.set_version_flag("--version", reshard::VersionText(),
+                       "print the version, the rank-file format and the build options, then exit");
   app.footer(
       "Exit codes: 0 success, 1 verify found problems, 2 bad usage, 3 the operation failed.\n"
       "Example:  reshard convert ./Llama-3.2-1B -o ./llama-shards --world-size 8\n"
@@ -153,12 +155,22 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
   convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
-  convert->footer("Example:  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
-                  "          reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
-                  "FSDP1:    python -m reshard.manifest ./Llama-3.1-8B -o ./shards/reshard-model.json\n"
-                  "          reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 "
-                  "--use-orig-params --param-dtype bf16 --dtype fp32\n"
-                  "Re-running on a complete output does nothing; a partial one is completed.");
+  convert->footer(
+      "Examples:\n"
+      "  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
+      "  reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
+      "  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8 --compress zstd:3 --json\n"
+      "  # split across two machines into one shared OUT (may run at the same time):\n"
+      "  reshard convert /shared/Llama-70B -o /shared/llama-shards --world-size 16 --ranks 0-7\n"
+      "  reshard convert /shared/Llama-70B -o /shared/llama-shards --world-size 16 --ranks 8-15\n"
+      "  # FSDP1 (FlatParameters): capture the model's parameter order once, then convert\n"
+      "  python -m reshard.manifest ./Llama-3.1-8B -o ./shards/reshard-model.json\n"
+      "  reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 --dtype fp32\n"
+      "  reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 "
+      "--use-orig-params --param-dtype bf16 --dtype fp32\n"
+      "The world size is the number of processes of the training job (for HSDP: the shard\n"
+      "group size). Re-running on a complete output does nothing; a partial one is completed.\n"
+      "Then: reshard verify OUT --source SRC; in the job: reshard.load(model, OUT).");
 
   // verify
   reshard::VerifyOptions vo;
@@ -173,7 +185,13 @@ int main(int argc, char** argv) {
                      "(after the layout's dtype conversion, if any)");
   verify->add_option("--threads", vo.threads, "worker threads (default: all cores)");
   verify->add_flag("--json", verify_json, "print a machine-readable report on stdout");
-  verify->footer("Example:  reshard verify ./qwen-shards --source ./Qwen2.5-7B");
+  verify->footer(
+      "Examples:\n"
+      "  reshard verify ./qwen-shards --source ./Qwen2.5-7B     # every byte against the source\n"
+      "  reshard verify ./qwen-shards                           # headers and checksums only\n"
+      "  reshard verify ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard --json\n"
+      "Exit code 0: all is well; 1: problems found (each printed with its file and tensor);\n"
+      "3: the check could not run (e.g. PATH missing).");
 
   // inspect
   std::string inspect_path;
@@ -185,7 +203,11 @@ int main(int argc, char** argv) {
                                             "Hugging Face checkpoint")
       ->required();
   inspect->add_flag("--json", inspect_json, "print JSON on stdout");
-  inspect->footer("Example:  reshard inspect ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard");
+  inspect->footer(
+      "Examples:\n"
+      "  reshard inspect ./qwen-shards                  # layouts, ranks, bytes per rank\n"
+      "  reshard inspect ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard\n"
+      "  reshard inspect ./Qwen2.5-7B --json            # the source: tensors, dtypes, shapes");
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,57 @@
+# `cmake --install` rules and the CMake package, so that another project can do
+#     find_package(reshard 0.1 REQUIRED)
+#     target_link_libraries(app PRIVATE reshard::core)
+# Components: "dev" (headers, libreshard_core.a, reshardConfig*.cmake), "runtime" (the reshard
+# CLI), "python" (the extension reshard._C; only in wheel builds by scikit-build-core, which
+# installs "runtime" and "python" alone: the CLI into the wheel's scripts, i.e. the
+# environment's bin/).
+#
+# The core library is static (PIC): the CLI and the Python extension each carry their own
+# copy, so neither needs an RPATH or a libreshard_core.so next to it, and a consumer links one
+# self-contained archive. Its private dependencies travel with the exported target as link-only
+# entries, resolved in reshardConfig.cmake: zstd (reshard::zstd, found again the same way) and
+# OpenMP (find_dependency); nlohmann_json is public (the inspect API returns nlohmann::json).
+# xxhash is compiled in (XXH_INLINE_ALL) and needs nothing at link time.
+include_guard(GLOBAL)
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(RESHARD_INSTALL_CMAKEDIR "${CMAKE_INSTALL_LIBDIR}/cmake/reshard" CACHE STRING
+    "Where reshardConfig.cmake is installed, relative to the prefix")
+
+if(SKBUILD)
+  install(TARGETS reshard RUNTIME DESTINATION "${SKBUILD_SCRIPTS_DIR}" COMPONENT runtime)
+else()
+  install(TARGETS reshard RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT runtime)
+endif()
+if(SKBUILD AND TARGET reshard_python)
+  install(TARGETS reshard_python LIBRARY DESTINATION reshard COMPONENT python)
+endif()
+
+set_target_properties(reshard_core PROPERTIES EXPORT_NAME core)
+set(_reshard_export_targets reshard_core)
+if(TARGET reshard_cuda)
+  set_target_properties(reshard_cuda PROPERTIES EXPORT_NAME cuda)
+  list(APPEND _reshard_export_targets reshard_cuda)
+endif()
+install(TARGETS ${_reshard_export_targets} EXPORT reshardTargets
+        ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT dev
+        INCLUDES DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/reshard"
+        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" COMPONENT dev
+        FILES_MATCHING PATTERN "*.h")
+install(FILES "${RESHARD_GENERATED_INCLUDE_DIR}/reshard/build_config.h"
+        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/reshard" COMPONENT dev)
+install(EXPORT reshardTargets NAMESPACE reshard:: DESTINATION "${RESHARD_INSTALL_CMAKEDIR}"
+        COMPONENT dev)
+
+set(RESHARD_CONFIG_WITH_CUDA ${RESHARD_WITH_CUDA})
+configure_package_config_file("${CMAKE_CURRENT_LIST_DIR}/reshardConfig.cmake.in"
+  "${CMAKE_CURRENT_BINARY_DIR}/reshardConfig.cmake"
+  INSTALL_DESTINATION "${RESHARD_INSTALL_CMAKEDIR}")
+write_basic_package_version_file("${CMAKE_CURRENT_BINARY_DIR}/reshardConfigVersion.cmake"
+  VERSION "${PROJECT_VERSION}" COMPATIBILITY SameMinorVersion)
+install(FILES "${CMAKE_CURRENT_BINARY_DIR}/reshardConfig.cmake"
+              "${CMAKE_CURRENT_BINARY_DIR}/reshardConfigVersion.cmake"
+              "${CMAKE_CURRENT_LIST_DIR}/ReshardZstd.cmake"
+        DESTINATION "${RESHARD_INSTALL_CMAKEDIR}" COMPONENT dev)
