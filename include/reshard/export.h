@@ -42,6 +42,10 @@ struct TensorLocation {
 /// header lists them, which is the source's order (file, then offset).
 /// FSDP2: a tensor is one piece per rank holding rows, the byte range [start·R, end·R) of the
 /// tensor (R = bytes of one dim-0 row); a 0-dim tensor is one piece of rank 0's copy.
+/// Another layout kind (e.g. FSDP1 flat parameters, whose entries hold segments of several
+/// source tensors) only adds its case here, turning its entries into pieces; pieces may start
+/// and end anywhere inside an entry (chunks are decoded and checked whole, then cut), so
+/// Export needs nothing else.
 /// The description is checked whatever the layout kind: every rank lists the same tensors
 /// with the same dtype and global shape, and the pieces tile each tensor with no gap, overlap
 /// or byte outside their entry. Throws kMismatch (a rank lacks a tensor or disagrees) or
