@@ -539,8 +539,10 @@ ExportResult Export(const ExportOptions& o) {
                                    " rank files; run reshard convert for the missing ranks");
   }
   for (const auto& a : manifest->aux_files) {
-    if (!IsPlainFileName(a)) {
-      FailField(mpath, "aux_files", "\"" + Printable(a) + "\"", "plain file names");
+    if (!IsPlainFileName(a) || a.ends_with(".safetensors") ||
+        a == "model.safetensors.index.json") {
+      FailField(mpath, "aux_files", "\"" + Printable(a) + "\"",
+                "plain file names other than the weight files and their index");
     }
   }
 

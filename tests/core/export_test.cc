@@ -381,6 +381,28 @@ TEST_F(ExportTest, IncompleteLayoutIsRefused) {
   EXPECT_FALSE(fs::exists(Hf()));
 }
 
+TEST_F(ExportTest, ManifestAuxFilesMustBePlainNames) {
+  Convert(2);
+  const fs::path m = Out() / "reshard.json";
+  const std::string original = test::ReadBytes(m);
+  for (const char* bad : {"../escape.json", "model.safetensors", "model.safetensors.index.json"}) {
+    SCOPED_TRACE(bad);
+    ojson j = ojson::parse(original);
+    j["aux_files"].push_back(bad);
+    test::WriteBytes(m, j.dump(2));
+    EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kDataLoss,
+                            {"reshard.json", "aux_files", bad}));
+    EXPECT_FALSE(fs::exists(Hf()));
+  }
+  // A listed aux file that is gone is an error too.
+  test::WriteBytes(m, original);
+  fs::remove(Out() / "tokenizer.json");
+  EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kNotFound,
+                          {"tokenizer.json", "missing"}));
+  EXPECT_FALSE(fs::exists(Hf()));
+  EXPECT_TRUE(Leftovers().empty());
+}
+
 TEST_F(ExportTest, NotAReshardOutput) {
   EXPECT_TRUE(ThrowsError(
       [&] {
