@@ -248,3 +248,23 @@ def test_help_shows_export(cli):
     r = cli("export", "--help", rc=0)
     for flag in ("--layout", "--max-shard-size", "--dtype", "--threads", "--force", "Example"):
         assert flag in r.out, r
+
+
+def test_bin_source_with_tied_entries(cli, tmp_path):
+    """A pytorch_model.bin source saves a tied pair as two entries on one storage; both names
+    reach the rank files and the export (safetensors files hold no shared storage), and
+    from_pretrained loads the export with nothing missing or unexpected, the pair tied."""
+    from checkpoints import load_bin_source, make_bin_checkpoint
+
+    src = make_bin_checkpoint(str(tmp_path / "src"), "qwen2", "bf16")
+    out, hf = tmp_path / "out", tmp_path / "hf"
+    convert(cli, src, out, 3)
+    export(cli, out, hf)
+    got = read_file_tensors(hf / "model.safetensors")
+    want = load_bin_source(src)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert same_bits(got[k], v), k
+    model, info = _auto_class("qwen2").from_pretrained(str(hf), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
