@@ -9,6 +9,9 @@ One run:
    - ceiling "read": the rank files read sequentially into an 8 MiB buffer;
    - ceiling "read+write+fsync": the same reads appended to one file, then fsync (export
      fsyncs every file it writes, so this is the comparison at equal durability);
+   - ceiling "cat+fsync": `cat rank files > file`, then fsync of that file (the same copy done
+     by coreutils; on this VM Python's write loop is slower than cat's, see BENCHMARKS.md);
+     ratios are given against each ceiling and against the faster of the two;
    - `reshard export` of the raw layout into one model.safetensors (default --max-shard-size),
      into 1 GB shards (--max-shard-size 1GB), and of the zstd layout;
    each export is a child process timed by wall clock, with its own peak RSS and CPU seconds
@@ -119,6 +122,7 @@ def main():
     paths = {
         "ceiling_read": None,
         "ceiling_read_write_fsync": None,
+        "ceiling_cat_fsync": None,
         "export_raw_one_file": export_cmd("raw"),
         "export_raw_1GB_shards": export_cmd("raw", "--max-shard-size", "1GB"),
         "export_zstd_one_file": export_cmd("zstd"),
@@ -136,6 +140,12 @@ def main():
                 rec = {"s": ceiling_read(rank_files)}
             elif name == "ceiling_read_write_fsync":
                 rec = {"s": ceiling_rw(rank_files, ceiling_dst, fsync=True)}
+            elif name == "ceiling_cat_fsync":
+                t0 = time.perf_counter()
+                with open(ceiling_dst, "wb") as f:
+                    subprocess.run(["cat", *map(str, rank_files)], stdout=f, check=True)
+                    os.fsync(f.fileno())
+                rec = {"s": time.perf_counter() - t0}
             else:
                 wall, usage, rc, out, err = run_child(cmd)
                 if rc != 0:
@@ -162,9 +172,13 @@ def main():
             s["peak_rss_mib"] = round(max(r["rss_mib"] for r in recs), 1)
             s["cpu_s"] = round(statistics.median(r["cpu_s"] for r in recs), 2)
         summary[name] = s
-    ceiling = summary["ceiling_read_write_fsync"]["median_s"]
-    ratios = {f"{k}_vs_read_write_fsync_ceiling": round(ceiling / summary[k]["median_s"], 3)
-              for k in paths if k.startswith("export")}
+    ratios = {}
+    best = min(summary["ceiling_read_write_fsync"]["median_s"], summary["ceiling_cat_fsync"]["median_s"])
+    for k in paths:
+        if k.startswith("export"):
+            for c in ("ceiling_read_write_fsync", "ceiling_cat_fsync"):
+                ratios[f"{k}_vs_{c}"] = round(summary[c]["median_s"] / summary[k]["median_s"], 3)
+            ratios[f"{k}_vs_best_write_ceiling"] = round(best / summary[k]["median_s"], 3)
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
