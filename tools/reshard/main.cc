@@ -16,6 +16,7 @@
 
 #include "reshard/convert.h"
 #include "reshard/error.h"
+#include "reshard/export.h"
 #include "reshard/inspect.h"
 #include "reshard/rank_file_format.h"
 #include "reshard/verify.h"
@@ -85,7 +86,8 @@ int main(int argc, char** argv) {
   app.footer(
       "Exit codes: 0 success, 1 verify found problems, 2 bad usage, 3 the operation failed.\n"
       "Example:  reshard convert ./Llama-3.2-1B -o ./llama-shards --world-size 8\n"
-      "          reshard verify ./llama-shards --source ./Llama-3.2-1B");
+      "          reshard verify ./llama-shards --source ./Llama-3.2-1B\n"
+      "          reshard export ./llama-shards -o ./llama-hf");
 
   // convert
   reshard::ConvertOptions co;
@@ -209,6 +211,39 @@ int main(int argc, char** argv) {
       "  reshard inspect ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard\n"
       "  reshard inspect ./Qwen2.5-7B --json            # the source: tensors, dtypes, shapes");
 
+  // export
+  reshard::ExportOptions eo;
+  std::string export_out, export_dir, export_max_shard = "5GB", export_dtype = "keep";
+  bool export_json = false;
+  auto* exp = app.add_subcommand(
+      "export", "Write a layout back as an ordinary Hugging Face checkpoint directory "
+                "(safetensors shards, index, config and tokenizer files).");
+  exp->add_option("OUT", export_out, "a reshard output directory (holds reshard.json)")
+      ->required();
+  exp->add_option("-o,--out", export_dir,
+                  "the Hugging Face checkpoint directory to write (must not exist or be empty, "
+                  "unless --force)")
+      ->required();
+  exp->add_option("--layout", eo.layout,
+                  "layout key to export (e.g. fsdp2-ws8); required when OUT holds several");
+  exp->add_option("--max-shard-size", export_max_shard,
+                  "largest safetensors file, as save_pretrained's max_shard_size: 5GB, 500MB, "
+                  "... (powers of 1000) or bytes; everything in one model.safetensors when it "
+                  "fits")
+      ->capture_default_str();
+  exp->add_option("--dtype", export_dtype,
+                  "keep the rank files' dtype, or write every F16/BF16/F32/F64 tensor as "
+                  "bf16 / fp16 / fp32, bit for bit as torch's Tensor.to(dtype)")
+      ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}))
+      ->capture_default_str();
+  exp->add_option("--threads", eo.threads, "worker threads (default: all cores)");
+  exp->add_flag("--force", eo.force, "replace a non-empty output directory");
+  exp->add_flag("--json", export_json, "print a machine-readable summary on stdout");
+  exp->footer("Example:  reshard export ./llama-shards -o ./llama-hf --max-shard-size 5GB\n"
+              "          reshard export ./llama-shards --layout fsdp2-ws8-bf16 -o ./llama-bf16\n"
+              "Files are written into a hidden directory beside the output and renamed into "
+              "place at the end:\nan interrupted export leaves no output directory.");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -283,6 +318,35 @@ int main(int argc, char** argv) {
           std::printf("layout %s is not complete yet: convert the remaining ranks into the same "
                       "directory\n", r.layout_key.c_str());
         }
+      }
+      return 0;
+    }
+    if (*exp) {
+      auto size = reshard::ParseMaxShardSize(export_max_shard);
+      if (!size) {
+        throw CLI::ValidationError("--max-shard-size", "expected a size such as 5GB, 500MB or "
+                                                       "a byte count, got \"" +
+                                                           export_max_shard + "\"");
+      }
+      eo.out = export_out;
+      eo.hf_dir = export_dir;
+      eo.max_shard_size = *size;
+      eo.dtype = export_dtype;
+      reshard::ExportResult r = reshard::Export(eo);
+      if (export_json) {
+        nlohmann::json j = {{"layout", r.layout_key},        {"hf_dir", r.hf_dir.string()},
+                            {"weight_files", r.weight_files}, {"aux_files", r.aux_files},
+                            {"sharded", r.sharded},          {"tensors", r.tensors},
+                            {"total_size", r.total_size},    {"bytes_read", r.bytes_read},
+                            {"seconds", r.seconds}};
+        std::cout << j.dump(2) << "\n";
+      } else {
+        std::printf("wrote %s of layout %s into %s: %llu tensors, %zu weight file(s), %s in "
+                    "%.2f s (%.2f GB/s)\n",
+                    r.sharded ? "a sharded checkpoint" : "model.safetensors", r.layout_key.c_str(),
+                    r.hf_dir.c_str(), static_cast<unsigned long long>(r.tensors),
+                    r.weight_files.size(), Gb(r.total_size).c_str(), r.seconds,
+                    r.seconds > 0 ? r.total_size / 1e9 / r.seconds : 0.0);
       }
       return 0;
     }

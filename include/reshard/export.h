@@ -1,0 +1,125 @@
+// Export of one layout of a reshard output directory back into an ordinary Hugging Face
+// checkpoint directory (sharded safetensors + index, config and tokenizer files).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/dtype.h"
+#include "reshard/rank_file_format.h"
+
+namespace reshard {
+
+// ---- where a tensor's bytes are ----------------------------------------------------------
+
+/// One contiguous piece of a source tensor: decoded bytes [src_offset, src_offset + length)
+/// of tensor entry `entry` of the rank file of rank `rank` are bytes
+/// [dst_offset, dst_offset + length) of the whole row-major tensor (in the rank files' dtype).
+struct TensorPiece {
+  uint32_t rank = 0;    // index into the headers given to DescribeLayoutTensors
+  size_t entry = 0;     // index into that header's `tensors`
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
+/// Where every byte of one source tensor lives in a layout's rank files.
+struct TensorLocation {
+  std::string name;
+  DType dtype;                       // as stored in the rank files
+  std::vector<uint64_t> shape;       // the source tensor's (global) shape
+  uint64_t nbytes = 0;               // bytes of the whole tensor in `dtype`
+  std::vector<TensorPiece> pieces;   // sorted by dst_offset, tiling [0, nbytes) exactly
+};
+
+/// Describes every source tensor of one layout from its rank files' headers (`headers[r]` is
+/// rank r's, all of one layout; `paths[r]` names its file in errors), in the order rank 0's
+/// header lists them, which is the source's order (file, then offset).
+/// FSDP2: a tensor is one piece per rank holding rows, the byte range [start·R, end·R) of the
+/// tensor (R = bytes of one dim-0 row); a 0-dim tensor is one piece of rank 0's copy.
+/// Another layout kind (e.g. FSDP1 flat parameters, whose entries hold segments of several
+/// source tensors) only adds its case here, turning its entries into pieces; pieces may start
+/// and end anywhere inside an entry (chunks are decoded and checked whole, then cut), so
+/// Export needs nothing else.
+/// The description is checked whatever the layout kind: every rank lists the same tensors
+/// with the same dtype and global shape, and the pieces tile each tensor with no gap, overlap
+/// or byte outside their entry. Throws kMismatch (a rank lacks a tensor or disagrees) or
+/// kDataLoss (pieces that do not tile the tensor), naming the file and the tensor.
+std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFileHeader*>& headers,
+                                                  const std::vector<std::string>& paths);
+
+// ---- the Hugging Face side ------------------------------------------------------------------
+
+/// "5GB", "500MB", "10KB", "1TB", "1.5GB" (powers of 1000, as huggingface_hub's
+/// parse_size_to_int: the unit is the last two characters, any case, the value a decimal
+/// number, truncated to whole bytes) or a plain byte count "1048576". nullopt for anything
+/// else and for 0.
+std::optional<uint64_t> ParseMaxShardSize(std::string_view text);
+
+/// Groups tensors of sizes `sizes` (in write order) into shards as huggingface_hub's
+/// split_torch_state_dict_into_shards does for transformers' save_pretrained: greedily in
+/// order; a shard is closed when the next tensor would take it past `max_shard_size`; a tensor
+/// larger than `max_shard_size` gets a shard of its own, placed before the shard being filled.
+/// Returns the indices of each shard, in shard order. No tensors give no shard.
+std::vector<std::vector<size_t>> SplitIntoShards(const std::vector<uint64_t>& sizes,
+                                                 uint64_t max_shard_size);
+
+/// The order in which safetensors (0.8.0, `serialize`/`save_file`) writes tensors: dtypes by
+/// descending alignment rank (U64, I64, F64, C64, F32, U32, I32, BF16, F16, U16, I16, F8_E8M0,
+/// F8_E4M3, F8_E5M2, I8, U8, F6_E3M2, F6_E2M3, F4, BOOL), then names in byte order.
+bool SafetensorsWriteOrder(DType a_dtype, std::string_view a_name, DType b_dtype,
+                           std::string_view b_name);
+
+// ---- export ------------------------------------------------------------------------------
+
+struct ExportOptions {
+  std::filesystem::path out;      // a reshard output directory (holds reshard.json)
+  std::filesystem::path hf_dir;   // the Hugging Face checkpoint directory to write
+  std::string layout;             // layout key; empty: the only layout of OUT
+  uint64_t max_shard_size = 5'000'000'000;  // bytes; "5GB" as save_pretrained's default
+  std::string dtype = "keep";     // keep, bf16, fp16, fp32: applied to the rank files' dtype
+  unsigned threads = 0;           // 0: hardware concurrency
+  bool force = false;             // replace a non-empty hf_dir
+  /// Called now and then with (bytes written, bytes total) from a worker thread; calls are
+  /// serialized and the values never decrease. An exception thrown here aborts the export
+  /// (nothing is left behind).
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct ExportResult {
+  std::string layout_key;
+  std::filesystem::path hf_dir;
+  std::vector<std::string> weight_files;  // in shard order
+  std::vector<std::string> aux_files;     // copied from OUT
+  bool sharded = false;                   // wrote model.safetensors.index.json
+  uint64_t tensors = 0;
+  uint64_t total_size = 0;                // tensor bytes written (index metadata.total_size)
+  uint64_t bytes_read = 0;                // decoded rank-file bytes read (checksums checked)
+  double seconds = 0;
+};
+
+/// Writes layout `options.layout` of `options.out` as a Hugging Face checkpoint into
+/// `options.hf_dir`: model.safetensors, or model-0000i-of-0000N.safetensors +
+/// model.safetensors.index.json when the tensors (after `dtype`) exceed max_shard_size, plus
+/// the manifest's aux files (config.json, tokenizer files, ...). Files are byte for byte what
+/// safetensors.torch.save_file(..., metadata={"format": "pt"}) writes for the same tensors,
+/// grouped as save_pretrained groups them (SplitIntoShards, in the source's tensor order); the
+/// index is json.dumps(index, indent=2, sort_keys=True) + "\n" as transformers writes it.
+///
+/// Tensors stream from the rank files chunk by chunk (every chunk's checksum checked, zstd
+/// frames decoded) straight to their place in the output: memory is a few chunk buffers per
+/// thread, whatever the model size. Everything is written into a hidden staging directory
+/// beside hf_dir (`.<name>.export-tmp-<host>-<pid>`), each file fsynced, the index last, then
+/// renamed to hf_dir (exchanged with it under `force`, the old contents then removed): an
+/// interrupted export leaves no hf_dir, only a staging directory that the next export to the
+/// same hf_dir removes. Throws kNotFound (no manifest, no such layout), kInvalidArgument (bad
+/// options, several layouts and none chosen, hf_dir not empty without force), kMismatch
+/// (incomplete layout, rank files of another source or layout), kDataLoss (corrupt rank file).
+ExportResult Export(const ExportOptions& options);
+
+}  // namespace reshard
