@@ -95,6 +95,60 @@ void DescribeFsdp2(const std::vector<const RankFileHeader*>& headers,
   }
 }
 
+// FSDP1: each parameter of a flat entry is the part of flat [offset, offset + numel) that
+// every rank's shard [r·c, (r+1)·c) holds; whole entries (persistent buffers) are one piece.
+// Tensors come in unit construction order, each unit's parameters in flat order.
+void DescribeFsdp1(const std::vector<const RankFileHeader*>& headers,
+                   const std::vector<std::string>& paths,
+                   const std::vector<std::unordered_map<std::string_view, size_t>>& index,
+                   std::vector<TensorLocation>& out) {
+  const RankFileHeader& h0 = *headers[0];
+  const uint64_t ws = headers.size();
+  for (size_t i = 0; i < h0.tensors.size(); ++i) {
+    const TensorEntry& t0 = h0.tensors[i];
+    if (!t0.flat) {
+      TensorLocation loc;
+      loc.name = t0.name;
+      loc.dtype = t0.dtype;
+      loc.shape = t0.global_shape;
+      loc.nbytes = WholeBytes(paths[0], t0);
+      if (t0.sharded || t0.nbytes != loc.nbytes) {
+        Fail(ErrorCode::kDataLoss, paths[0] + ": tensor \"" + t0.name +
+                                       "\" of an FSDP1 layout is neither a flat parameter nor whole");
+      }
+      if (loc.nbytes > 0) loc.pieces.push_back({0, i, 0, 0, loc.nbytes});
+      out.push_back(std::move(loc));
+      continue;
+    }
+    const FlatInfo& flat = *t0.flat;
+    const uint64_t item = Info(t0.dtype).bits / 8;
+    const uint64_t c = CeilDiv(flat.numel, ws);
+    std::vector<size_t> entry(ws);
+    for (uint32_t r = 0; r < ws; ++r) {
+      entry[r] = r == 0 ? i : index[r].at(t0.name);
+      const TensorEntry& e = headers[r]->tensors[entry[r]];
+      if (!e.flat || !(*e.flat == flat) || e.nbytes != c * item) {
+        Fail(ErrorCode::kMismatch, paths[r] + ": flat parameter \"" + t0.name +
+                                       "\" has another layout than in " + paths[0]);
+      }
+    }
+    for (const FlatParamInfo& p : flat.params) {
+      TensorLocation loc;
+      loc.name = p.key;
+      loc.dtype = t0.dtype;
+      loc.shape = p.shape;
+      loc.nbytes = CheckedMul(p.numel, item, paths[0] + ": " + p.key);
+      for (uint32_t r = 0; r < ws; ++r) {
+        const uint64_t a = std::max(p.offset, r * c);
+        const uint64_t b = std::min(p.offset + p.numel, (r + 1) * c);
+        if (a >= b) continue;
+        loc.pieces.push_back({r, entry[r], (a - r * c) * item, (a - p.offset) * item, (b - a) * item});
+      }
+      out.push_back(std::move(loc));
+    }
+  }
+}
+
 // Whatever the layout kind: the pieces tile [0, nbytes) and stay inside their entries.
 void CheckPieces(TensorLocation& loc, const std::vector<const RankFileHeader*>& headers,
                  const std::vector<std::string>& paths) {
@@ -427,6 +481,7 @@ std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFi
   out.reserve(h0.tensors.size());
   switch (h0.kind) {
     case LayoutKind::kFsdp2: DescribeFsdp2(headers, paths, index, out); break;
+    case LayoutKind::kFsdp1: DescribeFsdp1(headers, paths, index, out); break;
   }
   for (TensorLocation& loc : out) CheckPieces(loc, headers, paths);
   return out;
