@@ -24,7 +24,7 @@ import reshard
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().cpu()
+    t = t.detach().contiguous().cpu().reshape(-1)
     return t.view(torch.uint8) if t.numel() else t
 
 
