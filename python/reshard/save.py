@@ -234,6 +234,15 @@ def _optimizer_entries(optimizer, model: nn.Module, world: int, coord: int):
     return entries, keep, meta
 
 
+def _fsync_dir(d: str) -> None:
+    """Makes a rename inside `d` durable."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_atomic(path: str, text: str) -> None:
     d = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".tmp-")
@@ -243,6 +252,7 @@ def _write_atomic(path: str, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(d)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

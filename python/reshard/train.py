@@ -484,6 +484,11 @@ def save_checkpoint(args, model, opt, batches: "Batches", step: int, rank: int, 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(tdir, f"rank-{rank:05d}.json"))
+    fd = os.open(tdir, os.O_RDONLY)  # the rename is durable before the manifest commits it
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     t0 = time.perf_counter()
     report = reshard.save(model, ckpt, optimizer=opt, step=step, source=source)
     log0(f"save: step {step} -> {ckpt} (rank 0 wrote {report.bytes / 1e6:.2f} MB in "
