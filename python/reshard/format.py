@@ -1081,7 +1081,8 @@ def read_manifest(out: Union[str, os.PathLike]) -> Dict[str, Any]:
             _fail(path, f"{w}.complete", complete, f"{len(ranks) == ws} ({len(ranks)} of {ws} ranks)")
     if source_fingerprint(source["files"], source.get("saved")) != source["fingerprint"]:
         _fail(path, "source.fingerprint", source["fingerprint"],
-              f"{source_fingerprint(source['files'], source.get('saved'))} (computed from source.files)")
+              f"{source_fingerprint(source['files'], source.get('saved'))} (computed from "
+              f"source.{'saved' if 'saved' in source else 'files'})")
     return m
 
 

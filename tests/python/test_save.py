@@ -251,3 +251,32 @@ def test_save_from_cuda_through_small_staging(checkpoint, cli, tmp_path):
     for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
         for k, v in opt.state[p].items():
             assert v.device == opt2.state[q][k].device and torch.equal(v, opt2.state[q][k]), (n, k)
+
+
+def test_plain_module_save_and_saved_source_checked(checkpoint, cli, tmp_path):
+    """One process, no process group, a plain module (world size 1); the saved source's
+    fingerprint is checked by the C++ reader and by the independent Python reader."""
+    src = checkpoint("qwen2", "fp32", False)
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    cli("convert", src, "-o", out, "--world-size", 1, rc=0)
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cpu")
+    reshard.load(model, str(out))
+    report = reshard.save(model, str(saved), step=7)
+    assert report.wrote and report.layout == "fsdp2-ws1" and report.optimizer_file is None
+    # No source given: config.json (and generation_config.json) come from the model.
+    assert json.loads((saved / "config.json").read_text())["hidden_size"] == model.config.hidden_size
+    cli("verify", saved, rc=0)
+    fresh = reshard.empty_model(str(saved))
+    fresh.to_empty(device="cpu")
+    reshard.load(fresh, str(saved))
+    for (n, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), n
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    text = (saved / "reshard.json").read_text()
+    assert '"step": 7' in text
+    (saved / "reshard.json").write_text(text.replace('"step": 7', '"step": 8'))
+    r = cli("verify", saved, rc=1)
+    assert "computed from source.saved" in r.text
+    with pytest.raises(rf.FormatError, match="computed from source.saved"):
+        rf.read_manifest(str(saved))
