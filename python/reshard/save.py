@@ -293,6 +293,22 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str) -> List[str]:
     return names
 
 
+def _check_optimizer_files(out: str, key: str, world: int, save_id: int, step) -> None:
+    """Before the manifest commits the save: every optimizer rank file is there, valid
+    (preamble and header), and of this save."""
+    want = {"id": f"{save_id:016x}", "step": step}
+    for r in range(world):
+        path = os.path.join(out, key, OPTIM_DIR, f"rank-{r:05d}-of-{world:05d}.reshard")
+        if not os.path.exists(path):
+            raise ReshardError(f"{path}: missing; the optimizer state of shard {r} was not written")
+        h = json.loads(_C.read_header(path))
+        if h["source"].get("saved") != want or h["rank"] != r or h["layout"]["key"] != key:
+            raise ReshardError(f"{path}: not rank {r} of this save ({want}); found rank {h['rank']} "
+                               f"of {h['layout']['key']}, source {h['source'].get('saved')}")
+    if not os.path.exists(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)):
+        raise ReshardError(f"{os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)}: missing")
+
+
 def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None, *,
          source: Optional[str] = None, chunk_size: int = 2 << 20,
          staging_bytes: int = 32 << 20, verify: bool = False) -> SaveReport:
@@ -371,6 +387,8 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     err = None
     if group.rank == 0:
         try:
+            if optimizer is not None:
+                _check_optimizer_files(out, key, world, save_id, step)
             aux = _copy_aux(model, source, out)
             _C.write_saved_manifest(out, world, save_id, step, aux)
         except Exception as e:  # noqa: BLE001
