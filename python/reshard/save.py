@@ -355,14 +355,14 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         if optimizer is not None:
             opt_entries, opt_keep, meta = _optimizer_entries(optimizer, model, world, coord)
             meta["step"] = step
-        devices = {t.device.index for t in keep + (opt_keep if optimizer is not None else [])
-                   if t.device.type == "cuda"}
+        tensors = keep + (opt_keep if optimizer is not None else [])
+        devices = {t.device.index for t in tensors if t.device.type == "cuda"}
         if len(devices) > 1:
             raise ReshardError("tensors on several CUDA devices; reshard.save expects one device per rank")
         device = devices.pop() if devices else 0
-        if device_used := any(t.device.type == "cuda" for t in keep):
+        if any(t.device.type == "cuda" for t in tensors):
             torch.cuda.synchronize(device)  # the copier's stream must see finished updates
-        del device_used
+        del tensors
         if writes:
             name = f"rank-{coord:05d}-of-{world:05d}.reshard"
             path = os.path.join(out, key, name)
