@@ -26,6 +26,10 @@ class DeviceCopier {
   virtual void* Staging(int lane, int slot, size_t bytes) = 0;
   /// Enqueues an asynchronous copy of `n` bytes from the staging buffer (lane, slot) to `dst`.
   virtual void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) = 0;
+  /// Enqueues an asynchronous copy of `n` bytes from device memory `src` into the staging
+  /// buffer (lane, slot) at `dst` (the save direction). WaitSlot(lane, slot) waits for it.
+  /// Copiers that only load throw kUnsupported.
+  virtual void CopyToHostAsync(int lane, int slot, void* dst, const void* src, size_t n);
   /// Blocks until the last copy issued from (lane, slot) has completed.
   virtual void WaitSlot(int lane, int slot) = 0;
   /// Blocks until every copy of every lane has completed; throws on a device error.

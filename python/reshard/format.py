@@ -508,8 +508,12 @@ def weight_file_fingerprint(path: str) -> Dict[str, Any]:
     return torch_zip_file_fingerprint(path)
 
 
-def source_fingerprint(files: Sequence[Dict[str, Any]]) -> str:
-    """Fingerprint (hex16) of ``source.files`` entries, computed as the spec says."""
+def source_fingerprint(files: Sequence[Dict[str, Any]], saved: Optional[Dict[str, Any]] = None) -> str:
+    """Fingerprint (hex16) of ``source.files`` entries, or of ``source.saved`` (a checkpoint
+    saved from training), computed as the spec says."""
+    if saved is not None:
+        step = "" if saved.get("step") is None else str(saved["step"])
+        return hex16(xxh3_64(f"saved\0{saved['id']}\0{step}\n".encode("utf-8")))
     canonical = "".join(
         f"{f['name']}\0{f['size']}\0{f['header_xxh3']}\0{f['sample_xxh3']}\n"
         for f in sorted(files, key=lambda f: f["name"].encode("utf-8"))
@@ -612,7 +616,17 @@ def _parse_source(F: _Fields, source: Any, where: str) -> Dict[str, Any]:
             }
         )
     fp = hex16(F.hex16(F.member(source, "fingerprint", where), f"{where}.fingerprint"))
-    return {"files": parsed, "fingerprint": fp}
+    result = {"files": parsed, "fingerprint": fp}
+    if "saved" in source:  # a checkpoint saved from training: no files
+        saved = F.obj(source["saved"], f"{where}.saved")
+        sid = hex16(F.hex16(F.member(saved, "id", f"{where}.saved"), f"{where}.saved.id"))
+        step = F.member(saved, "step", f"{where}.saved")
+        if step is not None:
+            step = F.u64(step, f"{where}.saved.step")
+        if parsed:
+            _fail(F.path, f"{where}.files", f"{len(parsed)} entries", "none for a saved source")
+        result["saved"] = {"id": sid, "step": step}
+    return result
 
 
 # ---------------------------------------------------------------------------------------
@@ -867,10 +881,10 @@ class RankFile:
         header, tensors = parse_header(header_raw, p, path)
         if verify:
             src = header["source"]
-            computed = source_fingerprint(src["files"])
+            computed = source_fingerprint(src["files"], src.get("saved"))
             if computed != src["fingerprint"]:
                 _fail(path, "source.fingerprint", src["fingerprint"],
-                      f"{computed} (computed from source.files)")
+                      f"{computed} (computed from source.{'saved' if 'saved' in src else 'files'})")
             for t in tensors:
                 combined = combine_chunk_checksums(t.chunk_xxh3)
                 if combined != t.xxh3:
@@ -1065,9 +1079,10 @@ def read_manifest(out: Union[str, os.PathLike]) -> Dict[str, Any]:
         complete = F.boolean(F.member(l, "complete", w), f"{w}.complete")
         if complete != (len(ranks) == ws):
             _fail(path, f"{w}.complete", complete, f"{len(ranks) == ws} ({len(ranks)} of {ws} ranks)")
-    if source_fingerprint(source["files"]) != source["fingerprint"]:
+    if source_fingerprint(source["files"], source.get("saved")) != source["fingerprint"]:
         _fail(path, "source.fingerprint", source["fingerprint"],
-              f"{source_fingerprint(source['files'])} (computed from source.files)")
+              f"{source_fingerprint(source['files'], source.get('saved'))} (computed from "
+              f"source.{'saved' if 'saved' in source else 'files'})")
     return m
 
 

@@ -26,6 +26,14 @@ bandwidth, peak host RSS, peak CUDA memory). ``--json-out DIR`` writes ``rank-<r
 ``from_pretrained(SRC)`` (every parameter bit for bit; greedy generation) and raise on any
 difference. ``--dry-baseline`` stops before the load: its peak RSS is the baseline of a run.
 
+Checkpoints: ``--save-dir DIR --save-every N`` saves model and optimizer with
+``reshard.save`` every N steps (and after the last step) into ``DIR/step-<8 digits>/``, with
+each rank's data-order and RNG state in ``trainer/rank-<5 digits>.json``. ``--resume DIR``
+(a save directory: its complete checkpoint of the highest step; or one checkpoint)
+continues from there with the same data order,
+step count and RNG state: the losses are those of an uninterrupted run. ``--steps`` counts
+all steps, including those before the checkpoint.
+
 CPU (gloo) when there is no GPU, CUDA (NCCL) otherwise. Only FSDP2 layouts are supported.
 """
 
@@ -194,6 +202,12 @@ class Batches:
             raise ValueError(f"the data has {stream.numel()} tokens; --seq-len {seq_len} needs more")
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def get_state(self) -> str:
+        return bytes(self.gen.get_state().tolist()).hex()
+
+    def set_state(self, state: str) -> None:
+        self.gen.set_state(torch.tensor(list(bytes.fromhex(state)), dtype=torch.uint8))
 
     def next(self) -> torch.Tensor:
         starts = torch.randint(0, self.stream.numel() - self.seq_len, (self.batch_size,), generator=self.gen)
@@ -380,7 +394,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of --check-generate")
     ap.add_argument("--dry-baseline", action="store_true",
                     help="build, shard and to_empty, then report RSS and stop (no load, no training)")
+    ap.add_argument("--save-dir", default=None,
+                    help="save model and optimizer with reshard.save into DIR/step-NNNNNNNN/")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="save every N steps (0: only after the last step) when --save-dir is given")
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue from a checkpoint: a --save-dir (its complete step-* of the highest step) or one checkpoint")
     args = ap.parse_args(argv)
+    if args.save_every < 0:
+        ap.error("--save-every must be at least 0")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         least = 0 if name == "steps" else 1
         if getattr(args, name) < least:
@@ -482,6 +504,67 @@ def mixed_precision_policy(enabled: bool, device: torch.device, log) -> Optional
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------
+
+def _rng_hex(state: torch.Tensor) -> str:
+    return bytes(state.tolist()).hex()
+
+
+def _rng_tensor(text: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory (holding reshard.json) from --resume: the directory itself, or
+    the complete step-* directory of the highest step in a --save-dir. A save that did not
+    finish has no reshard.json (rank 0 writes it last), so it is never picked."""
+    if os.path.exists(os.path.join(path, "reshard.json")):
+        return path
+    steps = []
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if name.startswith("step-") and name[5:].isdigit() and \
+                    os.path.exists(os.path.join(path, name, "reshard.json")):
+                steps.append((int(name[5:]), name))
+    if not steps:
+        raise SystemExit(f"--resume {path}: neither a checkpoint (reshard.json) nor a --save-dir "
+                         "holding a complete step-* checkpoint")
+    return os.path.join(path, max(steps)[1])
+
+
+def save_checkpoint(args, model, opt, batches: "Batches", step: int, rank: int, source: str,
+                    log0) -> str:
+    """Collective. Writes DIR/step-<step>/: each rank's trainer state first, then
+    reshard.save, whose manifest (written last, by rank 0) is the commit point."""
+    import reshard
+
+    name = f"step-{step:08d}"
+    ckpt = os.path.join(args.save_dir, name)
+    tdir = os.path.join(ckpt, "trainer")
+    os.makedirs(tdir, exist_ok=True)
+    state = {"step": step, "batches": batches.get_state(), "torch_rng": _rng_hex(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng"] = _rng_hex(torch.cuda.get_rng_state())
+    tmp = os.path.join(tdir, f".rank-{rank:05d}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(tdir, f"rank-{rank:05d}.json"))
+    fd = os.open(tdir, os.O_RDONLY)  # the rename is durable before the manifest commits it
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t0 = time.perf_counter()
+    report = reshard.save(model, ckpt, optimizer=opt, step=step, source=source)
+    log0(f"save: step {step} -> {ckpt} (rank 0 wrote {report.bytes / 1e6:.2f} MB in "
+         f"{time.perf_counter() - t0:.3f} s)")
+    return ckpt
+
+
 def run(args: argparse.Namespace) -> Dict[str, object]:
     import reshard
     from torch.distributed.device_mesh import init_device_mesh
@@ -497,10 +580,12 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     torch.manual_seed(args.seed)
     mesh = init_device_mesh(device.type, (world,))
     mp = mixed_precision_policy(args.bf16, device, log0)
+    resume = resolve_checkpoint(args.resume) if args.resume else None
+    weights = resume or args.out  # where the model is loaded from
     if args.param_dtype == "checkpoint":
-        model = reshard.empty_model(args.out)
+        model = reshard.empty_model(weights)
     else:
-        model = reshard.empty_model(args.out, dtype=_DTYPES[args.param_dtype])
+        model = reshard.empty_model(weights, dtype=_DTYPES[args.param_dtype])
     cls = reference_class(model)
     require_causal_lm(cls, args.out)
     if args.fsdp1:
@@ -533,7 +618,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     # --- load this rank's shard ---
     dist.barrier()
-    report = reshard.load(model, args.out, threads=args.threads)
+    report = reshard.load(model, weights, threads=args.threads)
     peak_after = peak_rss_bytes()
     result["rss"]["peak_after_load"] = peak_after
     if device.type == "cuda":
@@ -545,7 +630,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                       "seconds": report.seconds, "gbps": report.gbps, "tensors": report.tensors,
                       "converted_tensors": report.converted_tensors, "direct_io": report.direct_io,
                       "staging_bytes": report.staging_bytes, "threads": report.threads}
-    log0(f"load: rank 0 read {report.bytes / 1e6:.2f} MB from {os.path.relpath(report.file, args.out)} "
+    log0(f"load: rank 0 read {report.bytes / 1e6:.2f} MB from {os.path.relpath(report.file, weights)} "
          f"in {report.seconds:.3f} s ({report.gbps:.2f} GB/s), {report.converted_tensors} tensor(s) "
          f"converted to {live_dtype}")
 
@@ -570,12 +655,29 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     # --- training ---
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    start_step = 0
+    if resume:
+        reshard.load_optimizer(opt, model, resume)
+        tpath = os.path.join(resume, "trainer", f"rank-{rank:05d}.json")
+        if not os.path.exists(tpath):
+            raise SystemExit(f"--resume: {tpath} is missing (a checkpoint of another world size, "
+                             "or not written by reshard.train)")
+        with open(tpath) as f:
+            tstate = json.load(f)
+        start_step = int(tstate["step"])
+        batches.set_state(tstate["batches"])
+        torch.set_rng_state(_rng_tensor(tstate["torch_rng"]))
+        if "cuda_rng" in tstate and device.type == "cuda":
+            torch.cuda.set_rng_state(_rng_tensor(tstate["cuda_rng"]))
+        log0(f"resume: {resume} at step {start_step}")
+    result["first_step"] = start_step + 1
+    result["checkpoints"] = []
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     losses: List[float] = []
     grad_norms: List[float] = []
     step_times: List[float] = []
     model.train()
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
         for g in opt.param_groups:
             g["lr"] = lr
@@ -613,6 +715,10 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             gn = f" grad_norm {grad_norms[-1]:.3f}" if grad_norms else ""
             log0(f"step {step + 1}/{args.steps} loss {step_loss:.4f} lr {lr:.2e}{gn} "
                  f"tokens/s {tokens_per_step / dt:.0f} ({dt:.2f} s)")
+        if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
+                              or step + 1 == args.steps):
+            result["checkpoints"].append(save_checkpoint(args, model, opt, batches, step + 1, rank,
+                                                         weights, log0))
 
     train_s = sum(step_times)
     result.update({
@@ -628,7 +734,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     cuda = (f", peak CUDA {result['cuda_peak_bytes'] / 2**20:.0f} MiB" if "cuda_peak_bytes" in result else "")
     loss_txt = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
     line = (f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
-            f"{os.path.relpath(report.file, args.out)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
+            f"{os.path.relpath(report.file, weights)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
             f"peak RSS {peak_after / 2**20:.0f} MiB after load (RSS before load {rss_before / 2**20:.0f} MiB), "
             f"{result['rss']['peak_final'] / 2**20:.0f} MiB at the end{cuda}{loss_txt}, "
             f"{result['tokens_per_s']:.0f} tokens/s")
@@ -657,4 +763,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on
+    # CPU/gloo a run now and then aborts in a C++ destructor at exit ("terminate called without
+    # an active exception") after all work, output and the process-group teardown are done; seen
+    # more often since checkpoints use object collectives (broadcast_object_list).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -98,7 +98,12 @@ json SourceToJson(const SourceFingerprint& s) {
     files.push_back({{"name", f.name}, {"size", f.size}, {"header_xxh3", Hex16(f.header_xxh3)},
                      {"sample_xxh3", Hex16(f.sample_xxh3)}});
   }
-  return {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
+  json j = {{"files", files}, {"fingerprint", Hex16(s.fingerprint)}};
+  if (s.saved) {
+    j["saved"] = {{"id", Hex16(s.saved->id)},
+                  {"step", s.saved->step ? json(*s.saved->step) : json(nullptr)}};
+  }
+  return j;
 }
 
 SourceFingerprint SourceFromJson(const json& j, const std::string& path) {
@@ -112,11 +117,26 @@ SourceFingerprint SourceFromJson(const json& j, const std::string& path) {
                      GetHex16(Member(jf[i], "header_xxh3", path, f), path, f + ".header_xxh3"),
                      GetHex16(Member(jf[i], "sample_xxh3", path, f), path, f + ".sample_xxh3")});
   }
-  SourceFingerprint s = SourceFingerprint::FromFiles(files);
+  SourceFingerprint s;
+  if (j.contains("saved")) {
+    const json& js = GetObject(j["saved"], path, "source.saved");
+    SavedSource saved;
+    saved.id = GetHex16(Member(js, "id", path, "source.saved"), path, "source.saved.id");
+    const json& step = Member(js, "step", path, "source.saved");
+    if (!step.is_null()) saved.step = GetU64(step, path, "source.saved.step");
+    if (!files.empty()) {
+      FailField(path, "source.files", std::to_string(files.size()) + " entries",
+                "none for a saved source (source.saved)");
+    }
+    s = SourceFingerprint::FromSaved(saved);
+  } else {
+    s = SourceFingerprint::FromFiles(files);
+  }
   const uint64_t fp = GetHex16(Member(j, "fingerprint", path, "source"), path, "source.fingerprint");
   if (fp != s.fingerprint) {
     FailField(path, "source.fingerprint", Hex16(fp),
-              Hex16(s.fingerprint) + " (computed from source.files)");
+              Hex16(s.fingerprint) +
+                  (s.saved ? " (computed from source.saved)" : " (computed from source.files)"));
   }
   return s;
 }

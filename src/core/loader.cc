@@ -47,6 +47,10 @@ struct Item {
 
 }  // namespace
 
+void DeviceCopier::CopyToHostAsync(int, int, void*, const void*, size_t) {
+  Fail(ErrorCode::kUnsupported, "this device copier copies host to device only");
+}
+
 double PageCacheResidency(const std::string& path) {
   File f = File::OpenRead(path);
   const uint64_t size = f.Size();

@@ -73,6 +73,13 @@ class CudaCopier final : public DeviceCopier {
     l.slots[slot].pending = true;
   }
 
+  void CopyToHostAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
+    Lane& l = lanes_.at(lane);
+    Check(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, l.stream), "cudaMemcpyAsync");
+    Check(cudaEventRecord(l.slots.at(slot).event, l.stream), "cudaEventRecord");
+    l.slots[slot].pending = true;
+  }
+
   void WaitSlot(int lane, int slot) override {
     Slot& s = lanes_.at(lane).slots.at(slot);
     if (s.pending) {

@@ -4,8 +4,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <mutex>
 #include <tuple>
 
@@ -13,6 +16,7 @@
 #include "reshard/loader.h"
 #include "reshard/rank_file.h"
 #include "reshard/rank_file_format.h"
+#include "reshard/rank_writer.h"
 #include "reshard/version.h"
 #ifdef RESHARD_HAVE_CUDA
 #include "reshard/cuda_copier.h"
@@ -142,4 +146,96 @@ PYBIND11_MODULE(_C, m) {
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = 2,
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
+
+  // ---- save: one rank file of a live model (formats/rank-file.md, source.saved) ----------
+  using SaveTensor = std::tuple<std::string, std::string, std::vector<uint64_t>, bool, uint64_t,
+                                uint64_t, uintptr_t, uint64_t, bool>;
+  m.def(
+      "save",
+      [](const std::string& path, const std::string& layout_key, uint32_t world_size,
+         uint32_t rank, uint64_t save_id, std::optional<uint64_t> step,
+         const std::vector<SaveTensor>& tensors, uint64_t chunk_size, int device,
+         uint64_t staging_bytes, bool verify, double pause_seconds) {
+        reshard::RankFileHeader h;
+        h.layout_key = layout_key;
+        h.world_size = world_size;
+        h.rank = rank;
+        h.source = reshard::SourceFingerprint::FromSaved({save_id, step});
+        h.chunk_size = chunk_size;
+        std::vector<reshard::SaveSource> sources;
+        bool any_device = false;
+        for (const auto& [name, dtype, shape, sharded, start, end, ptr, nbytes, on_device] :
+             tensors) {
+          auto d = reshard::ParseDType(dtype);
+          if (!d) {
+            throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                                 "tensor \"" + name + "\": unknown dtype " + dtype);
+          }
+          reshard::TensorEntry e;
+          e.name = name;
+          e.dtype = *d;
+          e.global_shape = shape;
+          e.local_shape = shape;
+          e.sharded = sharded;
+          if (sharded) {
+            e.rows = {start, end};
+            if (!shape.empty()) e.local_shape[0] = end - start;
+          }
+          h.tensors.push_back(std::move(e));
+          sources.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, on_device});
+          any_device |= on_device && nbytes > 0;
+        }
+        reshard::SaveOptions o;
+        o.staging_bytes = staging_bytes;
+        o.verify_data = verify;
+        if (pause_seconds > 0) {  // test hook: a save that can be interrupted between tensors
+          o.before_tensor = [pause_seconds](size_t) {
+            std::this_thread::sleep_for(std::chrono::duration<double>(pause_seconds));
+          };
+        }
+        reshard::SaveReport r;
+        {
+          py::gil_scoped_release release;
+          reshard::DeviceCopier* copier = nullptr;
+          if (any_device) {
+#ifdef RESHARD_HAVE_CUDA
+            copier = CachedCopier(device, 1, 2);
+#else
+            throw reshard::Error(reshard::ErrorCode::kUnsupported,
+                                 "this reshard build has no CUDA support; rebuild with a CUDA "
+                                 "toolkit to save from a GPU");
+#endif
+          }
+          r = reshard::SaveRankFile(path, std::move(h), sources, copier, o);
+        }
+        py::dict d;
+        d["bytes"] = r.bytes;
+        d["file_size"] = r.file_size;
+        d["header_xxh3"] = r.header_xxh3;
+        d["staging_bytes"] = r.staging_bytes;
+        d["seconds"] = r.seconds;
+        return d;
+      },
+      py::arg("path"), py::arg("layout_key"), py::arg("world_size"), py::arg("rank"),
+      py::arg("save_id"), py::arg("step"), py::arg("tensors"),
+      py::arg("chunk_size") = reshard::kDefaultChunkSize, py::arg("device") = 0,
+      py::arg("staging_bytes") = 32ull << 20, py::arg("verify") = false,
+      py::arg("pause_seconds") = 0.0,
+      "Writes one rank file atomically from raw sources: tensors are (name, dtype, "
+      "global_shape, sharded, row_start, row_end, pointer, nbytes, on_device) tuples.");
+
+  m.def(
+      "write_saved_manifest",
+      [](const std::string& out, uint32_t world_size, uint64_t save_id,
+         std::optional<uint64_t> step, const std::vector<std::string>& aux_files) {
+        py::gil_scoped_release release;
+        reshard::LayoutSpec spec{reshard::LayoutKind::kFsdp2, world_size, "keep"};
+        return reshard::WriteSavedManifest(out, spec,
+                                           reshard::SourceFingerprint::FromSaved({save_id, step}),
+                                           aux_files)
+            .key;
+      },
+      py::arg("out"), py::arg("world_size"), py::arg("save_id"), py::arg("step"),
+      py::arg("aux_files"),
+      "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json.");
 }
