@@ -282,14 +282,14 @@ class ReshardLoad:
     def __init__(self, spec, device):
         import torch
         from reshard import _C
-        from reshard.api import _DTYPES
+        from reshard.format import torch_dtype
 
         self.torch, self._C, self.spec, self.device = torch, _C, spec, device
         self.files = [spec["rank_file"]]
         header = json.loads(_C.read_header(spec["rank_file"]))  # shapes for the targets
         self.tensors = {}
         for e in header["tensors"]:
-            self.tensors[e["name"]] = torch.empty(e["local_shape"], dtype=_DTYPES[e["dtype"]],
+            self.tensors[e["name"]] = torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]),
                                                   device=device)
         self.targets = [(n, t.data_ptr(), t.numel() * t.element_size(), device.type == "cuda")
                         for n, t in self.tensors.items()]
