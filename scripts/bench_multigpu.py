@@ -75,7 +75,8 @@ plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loadin
                                         state_dict_type="SHARDED_STATE_DICT")
 acc = Accelerator(fsdp_plugin=plugin)
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-model = acc.prepare(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # FSDP2 prepare wants model and optimizer
+model, opt = acc.prepare(model, opt)
 torch.cuda.synchronize()
 dist.barrier()
 wall = time.perf_counter() - t0
@@ -147,7 +148,8 @@ def main():
     ap.add_argument("--workdir", default=str(REPO / ".work" / "bench-multigpu"))
     ap.add_argument("--outdir", default=os.environ.get("OUT") or None)
     ap.add_argument("--build-dir", default=str(REPO / "build"))
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--check-weights", action="store_true", help="also run FSDP2 with --check-weights")
     ap.add_argument("--skip", default="", help="comma list of: fsdp1,accelerate,dcp")
     ap.add_argument("--cpu-smoke", action="store_true")
@@ -193,7 +195,7 @@ def main():
     log(f"ceiling: {n} rank files ({total / 1e9:.2f} GB) read at once, cold: {agg:.2f} s ({total / agg / 1e9:.2f} GB/s)")
 
     torchrun = Path(sys.executable).parent / "torchrun"
-    common = ["--steps", args.steps, "--param-dtype", "checkpoint", "--seq-len", 256 if gpu else 32,
+    common = ["--steps", args.steps, "--lr", args.lr, "--param-dtype", "checkpoint", "--seq-len", 256 if gpu else 32,
               "--batch-size", 2, "--log-every", 1, "--device", "cuda" if gpu else "cpu"]
     runs = [("reshard-fsdp2", [])] + ([] if "fsdp1" in skip else [("reshard-fsdp1", ["--fsdp1"])])
     if args.check_weights:

@@ -566,18 +566,24 @@ def fsdp1_param_init_fn(device):
     `device` while keeping tied parameters tied: FSDP1 materialises module by module, and
     to_empty would give `lm_head` and `embed_tokens` separate tensors. Values come from
     reshard.load afterwards."""
+    import weakref
+
     device = torch.device(device)
-    memo: Dict[int, Tuple[nn.Parameter, nn.Parameter]] = {}
+    # id(meta parameter) -> (the meta parameter, kept alive so that its id stays unique; a weak
+    # reference to its materialised parameter: FSDP frees it once flattened, and a strong one
+    # here would keep every unit's unsharded parameters alive).
+    memo: Dict[int, Tuple[nn.Parameter, "weakref.ref"]] = {}
 
     def init(module: nn.Module) -> nn.Module:
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
                 continue
             hit = memo.get(id(p))
-            if hit is None:
+            new = hit[1]() if hit is not None else None
+            if new is None:
                 new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                memo[id(p)] = hit = (p, new)  # keep the meta tensor alive: its id stays unique
-            module._parameters[name] = hit[1]
+                memo[id(p)] = (p, weakref.ref(new))
+            module._parameters[name] = new
         for name, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)

@@ -369,13 +369,13 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
             kwargs = dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
                           verify=verify, pause_seconds=pause)
             r = _C.save(path, key, world, coord, save_id, step, entries, **kwargs)
-            for k in report:
-                report[k] += r[k]
+            for k in report:  # staging is reused: the peak, not a sum
+                report[k] = max(report[k], r[k]) if k == "staging_bytes" else report[k] + r[k]
             if optimizer is not None:
                 opt_path = os.path.join(out, key, OPTIM_DIR, name)
                 r = _C.save(opt_path, key, world, coord, save_id, step, opt_entries, **kwargs)
                 for k in report:
-                    report[k] += r[k]
+                    report[k] = max(report[k], r[k]) if k == "staging_bytes" else report[k] + r[k]
         if optimizer is not None and group.rank == 0:
             _write_atomic(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON), json.dumps(meta, indent=1))
         del keep
