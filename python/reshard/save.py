@@ -309,6 +309,16 @@ def _check_optimizer_files(out: str, key: str, world: int, save_id: int, step) -
         raise ReshardError(f"{os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)}: missing")
 
 
+def _refuse_fsdp1(model: nn.Module, what: str) -> None:
+    from .api import _fsdp1_units
+
+    if _fsdp1_units(model):
+        raise ReshardError(
+            f"{what}: FSDP1 (FullyShardedDataParallel) models are not supported yet, only FSDP2 "
+            "(fully_shard) and plain modules; save an FSDP1 job with torch's own sharded "
+            "state_dict, or train with FSDP2")
+
+
 def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None, *,
          source: Optional[str] = None, chunk_size: int = 2 << 20,
          staging_bytes: int = 32 << 20, verify: bool = False) -> SaveReport:
@@ -323,6 +333,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     is in place. OUT must not already hold a reshard.json. Raises ReshardError on every rank
     when any rank fails; then OUT holds no manifest."""
     out = os.path.abspath(out)
+    _refuse_fsdp1(model, "reshard.save")
     world, coord = _shard_coordinate(model)
     writes = _replica_index(model) == 0
     key = f"fsdp2-ws{world}"
@@ -411,6 +422,7 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
 
     from .format import torch_dtype
 
+    _refuse_fsdp1(model, "reshard.load_optimizer")
     world, coord = _shard_coordinate(model)
     key = f"fsdp2-ws{world}"
     odir = os.path.join(out, key, OPTIM_DIR)

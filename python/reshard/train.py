@@ -403,6 +403,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.save_every < 0:
         ap.error("--save-every must be at least 0")
+    if args.fsdp1 and (args.save_dir or args.resume):
+        ap.error("--save-dir/--resume need reshard.save, which supports FSDP2 only so far; "
+                 "drop --fsdp1 or the checkpointing flags")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         least = 0 if name == "steps" else 1
         if getattr(args, name) < least:
