@@ -46,6 +46,13 @@ void SyncDirectory(const std::filesystem::path& dir);
 /// rename, fsync of the directory.
 void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents);
 
+/// This machine's host name with every character but [A-Za-z0-9._] replaced by '_' ("host"
+/// when unknown): part of temporary file names, so that a crashed writer's temporaries can be
+/// told from a live one's on another host sharing the directory.
+std::string SafeHostName();
+/// ".tmp-<host>-<pid>": the suffix of this process's temporary files.
+std::string TempSuffix();
+
 std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size);
 
 /// An exclusive advisory lock (flock) held for the object's lifetime. Waits up to

@@ -220,6 +220,27 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     return model
 
 
+def _move_and_report(model, path, key, world_size, coord, entries, direct, converted,
+                     buffer_targets, needs_fresh, device_index, *, threads, verify, io,
+                     strict_buffers) -> LoadReport:
+    """Moves the bytes (direct targets through the native loader, converted ones and buffers
+    through host batches), restores non-persistent buffers, waits for the device, reports."""
+    n_threads = threads or min(8, os.cpu_count() or 1)
+    dev = device_index or 0
+    result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
+    b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
+    restored = _restore_buffers(model, needs_fresh, strict_buffers)
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    total_bytes, total_seconds = result["bytes"] + b, result["seconds"] + sec
+    return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
+                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
+                      tensors=len(direct) + len(converted) + len(buffer_targets),
+                      staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
+                      threads=result["threads"], converted_tensors=len(converted),
+                      buffers_restored=restored)
+
+
 def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
     """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones are
     restored from a fresh model (their names)."""
@@ -361,24 +382,9 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
         warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
                       f"{', '.join(unexpected[:8])}", stacklevel=2)
 
-    n_threads = threads or min(8, os.cpu_count() or 1)
-    dev = device_index or 0
-    result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
-    total_bytes, total_seconds = result["bytes"], result["seconds"]
-
-    b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
-    total_bytes += b
-    total_seconds += sec
-
-    restored = _restore_buffers(model, needs_fresh, strict_buffers)
-    if device_index is not None:
-        torch.cuda.synchronize(device_index)
-    return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
-                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
-                      tensors=len(direct) + len(converted) + len(buffer_targets),
-                      staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
-                      threads=result["threads"], converted_tensors=len(converted),
-                      buffers_restored=restored)
+    return _move_and_report(model, path, key, world_size, coord, entries, direct, converted,
+                            buffer_targets, needs_fresh, device_index, threads=threads,
+                            verify=verify, io=io, strict_buffers=strict_buffers)
 
 
 # ---- FSDP1 (FullyShardedDataParallel, FlatParameter) -----------------------------------------
@@ -544,20 +550,9 @@ def _load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, stric
     prefix = getattr(model, "base_model_prefix", "") or ""
     used = {_flat_entry_name(u) for u, *_ in lives}
     buffer_targets, needs_fresh = _buffer_targets(model, entries, prefix, path, used)
-    n_threads = threads or min(8, os.cpu_count() or 1)
-    dev = device_index or 0
-    result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
-    b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
-    restored = _restore_buffers(model, needs_fresh, strict_buffers)
-    if device_index is not None:
-        torch.cuda.synchronize(device_index)
-    total_bytes, total_seconds = result["bytes"] + b, result["seconds"] + sec
-    return LoadReport(file=path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
-                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
-                      tensors=len(direct) + len(converted) + len(buffer_targets),
-                      staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
-                      threads=result["threads"], converted_tensors=len(converted),
-                      buffers_restored=restored)
+    return _move_and_report(model, path, key, world_size, coord, entries, direct, converted,
+                            buffer_targets, needs_fresh, device_index, threads=threads,
+                            verify=verify, io=io, strict_buffers=strict_buffers)
 
 
 def fsdp1_param_init_fn(device):

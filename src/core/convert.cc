@@ -78,18 +78,6 @@ class TempFiles {
   std::vector<fs::path> paths_;
 };
 
-std::string HostName() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof buf - 1) != 0) return "host";
-  std::string h(buf);
-  for (char& c : h) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
-  }
-  return h.empty() ? "host" : h;
-}
-
-std::string TempSuffix() { return ".tmp-" + HostName() + "-" + std::to_string(::getpid()); }
-
 bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source,
               const RankPlan& plan) {
   std::error_code ec;
@@ -414,7 +402,7 @@ fs::path FindModelManifest(const ConvertOptions& o) {
 // Removes temporaries left by dead conversions on this host ("...tmp-<host>-<pid>", or the
 // older "...tmp-<pid>"); a live process's, or another host's, are left alone.
 void RemoveStaleTemporaries(const fs::path& dir) {
-  const std::string host = HostName();
+  const std::string host = SafeHostName();
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
     const auto at = name.find(".tmp-");

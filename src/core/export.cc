@@ -300,16 +300,6 @@ std::string ShardName(size_t i, size_t n) {
 
 // ---- the staging directory -------------------------------------------------------------------
 
-std::string HostName() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof buf - 1) != 0) return "host";
-  std::string h(buf);
-  for (char& c : h) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
-  }
-  return h.empty() ? "host" : h;
-}
-
 std::string StagingPrefix(const fs::path& hf_dir) {
   return "." + hf_dir.filename().string() + ".export-tmp-";
 }
@@ -317,7 +307,7 @@ std::string StagingPrefix(const fs::path& hf_dir) {
 // Removes staging directories of exports to `hf_dir` whose process (on this host) is gone.
 void RemoveStaleStaging(const fs::path& hf_dir) {
   const std::string prefix = StagingPrefix(hf_dir);
-  const std::string host = HostName();
+  const std::string host = SafeHostName();
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(hf_dir.parent_path(), ec)) {
     const std::string name = e.path().filename().string();
@@ -714,7 +704,7 @@ ExportResult Export(const ExportOptions& o) {
   fs::create_directories(hf_dir.parent_path(), ec);
   RemoveStaleStaging(hf_dir);
   const fs::path staging =
-      hf_dir.parent_path() / (StagingPrefix(hf_dir) + HostName() + "-" + std::to_string(::getpid()));
+      hf_dir.parent_path() / (StagingPrefix(hf_dir) + SafeHostName() + "-" + std::to_string(::getpid()));
   fs::remove_all(staging, ec);
   if (!fs::create_directory(staging, ec)) {
     Fail(ErrorCode::kIo, staging.string() + ": cannot create the staging directory" +

@@ -1,5 +1,9 @@
 #include "reshard/file_io.h"
 
+#include <unistd.h>
+
+#include <cctype>
+
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -188,5 +192,17 @@ DirectoryLock::~DirectoryLock() {
     ::close(fd_);
   }
 }
+
+std::string SafeHostName() {
+  char buf[256] = {};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "host";
+  std::string h(buf);
+  for (char& c : h) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
+  }
+  return h.empty() ? "host" : h;
+}
+
+std::string TempSuffix() { return ".tmp-" + SafeHostName() + "-" + std::to_string(::getpid()); }
 
 }  // namespace reshard

@@ -86,8 +86,10 @@ std::optional<LayoutKind> ParseLayoutKind(std::string_view name) {
   return std::nullopt;
 }
 
-RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1Plan& units,
-                  uint32_t rank) {
+namespace {
+
+// The checks both PlanRank overloads start with; returns the layout's dtype policy.
+DTypePolicy CheckRankAndPolicy(const LayoutSpec& layout, uint32_t rank) {
   if (layout.world_size == 0 || rank >= layout.world_size) {
     Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
                                           " is outside world size " +
@@ -98,6 +100,14 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
     Fail(ErrorCode::kInvalidArgument,
          "dtype policy \"" + layout.dtype + "\" is not one of keep, bf16, fp16, fp32");
   }
+  return *policy;
+}
+
+}  // namespace
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1Plan& units,
+                  uint32_t rank) {
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
   RankPlan plan;
   plan.rank = rank;
   uint64_t offset = 0;
@@ -106,7 +116,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
     PlannedTensor t;
     t.source_index = &first - ckpt.tensors.data();
     t.name = FlatEntryName(flat->unit);
-    t.dtype = StoredDType(first.dtype, *policy);
+    t.dtype = StoredDType(first.dtype, policy);
     t.source_dtype = t.dtype;  // per parameter inside FillFlatShard
     t.global_shape = {flat->numel};
     t.sharded = true;
@@ -127,7 +137,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
     t.source_index = i;
     t.name = src.name;
     t.source_dtype = src.dtype;
-    t.dtype = StoredDType(src.dtype, *policy);
+    t.dtype = StoredDType(src.dtype, policy);
     t.global_shape = t.local_shape = src.shape;
     t.sharded = false;
     t.source_nbytes = src.nbytes;
@@ -150,16 +160,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
   if (layout.kind != LayoutKind::kFsdp2) {
     Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " needs the model's units");
   }
-  if (layout.world_size == 0 || rank >= layout.world_size) {
-    Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
-                                          " is outside world size " +
-                                          std::to_string(layout.world_size));
-  }
-  const auto policy = ParseDTypePolicy(layout.dtype);
-  if (!policy) {
-    Fail(ErrorCode::kInvalidArgument,
-         "dtype policy \"" + layout.dtype + "\" is not one of keep, bf16, fp16, fp32");
-  }
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
   RankPlan plan;
   plan.rank = rank;
   // File order is source order (file, offset): the converter then reads every source file
@@ -180,7 +181,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
     t.source_index = i;
     t.name = src.name;
     t.source_dtype = src.dtype;
-    t.dtype = StoredDType(src.dtype, *policy);
+    t.dtype = StoredDType(src.dtype, policy);
     t.global_shape = src.shape;
     t.local_shape = src.shape;
     if (src.shape.empty()) {

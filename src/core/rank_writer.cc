@@ -15,6 +15,7 @@
 
 #include "reshard/checksum.h"
 #include "reshard/error.h"
+#include "reshard/file_io.h"
 #include "reshard/rank_file.h"
 #include "reshard/version.h"
 
@@ -24,16 +25,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string HostName() {
-  char buf[256] = {};
-  if (::gethostname(buf, sizeof buf - 1) != 0) return "host";
-  std::string h(buf);
-  for (char& c : h) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_')) c = '_';
-  }
-  return h.empty() ? "host" : h;
-}
-
 struct StateFree {
   void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
 };
@@ -41,7 +32,7 @@ struct StateFree {
 }  // namespace
 
 std::string RankFileTempSuffix() {
-  return ".tmp-" + HostName() + "-" + std::to_string(::getpid());
+  return TempSuffix();
 }
 
 struct RankFileWriter::Progress {
