@@ -71,6 +71,11 @@ json LayoutJson(const fs::path& dir, uint32_t world_size_hint) {
   uint32_t ws = world_size_hint;
   std::string key = dir.filename().string();
   std::vector<fs::path> files;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    Fail(ErrorCode::kNotFound, dir.string() + ": layout directory " + key +
+                                   " (listed in the manifest) is missing");
+  }
   for (const auto& e : fs::directory_iterator(dir)) {
     const auto n = e.path().filename().string();
     if (n.starts_with("rank-") && n.ends_with(".reshard")) files.push_back(e.path());

@@ -435,3 +435,12 @@ def test_reader_rejects_damaged_files(out_ws3, tmp_path):
         rf.RankFile.open(p)
     with pytest.raises(KeyError):
         f.read_tensor("no.such.tensor")
+
+
+def test_inspect_names_a_missing_layout_directory(checkpoint, cli, tmp_path):
+    src = checkpoint("llama", "bf16", False)
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--world-size", 2, rc=0)
+    (out / "fsdp2-ws2").rename(tmp_path / "moved")
+    r = cli("inspect", out, rc=3)
+    assert "fsdp2-ws2" in r.err and "missing" in r.err and "filesystem error" not in r.err, r
