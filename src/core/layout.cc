@@ -121,7 +121,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
     t.global_shape = {flat->numel};
     t.sharded = true;
     const uint64_t c = CeilDiv(flat->numel, layout.world_size);
-    t.rows = {std::min(flat->numel, rank * c), std::min(flat->numel, (rank + 1) * c)};
+    t.rows = ChunkRows(flat->numel, layout.world_size, rank);  // the rest of the c is zeros
     t.local_shape = {c};
     t.nbytes = CheckedMul(c, Info(t.dtype).bits / 8, "unit \"" + flat->unit + "\"");
     t.source_nbytes = t.nbytes;

@@ -362,12 +362,11 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
                       ") of shape " + ShapeText(t.global_shape),
                   "0 <= start <= end <= global_shape[0]");
       }
-      RowRange rule = ChunkRows(t.global_shape[0], h.world_size, h.rank);
+      // FSDP2 rows of dim 0 and FSDP1 elements of the flat parameter follow one chunk rule.
+      const RowRange rule = ChunkRows(t.global_shape[0], h.world_size, h.rank);
       if (h.kind == LayoutKind::kFsdp1) {
         if (!is_flat) FailField(path, f + ".flat", "none", "the flat parameter's layout");
         t.flat = ParseFlat(e["flat"], t, h, path, f);
-        const uint64_t c = CeilDiv(t.global_shape[0], h.world_size);
-        rule = {std::min(t.global_shape[0], h.rank * c), std::min(t.global_shape[0], (h.rank + 1) * c)};
       }
       if (rule != t.rows) {
         FailField(path, f + ".shard",
