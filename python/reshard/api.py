@@ -220,6 +220,18 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     return model
 
 
+def _target_device(t: torch.Tensor, what: str, device_index: Optional[int]) -> Tuple[bool, Optional[int]]:
+    """(on CUDA?, the rank's CUDA device index so far): one CUDA device per rank, or CPU."""
+    if t.device.type == "cuda":
+        if device_index is not None and device_index != t.device.index:
+            raise ReshardError(f"{what}: tensors on several CUDA devices; reshard.load expects one "
+                               "device per rank")
+        return True, t.device.index
+    if t.device.type != "cpu":
+        raise ReshardError(f"{what} is on {t.device}; reshard loads onto CUDA or CPU")
+    return False, device_index
+
+
 def _move_and_report(model, path, key, world_size, coord, entries, direct, converted,
                      buffer_targets, needs_fresh, device_index, *, threads, verify, io,
                      strict_buffers) -> LoadReport:
@@ -348,13 +360,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             file_dtype = torch_dtype(e["dtype"])
         except ValueError:
             raise ReshardError(f"parameter {name}: file dtype {e['dtype']} has no torch dtype") from None
-        on_device = local.device.type == "cuda"
-        if on_device:
-            if device_index is not None and device_index != local.device.index:
-                raise ReshardError("parameters on several CUDA devices; reshard.load expects one device per rank")
-            device_index = local.device.index
-        elif local.device.type != "cpu":
-            raise ReshardError(f"parameter {name} is on {local.device}; reshard loads onto CUDA or CPU")
+        on_device, device_index = _target_device(local, f"parameter {name}", device_index)
         if e["nbytes"] == 0:
             continue
         if local.dtype == file_dtype:
@@ -534,15 +540,8 @@ def _load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, stric
             target = fp.data
         if target.device.type == "meta":
             raise ReshardError(f"unit {u or '(root)'}: the FlatParameter is on the meta device; "
-                               "build FSDP with param_init_fn (e.g. lambda m: m.to_empty(device=..., "
-                               "recurse=False)) or device_id")
-        on_device = target.device.type == "cuda"
-        if on_device:
-            if device_index is not None and device_index != target.device.index:
-                raise ReshardError("FlatParameters on several CUDA devices; one device per rank expected")
-            device_index = target.device.index
-        elif target.device.type != "cpu":
-            raise ReshardError(f"unit {u or '(root)'} is on {target.device}; reshard loads onto CUDA or CPU")
+                               "build FSDP with param_init_fn=reshard.fsdp1_param_init_fn(device)")
+        on_device, device_index = _target_device(target, f"unit {u or '(root)'}", device_index)
         if torch_dtype(e["dtype"]) == target.dtype:
             direct.append((e["name"], target.data_ptr(), e["nbytes"], on_device))
         else:

@@ -269,9 +269,10 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
     for name, b in ((_clean_name(n), b) for n, b in model.named_buffers()):
         # FSDP1's MixedPrecision(buffer_dtype=...) (accelerate sets it) casts buffers at
         # construction, as it would from_pretrained's: compare in the live dtype.
-        want = ref_buffers[name].to(b.dtype) if name in ref_buffers else None
-        if want is None or (b.dtype != want.dtype and not fsdp1) or \
-                not torch.equal(bits(b.detach().cpu()), bits(want)):
+        want = ref_buffers.get(name)
+        if want is not None and fsdp1:
+            want = want.to(b.dtype)
+        if want is None or b.dtype != want.dtype or not torch.equal(bits(b.detach().cpu()), bits(want)):
             bad.append(f"buffer {name}")
     # (FSDP1 keeps ties inside its FlatParameter; reshard.load checked the shared entries.)
     if not fsdp1 and getattr(model.config, "tie_word_embeddings", False) and \
