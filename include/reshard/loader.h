@@ -24,6 +24,10 @@ class DeviceCopier {
   virtual ~DeviceCopier() = default;
   /// Pinned host buffer for (lane, slot) of at least `bytes`, valid until the copier dies.
   virtual void* Staging(int lane, int slot, size_t bytes) = 0;
+  /// Makes sure every (lane, slot) has at least `bytes` of staging, allocating now rather
+  /// than on a lane's first Staging call; returns the seconds spent allocating (0 when the
+  /// staging was already there). Thread-safe. The default does nothing.
+  virtual double Reserve(size_t bytes);
   /// Enqueues an asynchronous copy of `n` bytes from the staging buffer (lane, slot) to `dst`.
   virtual void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) = 0;
   /// Enqueues an asynchronous copy of `n` bytes from device memory `src` into the staging
@@ -64,6 +68,7 @@ struct LoadReport {
   uint64_t tensors = 0;
   double seconds = 0;
   uint64_t staging_bytes = 0;  // pinned staging allocated
+  double staging_alloc_seconds = 0;  // of `seconds`: allocating staging (0 when it was reused)
   unsigned threads = 0;
   bool direct_io = false;
   bool readahead = false;

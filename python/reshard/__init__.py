@@ -1,5 +1,6 @@
 """reshard: load pre-sharded FSDP checkpoints straight into an already-sharded model.
 
+    torch.cuda.set_device(local_rank); reshard.prepare()   # optional: copy engine set up early
     model = reshard.empty_model(OUT)          # meta-device Hugging Face model, buffers real
     for layer in model.model.layers: fully_shard(layer)
     fully_shard(model)
@@ -12,7 +13,8 @@ OUT is what `reshard convert SRC -o OUT --world-size N` wrote, or what
 """
 
 from ._C import ReshardError, build_info  # noqa: F401
-from .api import LoadReport, empty_model, find_rank_file, fsdp1_param_init_fn, load  # noqa: F401
+from .api import (LoadReport, empty_model, find_rank_file, fsdp1_param_init_fn, load,  # noqa: F401
+                  prepare)
 from .save import SaveReport, load_optimizer, save  # noqa: F401
 
 __version__ = build_info()["version"]

@@ -20,6 +20,52 @@ from .format import torch_dtype
 _CONVERT_BATCH_BYTES = 64 << 20
 
 
+def _default_threads() -> int:
+    """Reader threads of a load (and lanes of its CUDA copier) when the caller names none."""
+    return min(8, os.cpu_count() or 1)
+
+
+_atexit_registered = False
+
+
+def prepare(device=None, threads: Optional[int] = None, *, wait: bool = False) -> bool:
+    """Starts making the CUDA copy engine of this process (streams and pinned staging) on a
+    background thread, so that the first reshard.load finds it ready instead of paying its
+    one-time set-up (tens of ms, BENCHMARKS.md). Call it early, e.g. right after choosing the
+    rank's GPU and before building the model; reshard.empty_model and
+    reshard.fsdp1_param_init_fn call it for you when CUDA is initialised. `threads` must be
+    what reshard.load will use (default: the same default). A load that comes before the
+    set-up has finished waits for it. Returns False (and does nothing) without CUDA or with
+    RESHARD_PREPARE=0; with `wait`, returns once the set-up is done."""
+    global _atexit_registered
+    if os.environ.get("RESHARD_PREPARE", "1") == "0" or not torch.cuda.is_available():
+        return False
+    if not _C.build_info()["cuda"]:
+        return False
+    if device is None:
+        device = torch.cuda.current_device()
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _atexit_registered:  # no set-up thread may still run while the process exits
+        import atexit
+
+        atexit.register(_C.wait_prepared)
+        _atexit_registered = True
+    _C.prepare(index, threads or _default_threads(), wait=wait)
+    return True
+
+
+def _prepare_quietly(device=None) -> None:
+    """prepare() where CUDA is already initialised (never creates a context on its own)."""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            prepare(device)
+    except Exception:  # noqa: BLE001 - an optimisation only: the load does the set-up itself
+        pass
+
+
 @dataclasses.dataclass
 class LoadReport:
     file: str
@@ -35,6 +81,7 @@ class LoadReport:
     threads: int
     converted_tensors: int
     buffers_restored: List[str]
+    staging_alloc_seconds: float = 0.0  # of `seconds`: pinned staging made by this load (0: reused/prepared)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -217,6 +264,7 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     model._reshard_buffers = _non_persistent_buffers(model)
+    _prepare_quietly()  # the copy engine's set-up overlaps fully_shard / to_empty
     return model
 
 
@@ -237,7 +285,7 @@ def _move_and_report(model, path, key, world_size, coord, entries, direct, conve
                      strict_buffers) -> LoadReport:
     """Moves the bytes (direct targets through the native loader, converted ones and buffers
     through host batches), restores non-persistent buffers, waits for the device, reports."""
-    n_threads = threads or min(8, os.cpu_count() or 1)
+    n_threads = threads or _default_threads()
     dev = device_index or 0
     result = _C.load(path, direct, device=dev, threads=n_threads, verify=verify, io=io)
     b, sec = _load_via_host(path, entries, converted + buffer_targets, dev, n_threads, verify)
@@ -250,7 +298,8 @@ def _move_and_report(model, path, key, world_size, coord, entries, direct, conve
                       tensors=len(direct) + len(converted) + len(buffer_targets),
                       staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
                       threads=result["threads"], converted_tensors=len(converted),
-                      buffers_restored=restored)
+                      buffers_restored=restored,
+                      staging_alloc_seconds=result.get("staging_alloc_seconds", 0.0))
 
 
 def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
@@ -563,6 +612,8 @@ def fsdp1_param_init_fn(device):
     import weakref
 
     device = torch.device(device)
+    if device.type == "cuda":
+        _prepare_quietly(device)
     # id(meta parameter) -> (the meta parameter, kept alive so that its id stays unique; a weak
     # reference to its materialised parameter: FSDP frees it once flattened, and a strong one
     # here would keep every unit's unsharded parameters alive).

@@ -47,6 +47,8 @@ struct Item {
 
 }  // namespace
 
+double DeviceCopier::Reserve(size_t) { return 0; }
+
 void DeviceCopier::CopyToHostAsync(int, int, void*, const void*, size_t) {
   Fail(ErrorCode::kUnsupported, "this device copier copies host to device only");
 }
@@ -155,7 +157,12 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   for (const auto& j : jobs) {
     stage_bytes = std::max(stage_bytes, std::min(cs, AlignUp(j.entry->nbytes, kDataAlignment)));
   }
-  if (any_device) report.staging_bytes = uint64_t{threads} * slots * stage_bytes;
+  if (any_device) {
+    report.staging_bytes = uint64_t{threads} * slots * stage_bytes;
+    // Before the workers start: one allocation for every lane (a cached copier that has it
+    // already, e.g. from reshard.prepare or an earlier load, returns at once).
+    report.staging_alloc_seconds = copier->Reserve(stage_bytes);
+  }
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};

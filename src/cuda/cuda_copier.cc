@@ -1,8 +1,14 @@
 #include "reshard/cuda_copier.h"
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "reshard/error.h"
@@ -17,6 +23,88 @@ void Check(cudaError_t err, const char* what) {
                              " (" + cudaGetErrorString(err) + ")");
   }
 }
+
+// How pinned staging is made. kHostAlloc: cudaHostAlloc (the driver faults in and zeroes
+// every 4 KiB page, then pins it, on the calling thread). kRegister: anonymous memory with
+// transparent huge pages asked for, faulted in by several threads at once, then
+// cudaHostRegister'ed (fewer, larger pages to pin). RESHARD_PINNED=hostalloc|register picks
+// one; BENCHMARKS.md has what each costs on the GPU machine.
+enum class PinMode { kHostAlloc, kRegister };
+
+PinMode PinModeFromEnv() {
+  const char* v = std::getenv("RESHARD_PINNED");
+  if (v != nullptr && std::strcmp(v, "register") == 0) return PinMode::kRegister;
+  return PinMode::kHostAlloc;
+}
+
+class PinnedBlock {
+ public:
+  PinnedBlock() = default;
+  PinnedBlock(const PinnedBlock&) = delete;
+  PinnedBlock& operator=(const PinnedBlock&) = delete;
+  ~PinnedBlock() { Free(); }
+
+  void* data() const { return ptr_; }
+
+  void Allocate(size_t bytes, PinMode mode, unsigned touch_threads) {
+    Free();
+    if (mode == PinMode::kRegister && AllocateRegistered(bytes, touch_threads)) return;
+    Check(cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault), "cudaHostAlloc");
+    registered_ = false;
+  }
+
+  void Free() noexcept {
+    if (ptr_ == nullptr) return;
+    if (registered_) {
+      cudaHostUnregister(ptr_);
+      ::munmap(ptr_, mapped_);
+    } else {
+      cudaFreeHost(ptr_);
+    }
+    ptr_ = nullptr;
+    mapped_ = 0;
+  }
+
+ private:
+  // False (nothing held) when the kernel or the driver refuses; the caller falls back.
+  bool AllocateRegistered(size_t bytes, unsigned touch_threads) {
+    constexpr size_t kHuge = 2u << 20;
+    const size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
+    // Over-allocate by one huge page to start on a 2 MiB boundary (THP needs aligned ranges).
+    void* raw = ::mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+    if (raw == MAP_FAILED) return false;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (base + kHuge - 1) / kHuge * kHuge;
+    if (aligned > base) ::munmap(raw, aligned - base);
+    const uintptr_t end = base + len + kHuge;
+    if (end > aligned + len) ::munmap(reinterpret_cast<void*>(aligned + len), end - (aligned + len));
+    char* p = reinterpret_cast<char*>(aligned);
+    ::madvise(p, len, MADV_HUGEPAGE);  // a hint: without THP the pages stay 4 KiB
+    const unsigned n = std::max(1u, std::min<unsigned>(touch_threads, static_cast<unsigned>(len / kHuge)));
+    std::vector<std::thread> ts;
+    const size_t per = (len / kHuge + n - 1) / n * kHuge;
+    for (unsigned t = 0; t < n; ++t) {
+      ts.emplace_back([p, len, per, t] {
+        for (size_t off = t * per; off < std::min(len, (t + 1) * per); off += 4096) p[off] = 0;
+      });
+    }
+    for (auto& t : ts) t.join();
+    if (cudaHostRegister(p, len, cudaHostRegisterDefault) != cudaSuccess) {
+      cudaGetLastError();
+      ::munmap(p, len);
+      return false;
+    }
+    ptr_ = p;
+    mapped_ = len;
+    registered_ = true;
+    return true;
+  }
+
+  void* ptr_ = nullptr;
+  size_t mapped_ = 0;
+  bool registered_ = false;
+};
 
 class CudaCopier final : public DeviceCopier {
  public:
@@ -41,29 +129,32 @@ class CudaCopier final : public DeviceCopier {
       }
       if (lane.stream) cudaStreamDestroy(lane.stream);
     }
-    if (pool_) cudaFreeHost(pool_);
+    pool_.Free();
   }
 
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
 
-  void* Staging(int lane, int slot, size_t bytes) override {
-    // One pinned block for every (lane, slot), allocated by the first lane that asks: one
-    // cudaHostAlloc instead of lanes × slots of them (each call has a fixed cost that
-    // dominated the set-up of a first load).
-    {
-      std::lock_guard<std::mutex> g(pool_mu_);
-      if (slot_bytes_ < bytes) {
-        if (pool_) {
-          Synchronize();
-          Check(cudaFreeHost(pool_), "cudaFreeHost");
-          pool_ = nullptr;
-        }
-        const size_t total = bytes * lanes_.size() * static_cast<size_t>(slots_);
-        Check(cudaHostAlloc(&pool_, total, cudaHostAllocDefault), "cudaHostAlloc");
-        slot_bytes_ = bytes;
-      }
+  double Reserve(size_t bytes) override {
+    // One pinned block for every (lane, slot): one allocation instead of lanes × slots of
+    // them (each has a fixed cost that dominated the set-up of a first load).
+    std::lock_guard<std::mutex> g(pool_mu_);
+    if (slot_bytes_ >= bytes) return 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    Check(cudaSetDevice(device_), "cudaSetDevice");
+    if (pool_.data() != nullptr) {
+      Synchronize();
+      pool_.Free();
+      slot_bytes_ = 0;
     }
-    return static_cast<char*>(pool_) + (static_cast<size_t>(lane) * slots_ + slot) * slot_bytes_;
+    const size_t total = bytes * lanes_.size() * static_cast<size_t>(slots_);
+    pool_.Allocate(total, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
+    slot_bytes_ = bytes;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  void* Staging(int lane, int slot, size_t bytes) override {
+    Reserve(bytes);
+    return static_cast<char*>(pool_.data()) + (static_cast<size_t>(lane) * slots_ + slot) * slot_bytes_;
   }
 
   void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
@@ -112,7 +203,7 @@ class CudaCopier final : public DeviceCopier {
   int slots_;
   std::vector<Lane> lanes_;
   std::mutex pool_mu_;
-  void* pool_ = nullptr;     // pinned staging for all lanes and slots
+  PinnedBlock pool_;         // pinned staging for all lanes and slots
   size_t slot_bytes_ = 0;
 };
 

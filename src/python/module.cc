@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -27,14 +28,50 @@ namespace py = pybind11;
 namespace {
 
 #ifdef RESHARD_HAVE_CUDA
-// Copiers are cached per (device, lanes, slots) so pinned staging is allocated once.
+// Copiers are cached per (device, lanes, slots) so that streams and pinned staging are made
+// once per process. prepare() makes one in the background (while the caller builds its
+// model); a load that needs it meanwhile waits for it on the registry's lock.
+class Copiers {
+ public:
+  static Copiers& Get() {
+    static Copiers* c = new Copiers;  // never destroyed: process exit frees pinned memory,
+    return *c;                        // and no copier outlives the CUDA runtime's teardown
+  }
+
+  reshard::DeviceCopier* At(int device, int lanes, int slots) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto& c = cache_[{device, lanes, slots}];
+    if (!c) c = reshard::MakeCudaCopier(device, lanes, slots);
+    return c.get();
+  }
+
+  // Creates the copier and reserves `slot_bytes` of staging per lane and slot on another
+  // thread; returns at once. Errors are kept and raised by wait_prepared().
+  void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
+    std::lock_guard<std::mutex> g(prep_mu_);
+    pending_.push_back(std::async(std::launch::async, [=, this] {
+      At(device, lanes, slots)->Reserve(slot_bytes);
+    }));
+  }
+
+  void WaitPrepared() {
+    std::vector<std::future<void>> p;
+    {
+      std::lock_guard<std::mutex> g(prep_mu_);
+      p.swap(pending_);
+    }
+    for (auto& f : p) f.get();  // rethrows the first error
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::tuple<int, int, int>, std::unique_ptr<reshard::DeviceCopier>> cache_;
+  std::mutex prep_mu_;
+  std::vector<std::future<void>> pending_;
+};
+
 reshard::DeviceCopier* CachedCopier(int device, int lanes, int slots) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, int>, std::unique_ptr<reshard::DeviceCopier>> cache;
-  std::lock_guard<std::mutex> g(mu);
-  auto& c = cache[{device, lanes, slots}];
-  if (!c) c = reshard::MakeCudaCopier(device, lanes, slots);
-  return c.get();
+  return Copiers::Get().At(device, lanes, slots);
 }
 #endif
 
@@ -136,6 +173,7 @@ PYBIND11_MODULE(_C, m) {
         d["seconds"] = r.seconds;
         d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
         d["staging_bytes"] = r.staging_bytes;
+        d["staging_alloc_seconds"] = r.staging_alloc_seconds;
         d["threads"] = r.threads;
         d["direct_io"] = r.direct_io;
         d["readahead"] = r.readahead;
@@ -146,6 +184,38 @@ PYBIND11_MODULE(_C, m) {
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = 2,
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
+
+  m.def(
+      "prepare",
+      [](int device, unsigned threads, unsigned slots, uint64_t slot_bytes, bool wait) {
+#ifdef RESHARD_HAVE_CUDA
+        if (reshard::CudaDeviceCount() <= device || device < 0) {
+          throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                               "prepare: CUDA device " + std::to_string(device) + " is not visible");
+        }
+        Copiers::Get().PrepareAsync(device, static_cast<int>(std::max(1u, threads)),
+                                    static_cast<int>(std::max(1u, slots)), slot_bytes);
+        if (wait) {
+          py::gil_scoped_release release;
+          Copiers::Get().WaitPrepared();
+        }
+#else
+        (void)device, (void)threads, (void)slots, (void)slot_bytes, (void)wait;
+        throw reshard::Error(reshard::ErrorCode::kUnsupported,
+                             "this reshard build has no CUDA support; nothing to prepare");
+#endif
+      },
+      py::arg("device"), py::arg("threads"), py::arg("slots") = 2,
+      py::arg("slot_bytes") = reshard::kDefaultChunkSize, py::arg("wait") = false,
+      "Creates the CUDA copier of (device, threads, slots) with its pinned staging on a "
+      "background thread, so that the first load in this process finds it ready.");
+
+  m.def("wait_prepared", [] {
+#ifdef RESHARD_HAVE_CUDA
+    py::gil_scoped_release release;
+    Copiers::Get().WaitPrepared();
+#endif
+  }, "Waits for every prepare() still running; raises the first error one of them met.");
 
   // ---- save: one rank file of a live model (formats/rank-file.md, source.saved) ----------
   using SaveTensor = std::tuple<std::string, std::string, std::vector<uint64_t>, bool, uint64_t,

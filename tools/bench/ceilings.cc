@@ -12,12 +12,19 @@
 //   pipeline --file F --threads T --request BYTES [--direct]
 //            the "plain C++ loop": T threads, each pread -> its own 2 pinned buffers ->
 //            cudaMemcpyAsync on its own stream into one device buffer the size of the file.
+//   setup    --threads T --request BYTES
+//            the one-time costs a first load pays (each timed alone, fresh allocations,
+//            median of --reps): pinned staging of T x 2 x BYTES by one cudaHostAlloc, by T
+//            concurrent cudaHostAllocs, and by page-aligned memory (transparent huge pages
+//            asked for, pages touched by T threads) + cudaHostRegister; T streams and 2T
+//            events; T threads started with cudaSetDevice; a first copy on each new stream.
 //
 // Each prints one JSON object on stdout (GB = 1e9 bytes). Timers start before the file is
 // opened (buffers, streams and device memory are allocated before) and stop after the last
 // byte is in place (device synchronized). Errors go to stderr with a non-zero exit status.
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -450,6 +457,142 @@ Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bo
   return j;
 }
 
+// ---- setup -------------------------------------------------------------------------------
+Json CmdSetup(unsigned threads, uint64_t request, unsigned reps, int device) {
+  if (reps == 0) throw ToolError("--reps must be positive");
+  const auto t_ctx = Clock::now();
+  RequireCuda(device, "setup");
+  const double context_s = Since(t_ctx);
+  const uint64_t total = uint64_t{threads} * 2 * AlignUp(request, kAlign);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  Json j;
+  j["mode"] = "setup";
+  j["threads"] = threads;
+  j["request"] = request;
+  j["staging_bytes"] = total;
+  j["reps"] = reps;
+  j["context_seconds"] = context_s;
+  auto record = [&](const std::string& name, std::vector<double> secs) {
+    j[name] = {{"median_ms", 1e3 * median(secs)},
+               {"min_ms", 1e3 * *std::min_element(secs.begin(), secs.end())},
+               {"max_ms", 1e3 * *std::max_element(secs.begin(), secs.end())}};
+  };
+  // Sizes around the staging pool: how the cost scales.
+  for (uint64_t size : {total / 4, total, total * 4}) {
+    std::vector<double> one, first_touch;
+    for (unsigned r = 0; r < reps; ++r) {
+      void* p = nullptr;
+      const auto t0 = Clock::now();
+      CudaCheck(cudaHostAlloc(&p, size, cudaHostAllocDefault), "cudaHostAlloc");
+      one.push_back(Since(t0));
+      const auto t1 = Clock::now();
+      for (uint64_t i = 0; i < size; i += kAlign) static_cast<volatile char*>(p)[i] = 1;
+      first_touch.push_back(Since(t1));
+      CudaCheck(cudaFreeHost(p), "cudaFreeHost");
+    }
+    record("hostalloc_" + std::to_string(size >> 20) + "MiB", one);
+    record("hostalloc_touch_after_" + std::to_string(size >> 20) + "MiB", first_touch);
+  }
+  {  // T concurrent cudaHostAllocs of total / T each
+    std::vector<double> secs;
+    for (unsigned r = 0; r < reps; ++r) {
+      std::vector<void*> ptrs(threads, nullptr);
+      const auto t0 = Clock::now();
+      std::vector<std::thread> ts;
+      std::atomic<int> bad{0};
+      for (unsigned t = 0; t < threads; ++t) {
+        ts.emplace_back([&, t] {
+          if (cudaSetDevice(device) != cudaSuccess ||
+              cudaHostAlloc(&ptrs[t], total / threads, cudaHostAllocDefault) != cudaSuccess) {
+            ++bad;
+          }
+        });
+      }
+      for (auto& t : ts) t.join();
+      secs.push_back(Since(t0));
+      if (bad) throw ToolError("setup: concurrent cudaHostAlloc failed");
+      for (void* p : ptrs) cudaFreeHost(p);
+    }
+    record("hostalloc_concurrent_total", secs);
+  }
+  {  // page-aligned memory, huge pages asked for, touched by T threads, then registered
+    std::vector<double> alloc_touch, reg, all;
+    for (unsigned r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
+      void* p = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw ToolError("setup: mmap failed");
+      ::madvise(p, total, MADV_HUGEPAGE);
+      std::vector<std::thread> ts;
+      for (unsigned t = 0; t < threads; ++t) {
+        ts.emplace_back([&, t] {
+          const uint64_t part = total / threads;
+          char* b = static_cast<char*>(p) + t * part;
+          for (uint64_t i = 0; i < part; i += kAlign) b[i] = 0;
+        });
+      }
+      for (auto& t : ts) t.join();
+      alloc_touch.push_back(Since(t0));
+      const auto t1 = Clock::now();
+      CudaCheck(cudaHostRegister(p, total, cudaHostRegisterDefault), "cudaHostRegister");
+      reg.push_back(Since(t1));
+      all.push_back(Since(t0));
+      cudaHostUnregister(p);
+      ::munmap(p, total);
+    }
+    record("mmap_thp_touch_T", alloc_touch);
+    record("hostregister_after_touch", reg);
+    record("mmap_thp_touch_register_total", all);
+  }
+  {  // streams and events
+    std::vector<double> secs;
+    for (unsigned r = 0; r < reps; ++r) {
+      std::vector<cudaStream_t> ss(threads);
+      std::vector<cudaEvent_t> es(2 * threads);
+      const auto t0 = Clock::now();
+      for (auto& s : ss) CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      for (auto& e : es) CudaCheck(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+      secs.push_back(Since(t0));
+      for (auto& e : es) cudaEventDestroy(e);
+      for (auto& s : ss) cudaStreamDestroy(s);
+    }
+    record("streams_and_events", secs);
+  }
+  {  // threads that bind the device
+    std::vector<double> secs;
+    for (unsigned r = 0; r < reps; ++r) {
+      const auto t0 = Clock::now();
+      std::vector<std::thread> ts;
+      for (unsigned t = 0; t < threads; ++t) ts.emplace_back([&] { cudaSetDevice(device); });
+      for (auto& t : ts) t.join();
+      secs.push_back(Since(t0));
+    }
+    record("threads_setdevice", secs);
+  }
+  {  // the first small copy on each new stream (lazy per-stream work), from pinned memory
+    std::vector<double> secs;
+    void* host = nullptr;
+    void* dev = nullptr;
+    CudaCheck(cudaHostAlloc(&host, 1 << 20, cudaHostAllocDefault), "cudaHostAlloc");
+    CudaCheck(cudaMalloc(&dev, 1 << 20), "cudaMalloc");
+    for (unsigned r = 0; r < reps; ++r) {
+      std::vector<cudaStream_t> ss(threads);
+      for (auto& s : ss) CudaCheck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      const auto t0 = Clock::now();
+      for (auto& s : ss) CudaCheck(cudaMemcpyAsync(dev, host, 4096, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync");
+      for (auto& s : ss) CudaCheck(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+      secs.push_back(Since(t0));
+      for (auto& s : ss) cudaStreamDestroy(s);
+    }
+    cudaFree(dev);
+    cudaFreeHost(host);
+    record("first_copy_per_new_stream", secs);
+  }
+  return j;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -478,6 +621,10 @@ int main(int argc, char** argv) {
   h2d->add_option("--bytes", bytes_text, "bytes copied per repetition (default 1GiB)");
   h2d->add_option("--reps", reps, "timed repetitions after one warm-up (default 5)")
       ->check(CLI::Range(1u, 1000u));
+  CLI::App* setup = app.add_subcommand("setup", "one-time costs of a first load (pinned staging, streams, threads)");
+  common(setup, false);
+  setup->add_option("--reps", reps, "repetitions of each measurement (default 5)")
+      ->check(CLI::Range(1u, 1000u));
   CLI::App* pipe = app.add_subcommand(
       "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
   common(pipe, true);
@@ -493,6 +640,8 @@ int main(int argc, char** argv) {
     Json out;
     if (*read) {
       out = CmdRead(file, threads, request, direct, pinned, device);
+    } else if (*setup) {
+      out = CmdSetup(threads, request, reps, device);
     } else if (*h2d) {
       out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
     } else {
