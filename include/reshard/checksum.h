@@ -13,6 +13,22 @@ namespace reshard {
 uint64_t Xxh3(const void* data, size_t size);
 inline uint64_t Xxh3(std::string_view s) { return Xxh3(s.data(), s.size()); }
 
+/// XXH3-64 of data given in pieces: Digest() equals Xxh3 of the pieces concatenated. Lets a
+/// reader hash each piece right after reading it, while it is still in the core's cache.
+class Xxh3Hasher {
+ public:
+  Xxh3Hasher();
+  ~Xxh3Hasher();
+  Xxh3Hasher(const Xxh3Hasher&) = delete;
+  Xxh3Hasher& operator=(const Xxh3Hasher&) = delete;
+  void Reset();
+  void Update(const void* data, size_t size);
+  uint64_t Digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t
+};
+
 /// The tensor checksum of formats/rank-file.md: XXH3-64 of the chunk checksums as u64 LE.
 uint64_t CombineChunkChecksums(std::span<const uint64_t> chunk_checksums);
 

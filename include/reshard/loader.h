@@ -22,12 +22,14 @@ namespace reshard {
 class DeviceCopier {
  public:
   virtual ~DeviceCopier() = default;
-  /// Pinned host buffer for (lane, slot) of at least `bytes`, valid until the copier dies.
+  /// Pinned host buffer for (lane, slot) of at least `bytes`, aligned to 4096 bytes (O_DIRECT
+  /// reads land in it), valid until the copier dies or a larger Reserve.
   virtual void* Staging(int lane, int slot, size_t bytes) = 0;
-  /// Makes sure every (lane, slot) has at least `bytes` of staging, allocating now rather
+  /// Makes sure lanes [0, lanes) have `bytes` of staging per slot, allocating now rather
   /// than on a lane's first Staging call; returns the seconds spent allocating (0 when the
-  /// staging was already there). Thread-safe. The default does nothing.
-  virtual double Reserve(size_t bytes);
+  /// copier's staging was already large enough). Thread-safe; not while copies are in
+  /// flight. The default does nothing.
+  virtual double Reserve(size_t bytes, int lanes);
   /// Enqueues an asynchronous copy of `n` bytes from the staging buffer (lane, slot) to `dst`.
   virtual void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) = 0;
   /// Enqueues an asynchronous copy of `n` bytes from device memory `src` into the staging
@@ -60,6 +62,20 @@ struct LoadOptions {
   unsigned slots_per_thread = 2;
   bool verify_checksums = true;  // off only to benchmark the raw path
   IoMode io = IoMode::kAuto;
+  /// What a reader thread takes at once from a file in the page cache: consecutive raw
+  /// chunks bound for the device (of one tensor or of tensors adjacent in the file) up to
+  /// this many bytes, read with one pread into one staging slot and copied with one
+  /// cudaMemcpyAsync per tensor. 0: one chunk at a time.
+  uint64_t span_bytes = 0;
+  /// The same, and the number of reader threads (0: `threads`), for a file read from disk
+  /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
+  /// sequential requests suit disks (BENCHMARKS.md §7).
+  uint64_t cold_span_bytes = 16ull << 20;
+  unsigned cold_threads = 4;
+  /// For a file in the page cache, with checksums on: each chunk is read in pieces of this
+  /// many bytes, each hashed right after it is read, while it is still in the core's cache
+  /// (0: read the whole span, then hash it).
+  uint64_t hash_piece_bytes = 256ull << 10;
 };
 
 struct LoadReport {
@@ -70,6 +86,10 @@ struct LoadReport {
   uint64_t staging_bytes = 0;  // pinned staging allocated
   double staging_alloc_seconds = 0;  // of `seconds`: allocating staging (0 when it was reused)
   unsigned threads = 0;
+  uint64_t span_bytes = 0;     // largest span a thread read at once
+  bool cold = false;           // read as a file on disk (cold_threads / cold_span_bytes)
+  double residency_seconds = 0;  // of `seconds`: probing the page cache (kAuto)
+  double sync_seconds = 0;       // of `seconds`: waiting for the last copies after the reads
   bool direct_io = false;
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto

@@ -47,7 +47,7 @@ struct Item {
 
 }  // namespace
 
-double DeviceCopier::Reserve(size_t) { return 0; }
+double DeviceCopier::Reserve(size_t, int) { return 0; }
 
 void DeviceCopier::CopyToHostAsync(int, int, void*, const void*, size_t) {
   Fail(ErrorCode::kUnsupported, "this device copier copies host to device only");
@@ -77,7 +77,11 @@ double PageCacheResidency(const std::string& path) {
 
 LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> targets,
                         DeviceCopier* copier, const LoadOptions& options) {
-  const auto t0 = std::chrono::steady_clock::now();
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   const RankFileHeader& h = file.header();
   const uint64_t cs = h.chunk_size;
   const uint64_t data_offset = file.preamble().data_offset;
@@ -132,7 +136,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   if (options.io == IoMode::kDirect) {
     direct = any_device;
   } else if (options.io == IoMode::kAuto) {
+    const auto tr = Clock::now();
     report.resident_fraction = PageCacheResidency(file.path());
+    report.residency_seconds = since(tr);
     readahead = report.resident_fraction < 0.5;
   }
   File direct_file;
@@ -145,24 +151,72 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   }
   report.direct_io = direct;
   report.readahead = readahead;
+  const bool cold = direct || readahead;
+  report.cold = cold;
   const File& buffered = file.file();
 
+  // Spans: what one reader thread takes at once. Consecutive raw chunks bound for the
+  // device whose bytes are adjacent in the file (tensors start at multiples of 4096, so
+  // adjacent tensors leave gaps under 4096 bytes) join one span up to span_limit bytes;
+  // every other chunk is a span of its own.
+  const uint64_t span_limit = std::max<uint64_t>(
+      cs, cold && options.cold_span_bytes ? options.cold_span_bytes : options.span_bytes);
+  struct Span {
+    size_t first = 0, count = 0;  // items [first, first + count)
+    uint64_t begin = 0, end = 0;  // stored bytes in the file
+    bool device_raw = false;
+  };
+  auto item_at = [&](const Item& it) {
+    const TensorEntry& e = *jobs[it.job].entry;
+    return data_offset + e.offset +
+           (e.codec == Codec::kRaw ? ChunkBegin(cs, it.chunk) : e.frames[it.chunk].offset);
+  };
+  auto item_len = [&](const Item& it) {
+    const TensorEntry& e = *jobs[it.job].entry;
+    return e.codec == Codec::kRaw ? ChunkLength(e, cs, it.chunk) : e.frames[it.chunk].size;
+  };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Job& job = jobs[items[i].job];
+    const bool device_raw = job.target->on_device && job.entry->codec == Codec::kRaw;
+    const uint64_t at = item_at(items[i]), len = item_len(items[i]);
+    if (device_raw && !spans.empty()) {
+      Span& last = spans.back();
+      if (last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
+          at + len - last.begin <= span_limit) {
+        last.count += 1;
+        last.end = at + len;
+        continue;
+      }
+    }
+    spans.push_back({i, 1, at, at + len, device_raw});
+  }
+
+  const unsigned want_threads = cold && options.cold_threads ? options.cold_threads : options.threads;
   const unsigned threads = static_cast<unsigned>(
-      std::max<size_t>(1, std::min<size_t>(options.threads ? options.threads : 1, items.size())));
+      std::max<size_t>(1, std::min<size_t>(want_threads ? want_threads : 1, spans.size())));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
   report.threads = threads;
-  // A staging slot holds one chunk; no chunk is longer than its tensor, so slots are sized by
-  // the largest target when it is smaller than chunk_size (a header may say 16 GiB chunks).
+  // A staging slot holds one span (raw) or one decoded chunk (zstd); sized by the largest
+  // (a header may say 16 GiB chunks: slots follow the data, not the header's chunk size).
   uint64_t stage_bytes = kDataAlignment;
-  for (const auto& j : jobs) {
-    stage_bytes = std::max(stage_bytes, std::min(cs, AlignUp(j.entry->nbytes, kDataAlignment)));
+  for (const Span& sp : spans) {
+    const TensorEntry& e = *jobs[items[sp.first].job].entry;
+    if (sp.device_raw) {
+      stage_bytes = std::max(stage_bytes, AlignUp(sp.end - sp.begin, kDataAlignment));
+      report.span_bytes = std::max(report.span_bytes, sp.end - sp.begin);
+    } else if (jobs[items[sp.first].job].target->on_device) {
+      stage_bytes = std::max(stage_bytes, std::min(cs, AlignUp(e.nbytes, kDataAlignment)));
+    }
   }
   if (any_device) {
     report.staging_bytes = uint64_t{threads} * slots * stage_bytes;
     // Before the workers start: one allocation for every lane (a cached copier that has it
     // already, e.g. from reshard.prepare or an earlier load, returns at once).
-    report.staging_alloc_seconds = copier->Reserve(stage_bytes);
+    report.staging_alloc_seconds = copier->Reserve(stage_bytes, static_cast<int>(threads));
   }
+  const uint64_t piece =
+      !cold && options.verify_checksums && options.hash_piece_bytes > 0 ? options.hash_piece_bytes : 0;
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -175,6 +229,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       AlignedBuffer scratch;
       size_t scratch_size = 0;
       int slot = 0;
+      Xxh3Hasher hasher;
       // Reads the stored bytes of a zstd frame into scratch; returns a pointer to them.
       auto read_frame = [&](const TensorEntry& e, uint64_t chunk) -> const char* {
         const Frame& f = e.frames[chunk];
@@ -193,22 +248,78 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         }
         return scratch.get() + (at - begin);
       };
+      auto mismatch = [&](const TensorEntry& e, uint64_t chunk, uint64_t hash) {
+        Fail(ErrorCode::kDataLoss,
+             file.path() + ": tensor \"" + e.name + "\" chunk " + std::to_string(chunk) +
+                 ": checksum mismatch: data hashes to " + Hex16(hash) + ", header says " +
+                 Hex16(e.chunk_xxh3[chunk]) + " (the file is corrupt; convert again)");
+      };
       auto check = [&](const TensorEntry& e, uint64_t chunk, const void* data, uint64_t len) {
         if (!options.verify_checksums) return;
         const uint64_t hash = Xxh3(data, len);
-        if (hash != e.chunk_xxh3[chunk]) {
-          Fail(ErrorCode::kDataLoss,
-               file.path() + ": tensor \"" + e.name + "\" chunk " + std::to_string(chunk) +
-                   ": checksum mismatch: data hashes to " + Hex16(hash) + ", header says " +
-                   Hex16(e.chunk_xxh3[chunk]) + " (the file is corrupt; convert again)");
-        }
+        if (hash != e.chunk_xxh3[chunk]) mismatch(e, chunk, hash);
       };
       while (!failed.load(std::memory_order_relaxed)) {
-        const size_t i = next.fetch_add(1);
-        if (i >= items.size()) break;
-        const Job& job = jobs[items[i].job];
+        const size_t si = next.fetch_add(1);
+        if (si >= spans.size()) break;
+        const Span& sp = spans[si];
+        if (sp.device_raw) {
+          copier->WaitSlot(lane, slot);
+          char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
+          const uint64_t n = sp.end - sp.begin;
+          bool hashed = false;
+          if (direct) {
+            const size_t got = direct_file.PReadUpTo(stage, AlignUp(n, kDataAlignment), sp.begin);
+            if (got < n) {
+              const Item& it = items[sp.first];
+              Fail(ErrorCode::kDataLoss,
+                   file.path() + ": tensor \"" + jobs[it.job].entry->name + "\" chunk " +
+                       std::to_string(it.chunk) + ": truncated file (read " + std::to_string(got) +
+                       " of " + std::to_string(n) + " bytes)");
+            }
+          } else if (piece) {
+            // Each chunk in pieces, each hashed while it is still in this core's cache.
+            for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
+              const TensorEntry& e = *jobs[items[k].job].entry;
+              const uint64_t at = item_at(items[k]), len = item_len(items[k]);
+              char* dst = stage + (at - sp.begin);
+              hasher.Reset();
+              for (uint64_t off = 0; off < len; off += piece) {
+                const uint64_t m = std::min(piece, len - off);
+                buffered.PReadExact(dst + off, m, at + off);
+                hasher.Update(dst + off, m);
+              }
+              const uint64_t hash = hasher.Digest();
+              if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
+            }
+            hashed = true;
+          } else {
+            buffered.PReadExact(stage, n, sp.begin);
+          }
+          if (!hashed) {
+            for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
+              check(*jobs[items[k].job].entry, items[k].chunk,
+                    stage + (item_at(items[k]) - sp.begin), item_len(items[k]));
+            }
+          }
+          // One copy per run of chunks of the same tensor (contiguous on both sides).
+          for (size_t k = sp.first; k < sp.first + sp.count;) {
+            size_t k2 = k + 1;
+            while (k2 < sp.first + sp.count && items[k2].job == items[k].job) ++k2;
+            const Job& job = jobs[items[k].job];
+            const uint64_t at = item_at(items[k]);
+            const uint64_t len = item_at(items[k2 - 1]) + item_len(items[k2 - 1]) - at;
+            copier->CopyAsync(lane, slot, static_cast<char*>(job.target->ptr) + ChunkBegin(cs, items[k].chunk),
+                              stage + (at - sp.begin), len);
+            k = k2;
+          }
+          slot = (slot + 1) % slots;
+          continue;
+        }
+        const Item& item = items[sp.first];
+        const Job& job = jobs[item.job];
         const TensorEntry& e = *job.entry;
-        const uint64_t chunk = items[i].chunk;
+        const uint64_t chunk = item.chunk;
         const uint64_t begin = ChunkBegin(cs, chunk);
         const uint64_t len = ChunkLength(e, cs, chunk);
         char* dst = static_cast<char*>(job.target->ptr) + begin;
@@ -225,23 +336,11 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           check(e, chunk, dst, len);
           continue;
         }
+        // A zstd chunk bound for the device: decoded into staging.
         copier->WaitSlot(lane, slot);
         char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
-        if (e.codec == Codec::kRaw) {
-          const uint64_t at = data_offset + e.offset + begin;
-          if (direct) {
-            const size_t got = direct_file.PReadUpTo(stage, AlignUp(len, kDataAlignment), at);
-            if (got < len) {
-              Fail(ErrorCode::kDataLoss, what() + ": truncated file (read " + std::to_string(got) +
-                                             " of " + std::to_string(len) + " bytes)");
-            }
-          } else {
-            buffered.PReadExact(stage, len, at);
-          }
-        } else {
-          const char* frame = read_frame(e, chunk);
-          DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what());
-        }
+        const char* frame = read_frame(e, chunk);
+        DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what());
         check(e, chunk, stage, len);
         copier->CopyAsync(lane, slot, dst, stage, len);
         slot = (slot + 1) % slots;
@@ -253,38 +352,26 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     }
   };
 
-  // Read-ahead: walk the items' byte ranges in file order, coalesced into windows, and ask
+  // Read-ahead: walk the spans' byte ranges in file order, coalesced into windows, and ask
   // the kernel to start reading each window, staying at most kAhead bytes in front of the
-  // workers (whose position is items[next]).
+  // workers (whose position is spans[next]).
   std::atomic<bool> finished{false};
   std::thread ahead;
-  if (readahead && !items.empty()) {
+  if (readahead && !spans.empty()) {
     ahead = std::thread([&] {
       constexpr uint64_t kWindow = 32ull << 20, kAhead = 512ull << 20;
-      auto offset_of = [&](size_t i) {
-        const Item& it = items[i];
-        const TensorEntry& e = *jobs[it.job].entry;
-        return data_offset + e.offset +
-               (e.codec == Codec::kRaw ? ChunkBegin(cs, it.chunk) : e.frames[it.chunk].offset);
-      };
-      auto end_of = [&](size_t i) {
-        const Item& it = items[i];
-        const TensorEntry& e = *jobs[it.job].entry;
-        return e.codec == Codec::kRaw ? offset_of(i) + ChunkLength(e, cs, it.chunk)
-                                      : offset_of(i) + e.frames[it.chunk].size;
-      };
       size_t i = 0;
-      while (i < items.size() && !finished.load() && !failed.load()) {
+      while (i < spans.size() && !finished.load() && !failed.load()) {
         const size_t consumer = next.load();
-        if (consumer < items.size() && offset_of(i) > offset_of(consumer) + kAhead) {
+        if (consumer < spans.size() && spans[i].begin > spans[consumer].begin + kAhead) {
           std::this_thread::sleep_for(std::chrono::microseconds(200));
           continue;
         }
-        const uint64_t begin = offset_of(i);
-        uint64_t end = end_of(i);
-        while (++i < items.size() && offset_of(i) <= end + kDataAlignment &&
-               end_of(i) - begin <= kWindow) {
-          end = std::max(end, end_of(i));
+        const uint64_t begin = spans[i].begin;
+        uint64_t end = spans[i].end;
+        while (++i < spans.size() && spans[i].begin <= end + kDataAlignment &&
+               spans[i].end - begin <= kWindow) {
+          end = std::max(end, spans[i].end);
         }
         ::posix_fadvise(buffered.fd(), static_cast<off_t>(begin), static_cast<off_t>(end - begin),
                         POSIX_FADV_WILLNEED);
@@ -299,15 +386,16 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   finished = true;
   if (ahead.joinable()) ahead.join();
   if (any_device) {
+    const auto ts = Clock::now();
     try {
       copier->Synchronize();
     } catch (...) {
       if (!error) error = std::current_exception();
     }
+    report.sync_seconds = since(ts);
   }
   if (error) std::rethrow_exception(error);
-  report.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.seconds = since(t0);
   return report;
 }
 

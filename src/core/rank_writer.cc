@@ -267,6 +267,7 @@ SaveReport SaveRankFile(const fs::path& path, RankFileHeader header,
     }
     half = AlignUp(std::max<uint64_t>(options.staging_bytes, 8192) / 2, kDataAlignment);
     copier->BindThread(0);
+    copier->Reserve(half, 1);
     for (int s = 0; s < 2; ++s) staging[s] = static_cast<char*>(copier->Staging(0, s, half));
     report.staging_bytes = 2 * half;
   }

@@ -33,8 +33,8 @@ enum class PinMode { kHostAlloc, kRegister };
 
 PinMode PinModeFromEnv() {
   const char* v = std::getenv("RESHARD_PINNED");
-  if (v != nullptr && std::strcmp(v, "register") == 0) return PinMode::kRegister;
-  return PinMode::kHostAlloc;
+  if (v != nullptr && std::strcmp(v, "hostalloc") == 0) return PinMode::kHostAlloc;
+  return PinMode::kRegister;
 }
 
 class PinnedBlock {
@@ -134,27 +134,38 @@ class CudaCopier final : public DeviceCopier {
 
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
 
-  double Reserve(size_t bytes) override {
-    // One pinned block for every (lane, slot): one allocation instead of lanes × slots of
-    // them (each has a fixed cost that dominated the set-up of a first load).
+  double Reserve(size_t bytes, int lanes) override {
+    // One pinned block carved into (lane, slot) buffers of `bytes`: one allocation instead
+    // of lanes × slots of them. It only grows: a load with fewer lanes or smaller spans
+    // reuses it.
     std::lock_guard<std::mutex> g(pool_mu_);
-    if (slot_bytes_ >= bytes) return 0;
+    lanes = std::clamp(lanes, 1, static_cast<int>(lanes_.size()));
+    const size_t need = bytes * static_cast<size_t>(lanes) * static_cast<size_t>(slots_);
+    if (need <= capacity_) {
+      slot_bytes_ = bytes;
+      return 0;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     Check(cudaSetDevice(device_), "cudaSetDevice");
     if (pool_.data() != nullptr) {
       Synchronize();
       pool_.Free();
+      capacity_ = 0;
       slot_bytes_ = 0;
     }
-    const size_t total = bytes * lanes_.size() * static_cast<size_t>(slots_);
-    pool_.Allocate(total, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
+    pool_.Allocate(need, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
+    capacity_ = need;
     slot_bytes_ = bytes;
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   void* Staging(int lane, int slot, size_t bytes) override {
-    Reserve(bytes);
-    return static_cast<char*>(pool_.data()) + (static_cast<size_t>(lane) * slots_ + slot) * slot_bytes_;
+    std::lock_guard<std::mutex> g(pool_mu_);
+    const size_t at = (static_cast<size_t>(lane) * slots_ + slot) * slot_bytes_;
+    if (bytes <= slot_bytes_ && at + slot_bytes_ <= capacity_) return static_cast<char*>(pool_.data()) + at;
+    Fail(ErrorCode::kInvalidArgument, "staging of lane " + std::to_string(lane) + " slot " +
+                                   std::to_string(slot) + " (" + std::to_string(bytes) +
+                                   " bytes) asked for without Reserve");
   }
 
   void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
@@ -204,7 +215,8 @@ class CudaCopier final : public DeviceCopier {
   std::vector<Lane> lanes_;
   std::mutex pool_mu_;
   PinnedBlock pool_;         // pinned staging for all lanes and slots
-  size_t slot_bytes_ = 0;
+  size_t capacity_ = 0;      // bytes in pool_
+  size_t slot_bytes_ = 0;    // the current carving: (lane, slot) at (lane·slots + slot)·slot_bytes_
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
 #include <memory>
@@ -50,7 +51,7 @@ class Copiers {
   void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
     std::lock_guard<std::mutex> g(prep_mu_);
     pending_.push_back(std::async(std::launch::async, [=, this] {
-      At(device, lanes, slots)->Reserve(slot_bytes);
+      At(device, lanes, slots)->Reserve(slot_bytes, lanes);
     }));
   }
 
@@ -74,6 +75,19 @@ reshard::DeviceCopier* CachedCopier(int device, int lanes, int slots) {
   return Copiers::Get().At(device, lanes, slots);
 }
 #endif
+
+uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback) {
+  if (arg) return *arg;
+  const char* v = std::getenv(env);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  if (end == v || *end != '\0') {
+    throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                         std::string(env) + "=\"" + v + "\": expected a whole number");
+  }
+  return n;
+}
 
 reshard::IoMode ParseIo(const std::string& io) {
   if (io == "auto") return reshard::IoMode::kAuto;
@@ -136,7 +150,9 @@ PYBIND11_MODULE(_C, m) {
       "load",
       [](const std::string& path,
          const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
-         int device, unsigned threads, bool verify, const std::string& io, unsigned slots) {
+         int device, unsigned threads, bool verify, const std::string& io, unsigned slots,
+         std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
+         std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes) {
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
         bool any_device = false;
@@ -149,6 +165,15 @@ PYBIND11_MODULE(_C, m) {
         o.verify_checksums = verify;
         o.io = ParseIo(io);
         o.slots_per_thread = slots;
+        // Tuning knobs: the argument, else RESHARD_<NAME> from the environment, else the
+        // loader's default (include/reshard/loader.h).
+        o.span_bytes = Knob(span_bytes, "RESHARD_SPAN_BYTES", o.span_bytes);
+        o.cold_span_bytes = Knob(cold_span_bytes, "RESHARD_COLD_SPAN_BYTES", o.cold_span_bytes);
+        o.cold_threads = static_cast<unsigned>(Knob(cold_threads.has_value()
+                                                        ? std::optional<uint64_t>(*cold_threads)
+                                                        : std::nullopt,
+                                                    "RESHARD_COLD_THREADS", o.cold_threads));
+        o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes);
         reshard::LoadReport r;
         {
           py::gil_scoped_release release;
@@ -174,6 +199,10 @@ PYBIND11_MODULE(_C, m) {
         d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
         d["staging_bytes"] = r.staging_bytes;
         d["staging_alloc_seconds"] = r.staging_alloc_seconds;
+        d["residency_seconds"] = r.residency_seconds;
+        d["sync_seconds"] = r.sync_seconds;
+        d["span_bytes"] = r.span_bytes;
+        d["cold"] = r.cold;
         d["threads"] = r.threads;
         d["direct_io"] = r.direct_io;
         d["readahead"] = r.readahead;
@@ -182,6 +211,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = 2,
+      py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
+      py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
 

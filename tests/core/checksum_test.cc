@@ -1,5 +1,6 @@
 // XXH3-64 and its hex16 text form. The known values were computed with the xxhsum CLI
 // (xxhsum 0.8.1, `printf ... | xxhsum -H3`), independently of this library.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -84,6 +85,36 @@ TEST(ParseHex16, RejectsAnythingButSixteenLowerCaseHexDigits) {
   EXPECT_FALSE(ParseHex16(" d06800538d394c2").has_value());   // space
   EXPECT_FALSE(ParseHex16("-d06800538d394c2").has_value());   // sign
   EXPECT_FALSE(ParseHex16(std::string_view("2d06800538d394\0c", 16)).has_value());
+}
+
+}  // namespace
+}  // namespace reshard
+
+namespace reshard {
+namespace {
+
+TEST(Xxh3Hasher, PiecesHashLikeTheWhole) {
+  // Sizes around XXH3's internal boundaries (240-byte short path, 256-byte buffer, 1 KiB
+  // stripes block) and pieces that split them unevenly.
+  std::vector<unsigned char> data(3 << 20);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (auto& b : data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<unsigned char>(x);
+  }
+  Xxh3Hasher h;
+  for (size_t size : {size_t{0}, size_t{1}, size_t{240}, size_t{241}, size_t{1024}, size_t{4097},
+                      size_t{256 << 10}, data.size()}) {
+    for (size_t piece : {size_t{1}, size_t{7}, size_t{256}, size_t{1000}, size_t{64 << 10}}) {
+      if (piece == 1 && size > 5000) continue;
+      h.Reset();
+      for (size_t at = 0; at < size; at += piece) h.Update(data.data() + at, std::min(piece, size - at));
+      EXPECT_EQ(h.Digest(), Xxh3(data.data(), size)) << "size " << size << " piece " << piece;
+    }
+  }
+  h.Reset();
+  h.Update("reshard", 7);
+  EXPECT_EQ(h.Digest(), 0x2cd50bb8e17b7f9bull);  // the xxhsum value above
 }
 
 }  // namespace

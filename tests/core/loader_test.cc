@@ -1,0 +1,284 @@
+// LoadRankFile on the CPU: device targets go through a copier whose "device" is host memory
+// and whose copies land only when waited for, as asynchronous copies would. Every read
+// strategy (per chunk, spans of adjacent chunks, pieces hashed as read, read-ahead, O_DIRECT
+// where the file system allows it) with 1 and several threads must land every byte; a
+// corrupted chunk must stop the load naming the tensor and chunk.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/test_util.h"
+#include "reshard/loader.h"
+#include "reshard/rank_file.h"
+#include "reshard/rank_writer.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+using test::ThrowsError;
+
+constexpr uint64_t kChunk = 8192;
+
+// Copies are recorded and carried out at WaitSlot/Synchronize, from the staging buffer as it
+// is then: a loader that reuses a slot before waiting, or writes into staging after
+// enqueueing its copy, lands wrong bytes.
+class HostDeviceCopier final : public DeviceCopier {
+ public:
+  double Reserve(size_t bytes, int) override {
+    std::lock_guard<std::mutex> g(mu_);
+    ++reserves;
+    max_reserved = std::max(max_reserved, bytes);
+    return 0;
+  }
+  void* Staging(int lane, int slot, size_t bytes) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (bytes > max_reserved) misuse = "Staging asked for more than Reserve";
+    if (!pending_[{lane, slot}].empty()) misuse = "staging handed out with copies in flight";
+    auto& b = buffers_[{lane, slot}];
+    if (b.size < bytes) {  // page-aligned, as pinned memory is (O_DIRECT reads into it)
+      b.data.reset(static_cast<char*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)));
+      b.size = bytes;
+    }
+    return b.data.get();
+  }
+  void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
+    std::lock_guard<std::mutex> g(mu_);
+    pending_[{lane, slot}].push_back({dst, src, n});
+    ++copies;
+  }
+  void WaitSlot(int lane, int slot) override {
+    std::lock_guard<std::mutex> g(mu_);
+    Land(pending_[{lane, slot}]);
+  }
+  void Synchronize() override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [k, p] : pending_) Land(p);
+  }
+  void BindThread(int) override {}
+
+  std::string misuse;
+  int copies = 0;
+  int reserves = 0;
+  size_t max_reserved = 0;
+
+ private:
+  struct Copy {
+    void* dst;
+    const void* src;
+    size_t n;
+  };
+  static void Land(std::vector<Copy>& p) {
+    for (const Copy& c : p) std::memcpy(c.dst, c.src, c.n);
+    p.clear();
+  }
+  std::mutex mu_;
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  struct Buffer {
+    std::unique_ptr<char, Free> data;
+    size_t size = 0;
+  };
+  std::map<std::pair<int, int>, Buffer> buffers_;
+  std::map<std::pair<int, int>, std::vector<Copy>> pending_;
+};
+
+struct Fixture {
+  TempDir dir;
+  fs::path path;
+  std::vector<std::string> names;
+  std::vector<std::string> data;
+};
+
+// One rank file (world size 1) of tensors whose sizes put chunk, tensor and span boundaries
+// everywhere: several chunks with a partial tail, exactly whole chunks, tiny, empty, 0-dim.
+void MakeFile(Fixture& f) {
+  const std::vector<std::pair<std::string, std::vector<uint64_t>>> specs = {
+      {"a", {3 * 2048 + 517}},  // f32: 3 chunks + 2068 bytes
+      {"b", {25}},              // 100 bytes
+      {"c", {0}},               // empty
+      {"d", {5 * 2048}},        // exactly 5 chunks
+      {"s", {}},                // 0-dim
+      {"e", {4097}},            // 2 chunks + 4 bytes
+      {"f", {2048}},            // 1 chunk
+  };
+  RankFileHeader h;
+  h.layout_key = "fsdp2-ws1";
+  h.world_size = 1;
+  h.rank = 0;
+  h.source = SourceFingerprint::FromSaved({1, 1});
+  h.chunk_size = kChunk;
+  std::vector<SaveSource> sources;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    TensorEntry e;
+    e.name = specs[i].first;
+    e.dtype = DType::kF32;
+    e.global_shape = specs[i].second;
+    e.local_shape = specs[i].second;
+    uint64_t n = 4;
+    for (uint64_t d : e.global_shape) n *= d;
+    if (!e.global_shape.empty()) {
+      e.sharded = true;
+      e.rows = {0, e.global_shape[0]};
+    }
+    h.tensors.push_back(e);
+    f.names.push_back(e.name);
+    f.data.push_back(test::PatternBytes(n, 100 + i));
+  }
+  for (size_t i = 0; i < f.data.size(); ++i) {
+    sources.push_back({f.names[i], f.data[i].data(), f.data[i].size(), false});
+  }
+  f.path = f.dir / RankFileName(0, 1);
+  SaveRankFile(f.path, h, sources, nullptr, {});
+}
+
+struct Strategy {
+  IoMode io;
+  unsigned threads;
+  uint64_t span_bytes, cold_span_bytes, hash_piece_bytes;
+  unsigned cold_threads;
+};
+
+std::string Describe(const Strategy& s) {
+  return "io " + std::to_string(static_cast<int>(s.io)) + " threads " + std::to_string(s.threads) +
+         " span " + std::to_string(s.span_bytes) + " cold span " + std::to_string(s.cold_span_bytes) +
+         " piece " + std::to_string(s.hash_piece_bytes) + " cold threads " + std::to_string(s.cold_threads);
+}
+
+std::vector<Strategy> Strategies() {
+  std::vector<Strategy> out;
+  for (IoMode io : {IoMode::kBuffered, IoMode::kReadahead, IoMode::kDirect, IoMode::kAuto}) {
+    for (unsigned threads : {1u, 3u}) {
+      for (uint64_t span : {uint64_t{0}, 3 * kChunk, 64 * kChunk}) {
+        for (uint64_t piece : {uint64_t{0}, uint64_t{1000}, 4 * kChunk}) {
+          out.push_back({io, threads, span, span, piece, 0});
+        }
+      }
+    }
+    out.push_back({io, 3, 0, 5 * kChunk, 0, 2});
+  }
+  return out;
+}
+
+LoadOptions Options(const Strategy& s) {
+  LoadOptions o;
+  o.io = s.io;
+  o.threads = s.threads;
+  o.span_bytes = s.span_bytes;
+  o.cold_span_bytes = s.cold_span_bytes;
+  o.cold_threads = s.cold_threads;
+  o.hash_piece_bytes = s.hash_piece_bytes;
+  return o;
+}
+
+TEST(LoadRankFile, EveryStrategyLandsEveryByte) {
+  Fixture f;
+  MakeFile(f);
+  RankFileReader r = RankFileReader::Open(f.path);
+  for (const Strategy& s : Strategies()) {
+    SCOPED_TRACE(Describe(s));
+    for (bool subset : {false, true}) {
+      // subset: "b" and "s" are not loaded, so "a" and "d" are no longer neighbours.
+      std::vector<std::string> got;
+      std::vector<LoadTarget> targets;
+      got.reserve(f.data.size());
+      for (size_t i = 0; i < f.data.size(); ++i) {
+        got.emplace_back(f.data[i].size(), '\x5a');
+        if (subset && (f.names[i] == "b" || f.names[i] == "s")) continue;
+        // Alternate device and host destinations; the device ones through the copier.
+        targets.push_back({f.names[i], got[i].data(), got[i].size(), i % 3 != 1});
+      }
+      HostDeviceCopier copier;
+      const LoadReport rep = LoadRankFile(r, targets, &copier, Options(s));
+      EXPECT_EQ(copier.misuse, "");
+      EXPECT_GE(copier.reserves, 1);
+      EXPECT_LE(rep.span_bytes, std::max<uint64_t>(kChunk, s.io == IoMode::kBuffered ? s.span_bytes
+                                                                                   : s.cold_span_bytes));
+      for (size_t i = 0; i < f.data.size(); ++i) {
+        if (subset && (f.names[i] == "b" || f.names[i] == "s")) {
+          EXPECT_EQ(got[i], std::string(f.data[i].size(), '\x5a')) << f.names[i] << " was not a target";
+        } else {
+          EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+        }
+      }
+    }
+  }
+}
+
+TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
+  Fixture f;
+  MakeFile(f);
+  RankFileReader r = RankFileReader::Open(f.path);
+  std::vector<std::string> got;
+  std::vector<LoadTarget> targets;
+  got.reserve(f.data.size());
+  for (size_t i = 0; i < f.data.size(); ++i) {
+    got.emplace_back(f.data[i].size(), '\0');
+    targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
+  }
+  LoadOptions per_chunk;
+  per_chunk.io = IoMode::kBuffered;
+  HostDeviceCopier a;
+  const LoadReport ra = LoadRankFile(r, targets, &a, per_chunk);
+  LoadOptions spans = per_chunk;
+  spans.span_bytes = 1 << 20;  // the whole file in one span
+  HostDeviceCopier b;
+  const LoadReport rb = LoadRankFile(r, targets, &b, spans);
+  // Per chunk: one copy per non-empty chunk (a 4, b 1, d 5, s 1, e 3, f 1). One span: one
+  // copy per non-empty tensor.
+  EXPECT_EQ(a.copies, 15);
+  EXPECT_EQ(b.copies, 6);
+  EXPECT_EQ(ra.span_bytes, kChunk);
+  EXPECT_GT(rb.span_bytes, 10 * kChunk);
+  EXPECT_EQ(rb.threads, 1u);  // one span: one thread
+  for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+}
+
+TEST(LoadRankFile, CorruptChunkStopsEveryStrategy) {
+  Fixture f;
+  MakeFile(f);
+  // Flip one byte inside chunk 1 of "d" (its second chunk).
+  RankFileHeader h = RankFileReader::Open(f.path).header();
+  const TensorEntry& d = *h.Find("d");
+  const uint64_t data_offset = RankFileReader::Open(f.path).preamble().data_offset;
+  {
+    std::fstream w(f.path, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = static_cast<std::streamoff>(data_offset + d.offset + kChunk + 123);
+    char c = 0;
+    w.seekg(at);
+    w.read(&c, 1);
+    c ^= 0x10;
+    w.seekp(at);
+    w.write(&c, 1);
+    ASSERT_TRUE(w.good());
+  }
+  RankFileReader r = RankFileReader::Open(f.path);
+  for (const Strategy& s : Strategies()) {
+    SCOPED_TRACE(Describe(s));
+    std::vector<std::string> got;
+    std::vector<LoadTarget> targets;
+    got.reserve(f.data.size());
+    for (size_t i = 0; i < f.data.size(); ++i) {
+      got.emplace_back(f.data[i].size(), '\0');
+      targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
+    }
+    HostDeviceCopier copier;
+    EXPECT_TRUE(ThrowsError([&] { LoadRankFile(r, targets, &copier, Options(s)); },
+                            ErrorCode::kDataLoss,
+                            {f.path.string(), "tensor \"d\" chunk 1", "checksum mismatch"}));
+  }
+}
+
+}  // namespace
+}  // namespace reshard
