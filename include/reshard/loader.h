@@ -51,7 +51,8 @@ struct LoadTarget {
   bool on_device = false;
 };
 
-/// kAuto: buffered reads when the file is in the page cache, kReadahead when it is not.
+/// kAuto: buffered reads when the file is in the page cache; when it is not, kDirect for a
+/// load whose targets are all on the device, else kReadahead.
 /// kReadahead: buffered reads by the workers while one thread asks the kernel to read ahead
 /// (posix_fadvise WILLNEED) in file order, so the disk sees one sequential stream.
 /// kDirect: O_DIRECT reads into the staging buffers (device targets only).
@@ -70,8 +71,8 @@ struct LoadOptions {
   /// The same, and the number of reader threads (0: `threads`), for a file read from disk
   /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
   /// sequential requests suit disks (BENCHMARKS.md §7).
-  uint64_t cold_span_bytes = 16ull << 20;
-  unsigned cold_threads = 4;
+  uint64_t cold_span_bytes = 4ull << 20;
+  unsigned cold_threads = 8;
   /// For a file in the page cache, with checksums on: each chunk is read in pieces of this
   /// many bytes, each hashed right after it is read, while it is still in the core's cache
   /// (0: read the whole span, then hash it).

@@ -21,8 +21,19 @@ _CONVERT_BATCH_BYTES = 64 << 20
 
 
 def _default_threads() -> int:
-    """Reader threads of a load (and lanes of its CUDA copier) when the caller names none."""
-    return min(8, os.cpu_count() or 1)
+    """Reader threads of a load (and lanes of its CUDA copier) when the caller names none:
+    16 (the best measured on the GPU machine, BENCHMARKS.md §7) or this process's share of
+    the CPUs it may run on among the job's processes on this host (torchrun's
+    LOCAL_WORLD_SIZE), at least 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(4, min(16, cpus // local))
 
 
 _atexit_registered = False

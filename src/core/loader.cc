@@ -61,9 +61,10 @@ double PageCacheResidency(const std::string& path) {
   if (map == MAP_FAILED) return 0.0;
   const long page = ::sysconf(_SC_PAGESIZE);
   const size_t pages = (size + page - 1) / page;
-  // Sample up to 4096 pages spread over the file: enough to tell cold from warm without
-  // walking every page of a many-GB file.
-  const size_t samples = std::min<size_t>(pages, 4096);
+  // Sample up to 256 pages spread over the file: enough to tell cold from warm (the loader
+  // only asks "mostly cached?") without walking every page of a many-GB file. Each sample
+  // is a system call: 4096 of them took 2-4 ms, most of a small warm load (BENCHMARKS.md).
+  const size_t samples = std::min<size_t>(pages, 256);
   size_t resident = 0;
   unsigned char v = 0;
   for (size_t i = 0; i < samples; ++i) {
@@ -127,10 +128,11 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     for (uint64_t c = 0; c < e.ChunkCount(cs); ++c) items.push_back({j, c});
   }
 
-  // Files in the page cache are read with plain buffered reads. For cold files, measured on
-  // the GPU machine's virtual disk (BENCHMARKS.md), one sequential kernel read-ahead stream
-  // beats O_DIRECT requests, so kAuto picks kReadahead; kDirect stays available (device
-  // targets only: host targets are read into place, unaligned).
+  // Files in the page cache are read with plain buffered reads. Files on disk, measured on
+  // the GPU machine's virtual disk (BENCHMARKS.md §7, scripts/bench_loader_knobs.py): O_DIRECT
+  // spans of several MiB from a few threads reach the sequential-read ceiling (0.95-1.02×),
+  // buffered reads with kernel read-ahead 0.63-0.96×; so kAuto picks kDirect for device
+  // targets (host targets are read into place, unaligned: kReadahead).
   bool direct = false;
   bool readahead = options.io == IoMode::kReadahead;
   if (options.io == IoMode::kDirect) {
@@ -139,7 +141,12 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     const auto tr = Clock::now();
     report.resident_fraction = PageCacheResidency(file.path());
     report.residency_seconds = since(tr);
-    readahead = report.resident_fraction < 0.5;
+    if (report.resident_fraction < 0.5) {
+      bool all_device = true;
+      for (const auto& j : jobs) all_device &= j.target->on_device || j.entry->nbytes == 0;
+      direct = any_device && all_device;
+      readahead = !direct;
+    }
   }
   File direct_file;
   if (direct) {
@@ -147,6 +154,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       direct_file = File::OpenRead(file.path(), /*direct=*/true);
     } catch (const Error&) {
       direct = false;  // e.g. tmpfs refuses O_DIRECT
+      readahead = options.io == IoMode::kAuto;
     }
   }
   report.direct_io = direct;

@@ -5,6 +5,8 @@
 // corrupted chunk must stop the load naming the tensor and chunk.
 #include <algorithm>
 #include <cstdint>
+#include <fcntl.h>
+#include <unistd.h>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -17,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "reshard/file_io.h"
 #include "reshard/loader.h"
 #include "reshard/rank_file.h"
 #include "reshard/rank_writer.h"
@@ -243,6 +246,54 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   EXPECT_GT(rb.span_bytes, 10 * kChunk);
   EXPECT_EQ(rb.threads, 1u);  // one span: one thread
   for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+}
+
+// Drops the file's pages from the page cache (clean pages of a file we wrote and synced).
+void Evict(const fs::path& path) {
+  File f = File::OpenRead(path);
+  ::fdatasync(f.fd());
+  ::posix_fadvise(f.fd(), 0, 0, POSIX_FADV_DONTNEED);
+}
+
+TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
+  Fixture f;
+  MakeFile(f);
+  RankFileReader r = RankFileReader::Open(f.path);
+  for (bool all_device : {true, false}) {
+    SCOPED_TRACE(all_device ? "device targets" : "device and host targets");
+    std::vector<std::string> got;
+    std::vector<LoadTarget> targets;
+    got.reserve(f.data.size());
+    for (size_t i = 0; i < f.data.size(); ++i) {
+      got.emplace_back(f.data[i].size(), '\0');
+      targets.push_back({f.names[i], got[i].data(), got[i].size(), all_device || i % 2 == 0});
+    }
+    LoadOptions o;  // kAuto, the defaults
+    Evict(f.path);
+    if (PageCacheResidency(f.path.string()) > 0.5) GTEST_SKIP() << "the kernel kept the pages";
+    HostDeviceCopier cold_copier;
+    const LoadReport cold = LoadRankFile(r, targets, &cold_copier, o);
+    EXPECT_TRUE(cold.cold);
+    EXPECT_LT(cold.resident_fraction, 0.5);
+    // O_DIRECT for an all-device load where the file system allows it, else read-ahead.
+    EXPECT_EQ(cold.direct_io || cold.readahead, true);
+    if (!all_device) EXPECT_FALSE(cold.direct_io);
+    EXPECT_LE(cold.threads, o.cold_threads);
+    for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+
+    for (auto& g : got) std::fill(g.begin(), g.end(), '\0');
+    {
+      std::string all;  // read the file: now it is in the page cache
+      all.resize(fs::file_size(f.path));
+      File::OpenRead(f.path).PReadExact(all.data(), all.size(), 0);
+    }
+    HostDeviceCopier warm_copier;
+    const LoadReport warm = LoadRankFile(r, targets, &warm_copier, o);
+    EXPECT_FALSE(warm.cold);
+    EXPECT_GE(warm.resident_fraction, 0.5);
+    EXPECT_FALSE(warm.direct_io || warm.readahead);
+    for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+  }
 }
 
 TEST(LoadRankFile, CorruptChunkStopsEveryStrategy) {

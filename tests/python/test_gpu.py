@@ -4,6 +4,7 @@ deselects them by marker; if selected on a machine without CUDA they fail, never
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,3 +157,60 @@ def test_fsdp1_on_cuda_equals_fsdp1_own_sharding(llama_bf16, tmp_path, orig):
     assert len(results) == n
     for r in results:
         assert r["ok"], r
+
+
+@pytest.mark.parametrize("span,piece", [(0, 0), (0, 4096), (4 << 20, 0), (1 << 30, 1000)])
+def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece):
+    """Warm spans (adjacent chunks in one read and one copy per tensor run), chunks hashed in
+    pieces, and cold O_DIRECT spans from fewer threads: every tensor equals the source."""
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1, "--chunk-size", "8192")
+    src = _source_tensors(str(llama_bf16))
+    path = str(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
+    header = json.loads(reshard._C.read_header(path))
+    for io in ("buffered", "direct"):
+        dests, targets = {}, []
+        for e in header["tensors"]:
+            t = torch.full(e["local_shape"], float("nan"), dtype=src[e["name"]].dtype, device="cuda")
+            dests[e["name"]] = t
+            targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
+        report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=3, io=io,
+                                 span_bytes=span, hash_piece_bytes=piece, cold_threads=2,
+                                 cold_span_bytes=span or (3 << 20))
+        assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
+        assert report["span_bytes"] <= max(8192, span or (3 << 20) if io == "direct" else span or 8192)
+        for name, t in dests.items():
+            assert torch.equal(t.cpu().view(torch.uint8), src[name].contiguous().view(torch.uint8)), (io, name)
+
+
+def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path):
+    """reshard.prepare sets the copy engine up in the background: a first load in a fresh
+    process that called it allocates no staging; one that did not, does."""
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1)
+    script = (
+        "import sys, torch, reshard\n"
+        "torch.cuda.set_device(0)\n"
+        "torch.empty(1, device='cuda')\n"
+        "prepared = sys.argv[2] == '1'\n"
+        "if prepared:\n"
+        "    assert reshard.prepare(wait=True) is True\n"
+        "model = reshard.empty_model(sys.argv[1])\n"
+        "model.to_empty(device='cuda')\n"
+        "r = reshard.load(model, sys.argv[1])\n"
+        "print('ALLOC', r.staging_alloc_seconds, r.bytes)\n")
+    env = dict(os.environ, RESHARD_PREPARE="0")  # no automatic prepare in empty_model
+    got = {}
+    for prepared in ("1", "0"):
+        p = subprocess.run([sys.executable, "-c", script, str(out), prepared],
+                           env=env if prepared == "0" else {k: v for k, v in os.environ.items()
+                                                            if k != "RESHARD_PREPARE"},
+                           capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        line = [x for x in p.stdout.splitlines() if x.startswith("ALLOC")][-1].split()
+        got[prepared] = (float(line[1]), int(line[2]))
+    assert got["1"][0] == 0.0 and got["1"][1] > 0, got
+    assert got["0"][0] > 0.0, got

@@ -257,3 +257,14 @@ def test_native_load_rejects_bad_targets(ckpts, tmp_path):
     if not reshard.build_info()["cuda"]:
         with pytest.raises(reshard.ReshardError, match="no CUDA support"):
             reshard._C.load(path, [(name, buf.data_ptr(), header["tensors"][0]["nbytes"], True)])
+
+
+def test_prepare_is_a_no_op_without_cuda(monkeypatch):
+    """reshard.prepare never creates a CUDA context on its own: without CUDA (or with
+    RESHARD_PREPARE=0) it does nothing and says so."""
+    import reshard
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert reshard.prepare() is False
+    monkeypatch.setenv("RESHARD_PREPARE", "0")
+    assert reshard.prepare("cuda:0") is False
