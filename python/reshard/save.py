@@ -464,9 +464,9 @@ def _fsdp1_local_shard(unit: str, handle, world: int) -> torch.Tensor:
     from .api import _flat_entry_name
 
     fp = handle.flat_param
-    if handle._use_orig_params and handle.is_sharded(fp):
+    if handle._use_orig_params:
         # Parameters whose storage was replaced (not updated in place) go back into the
-        # FlatParameter first, as FSDP does before its next unshard.
+        # FlatParameter first, as FSDP does before its next unshard (a no-op while unsharded).
         handle._writeback_orig_params()
     t = getattr(fp, "_local_shard", None)
     c = -(-int(fp._unpadded_unsharded_size.numel()) // world)

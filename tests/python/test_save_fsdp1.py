@@ -228,6 +228,22 @@ def test_fsdp1_trained_save_exports_and_round_trips(checkpoint, cli, tmp_path, c
         cli("verify", saved / key / "optim", rc=0)
 
 
+@pytest.mark.parametrize("orig", [False, True])
+def test_fsdp1_world_size_1_no_shard_round_trip(checkpoint, cli, tmp_path, orig):
+    """One process: FSDP1 turns into NO_SHARD (the whole FlatParameter, original-shaped views
+    and optimizer state under use_orig_params); saved as the world-size-1 fsdp1 layout."""
+    src = checkpoint("qwen2", "fp32", False)
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    key = _fsdp1_layout(src, out, 1, *(["--use-orig-params"] if orig else []))
+    (r,) = _worker(1, out, saved, tmp_path / "result", "--steps", 2, "--no-source",
+                   *(["--orig"] if orig else []))
+    assert r["layout"] == key and r["wrote"] and r["state_tensors"] > 0
+    cli("verify", saved, rc=0)
+    cli("verify", saved / key / "optim", rc=0)
+    # source=None: config.json from the model; no model manifest to copy.
+    assert set(_manifest(saved)["aux_files"]) == {"config.json", "generation_config.json"}
+
+
 def test_fsdp1_hybrid_shard_only_one_replica_writes(checkpoint, cli, tmp_path):
     src = checkpoint("llama", "bf16", True)
     out, saved = tmp_path / "out", tmp_path / "saved"
