@@ -295,7 +295,8 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str) -> List[str]:
             names = [a for a in json.load(f).get("aux_files", [])
                      if os.path.exists(os.path.join(source, a))]
         # The model manifest (fsdp1 layouts are planned from it) comes along even when SOURCE
-        # holds only fsdp2 layouts: OUT can then be converted into further layouts.
+        # lists it not (it holds only fsdp2 layouts): `reshard export` of OUT passes it on, so
+        # the export converts into fsdp1 layouts directly.
         if MODEL_MANIFEST not in names and os.path.exists(os.path.join(source, MODEL_MANIFEST)):
             names.append(MODEL_MANIFEST)
         for a in names:

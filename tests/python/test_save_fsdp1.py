@@ -198,6 +198,23 @@ def test_fsdp1_trained_save_exports_and_round_trips(checkpoint, cli, tmp_path, c
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), want[n]), n
+    # The export carries reshard-model.json along: converted with the job's flags (its own
+    # dtype, fp32), it gives the saved rank files back, entries and bytes.
+    assert (hf / "reshard-model.json").read_bytes() == (out / "reshard-model.json").read_bytes()
+    again = tmp_path / "again"
+    layout_flags = [f for f in flags if f not in ("--dtype", "fp32")]
+    r = cli("convert", hf, "-o", again, "--world-size", world, "--layout", "fsdp1", *layout_flags,
+            "--json", rc=0)
+    assert json.loads(r.out)["layout"] == key
+    for rank in range(world):
+        a, da = _rank_file(again / key / f"rank-{rank:05d}-of-{world:05d}.reshard")
+        b, db = _rank_file(saved / key / f"rank-{rank:05d}-of-{world:05d}.reshard")
+        assert a["layout"] == b["layout"]
+        assert [t["name"] for t in a["tensors"]] == [t["name"] for t in b["tensors"]]
+        for t, u in zip(a["tensors"], b["tensors"]):
+            for field in ("dtype", "global_shape", "shard", "local_shape", "flat", "xxh3"):
+                assert t.get(field) == u.get(field), (rank, t["name"], field)
+            assert da[t["name"]] == db[t["name"]], (rank, t["name"])
 
     # The optimizer files: this rank's state as it is, described per shard coordinate.
     meta = json.load(open(saved / key / "optim" / "optimizer.json"))
