@@ -34,7 +34,11 @@ continues from there with the same data order,
 step count and RNG state: the losses are those of an uninterrupted run. ``--steps`` counts
 all steps, including those before the checkpoint.
 
-CPU (gloo) when there is no GPU, CUDA (NCCL) otherwise. Only FSDP2 layouts are supported.
+With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
+fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
+fsdp1 layout of the job and resumed from it the same way.
+
+CPU (gloo) when there is no GPU, CUDA (NCCL) otherwise.
 """
 
 from __future__ import annotations
@@ -404,9 +408,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.save_every < 0:
         ap.error("--save-every must be at least 0")
-    if args.fsdp1 and (args.save_dir or args.resume):
-        ap.error("--save-dir/--resume need reshard.save, which supports FSDP2 only so far; "
-                 "drop --fsdp1 or the checkpointing flags")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         least = 0 if name == "steps" else 1
         if getattr(args, name) < least:

@@ -98,6 +98,48 @@ reshard::IoMode ParseIo(const std::string& io) {
                        "io must be auto, buffered, direct or readahead, not \"" + io + "\"");
 }
 
+// The FSDP1 fields of a layout, from Python: (wrap classes, use_orig_params, param_dtype).
+using Fsdp1Arg = std::tuple<std::vector<std::string>, bool, std::string>;
+// One flat object (formats/rank-file.md, FSDP1 layouts): (unit, numel, aligned_numel,
+// params as (fqn, key, shape, offset), shared).
+using FlatParamArg = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t>;
+using FlatArg = std::tuple<std::string, uint64_t, uint64_t, std::vector<FlatParamArg>,
+                           std::vector<std::string>>;
+
+// The layout a save writes: FSDP2 without `fsdp1`, else FSDP1 with its fields; dtype policy
+// "keep" (saved bytes are the live ones). Normalized as `reshard convert` normalizes it.
+reshard::LayoutSpec SavedLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1) {
+  reshard::LayoutSpec spec;
+  spec.world_size = world_size;
+  spec.dtype = "keep";
+  if (fsdp1) {
+    spec.kind = reshard::LayoutKind::kFsdp1;
+    std::tie(spec.wrap, spec.use_orig_params, spec.param_dtype) = *fsdp1;
+  }
+  spec.Normalize();
+  return spec;
+}
+
+std::shared_ptr<const reshard::FlatInfo> MakeFlat(const std::string& entry, const FlatArg& arg) {
+  auto flat = std::make_shared<reshard::FlatInfo>();
+  const auto& [unit, numel, aligned_numel, params, shared] = arg;
+  flat->unit = unit;
+  flat->numel = numel;
+  flat->aligned_numel = aligned_numel;
+  flat->shared = shared;
+  for (const auto& [fqn, key, shape, offset] : params) {
+    reshard::FlatParamInfo p;
+    p.fqn = fqn;
+    p.key = key;
+    p.shape = shape;
+    p.offset = offset;
+    p.numel = 1;
+    for (uint64_t d : shape) p.numel = reshard::CheckedMul(p.numel, d, "tensor \"" + entry + "\": " + fqn);
+    flat->params.push_back(std::move(p));
+  }
+  return flat;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -256,10 +298,23 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& path, const std::string& layout_key, uint32_t world_size,
          uint32_t rank, uint64_t save_id, std::optional<uint64_t> step,
          const std::vector<SaveTensor>& tensors, uint64_t chunk_size, int device,
-         uint64_t staging_bytes, bool verify, double pause_seconds) {
+         uint64_t staging_bytes, bool verify, double pause_seconds,
+         const std::optional<Fsdp1Arg>& fsdp1, const std::map<std::string, FlatArg>& flat) {
+        const reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
+        if (spec.Key() != layout_key) {
+          throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                               path + ": layout key \"" + layout_key +
+                                   "\" is not the key of the layout described (\"" + spec.Key() +
+                                   "\")");
+        }
         reshard::RankFileHeader h;
         h.layout_key = layout_key;
+        h.kind = spec.kind;
         h.world_size = world_size;
+        h.dtype_policy = spec.dtype;
+        h.wrap = spec.wrap;
+        h.use_orig_params = spec.use_orig_params;
+        h.param_dtype = spec.param_dtype;
         h.rank = rank;
         h.source = reshard::SourceFingerprint::FromSaved({save_id, step});
         h.chunk_size = chunk_size;
@@ -282,9 +337,20 @@ PYBIND11_MODULE(_C, m) {
             e.rows = {start, end};
             if (!shape.empty()) e.local_shape[0] = end - start;
           }
+          if (auto it = flat.find(name); it != flat.end()) {
+            // A rank's flat shard is c = ceil(numel / W) elements, zero-padded past numel.
+            e.flat = MakeFlat(name, it->second);
+            e.local_shape = {reshard::CeilDiv(e.flat->numel, world_size)};
+          }
           h.tensors.push_back(std::move(e));
           sources.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, on_device});
           any_device |= on_device && nbytes > 0;
+        }
+        for (const auto& [name, _] : flat) {
+          if (!h.Find(name)) {
+            throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                                 path + ": a flat object for \"" + name + "\", which is no tensor");
+          }
         }
         reshard::SaveOptions o;
         o.staging_bytes = staging_bytes;
@@ -321,22 +387,39 @@ PYBIND11_MODULE(_C, m) {
       py::arg("save_id"), py::arg("step"), py::arg("tensors"),
       py::arg("chunk_size") = reshard::kDefaultChunkSize, py::arg("device") = 0,
       py::arg("staging_bytes") = 32ull << 20, py::arg("verify") = false,
-      py::arg("pause_seconds") = 0.0,
+      py::arg("pause_seconds") = 0.0, py::arg("fsdp1") = std::nullopt,
+      py::arg("flat") = std::map<std::string, FlatArg>{},
       "Writes one rank file atomically from raw sources: tensors are (name, dtype, "
-      "global_shape, sharded, row_start, row_end, pointer, nbytes, on_device) tuples.");
+      "global_shape, sharded, row_start, row_end, pointer, nbytes, on_device) tuples. "
+      "layout_key must be the key of the layout: fsdp2-wsN, or with fsdp1=(wrap, "
+      "use_orig_params, param_dtype) the FSDP1 one; flat maps entry names to their flat "
+      "objects (unit, numel, aligned_numel, [(fqn, key, shape, offset)], shared), whose "
+      "local shape is then [ceil(numel / world_size)].");
+
+  m.def(
+      "layout_key",
+      [](uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1) {
+        return SavedLayout(world_size, fsdp1).Key();
+      },
+      py::arg("world_size"), py::arg("fsdp1") = std::nullopt,
+      "Key of the layout a save writes (dtype policy keep): fsdp2-wsN, or with "
+      "fsdp1=(wrap, use_orig_params, param_dtype) the key `reshard convert --layout fsdp1` "
+      "gives those flags.");
 
   m.def(
       "write_saved_manifest",
       [](const std::string& out, uint32_t world_size, uint64_t save_id,
-         std::optional<uint64_t> step, const std::vector<std::string>& aux_files) {
+         std::optional<uint64_t> step, const std::vector<std::string>& aux_files,
+         const std::optional<Fsdp1Arg>& fsdp1) {
+        const reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
         py::gil_scoped_release release;
-        reshard::LayoutSpec spec{reshard::LayoutKind::kFsdp2, world_size, "keep"};
         return reshard::WriteSavedManifest(out, spec,
                                            reshard::SourceFingerprint::FromSaved({save_id, step}),
                                            aux_files)
             .key;
       },
       py::arg("out"), py::arg("world_size"), py::arg("save_id"), py::arg("step"),
-      py::arg("aux_files"),
-      "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json.");
+      py::arg("aux_files"), py::arg("fsdp1") = std::nullopt,
+      "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json. "
+      "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout.");
 }

@@ -108,13 +108,6 @@ def main():
     if args.expect_error:
         problem(f"expected an error containing {args.expect_error!r}, load succeeded")
     result["layout"] = report.layout
-    # reshard.save has no FSDP1 support yet: it must refuse, never write FSDP2-looking files.
-    try:
-        reshard.save(loaded, os.path.join(os.path.dirname(args.result), f"save-{rank}"))
-        problem("reshard.save accepted an FSDP1 model")
-    except reshard.ReshardError as e:
-        if "FSDP1" not in str(e):
-            problem(f"reshard.save refused an FSDP1 model without saying why: {e}")
     result["bytes"] = report.bytes
     result["units"] = []
     shards = {u: h for u, _, h in _fsdp1_units(loaded)}

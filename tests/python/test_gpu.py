@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import reshard
 from checkpoints import make_checkpoint
-from test_load import convert, run_ranks
+from test_load import RESHARD, convert, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -214,3 +214,48 @@ def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path):
         got[prepared] = (float(line[1]), int(line[2]))
     assert got["1"][0] == 0.0 and got["1"][1] > 0, got
     assert got["0"][0] > 0.0, got
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_fsdp1_save_from_cuda_round_trips(llama_bf16, tmp_path, orig):
+    """reshard.save of an FSDP1 model on CUDA (NCCL, one process per visible GPU; one GPU:
+    NO_SHARD, world size 1) after two AdamW steps: the flat shards go device → pinned staging →
+    file; a fresh FSDP1 model and optimizer loaded from the save equal the trained ones and take
+    the same next step (tests/python/fsdp1_save_worker.py); the checkpoint verifies, and
+    `reshard export` of it equals FSDP1's own gathered parameters byte for byte."""
+    _require_cuda()
+    import glob
+    import sys
+
+    n = torch.cuda.device_count()
+    out, saved, result = tmp_path / "out", tmp_path / "saved", tmp_path / "result"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(here, "..", "..", "python"), here]))
+    subprocess.run([sys.executable, "-m", "reshard.manifest", str(llama_bf16), "-o",
+                    str(out / "reshard-model.json")], check=True, env=env, capture_output=True)
+    flags = ["--use-orig-params", "--param-dtype", "bf16"] if orig else []
+    convert(llama_bf16, out, n, "--layout", "fsdp1", "--dtype", "fp32", *flags)
+    worker = ["--live-dtype", "fp32", "--device", "cuda", "--steps", "2"] + \
+        (["--orig", "--param-dtype", "bf16"] if orig else [])
+    os.makedirs(result)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n),
+                           os.path.join(here, "fsdp1_save_worker.py"), "--out", str(out), "--save",
+                           str(saved), "--result", str(result), *worker],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    reports = [json.load(open(os.path.join(result, f"rank-{r}.json"))) for r in range(n)]
+    key = "fsdp1-ws%d-LlamaDecoderLayer%s" % (n, "-orig-pbf16" if orig else "")
+    for r in reports:
+        assert r["layout"] == key and r["wrote"] and r["state_tensors"] > 0, r
+    subprocess.run([RESHARD, "verify", str(saved)], check=True, capture_output=True)
+    hf = tmp_path / "hf"
+    subprocess.run([RESHARD, "export", str(saved), "-o", str(hf)], check=True, capture_output=True)
+    got, want = {}, {}
+    for d, dst in ((hf, got), (result, want)):
+        for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+            with safe_open(f, "pt") as h:
+                for k in h.keys():
+                    dst[k] = h.get_tensor(k)
+    assert sorted(got) == sorted(want) and want
+    for k in want:
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k

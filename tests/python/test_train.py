@@ -6,6 +6,8 @@ several processes (torchrun / accelerate launch), FSDP2 on gloo, real transforme
 * one process (no torchrun): .jsonl data, byte-level tokens, and a wrong reference refused;
 * accelerate launch, two processes: accelerate's fp32 upcast, weights equal
   from_pretrained(...).float(), the loss falls;
+* FSDP1 (--fsdp1, accelerate's FSDP1 plugin): weights equal from_pretrained, the loss falls;
+  --save-dir / --resume with --fsdp1 --use-orig-params give the uninterrupted losses;
 * host memory: a ~500 MB Llama-shaped bf16 checkpoint; what each rank's peak RSS grows by during
   the load is bounded by that rank's bytes (and is far from the whole model).
 """
@@ -374,3 +376,42 @@ def test_accelerate_recipe_fsdp1_two_processes(tiny, fsdp1_out, tmp_path):
         assert rep["params_checked"] == n_params
     first, last = _loss_fell(reps[0]["losses"], 1.0)
     print(f"\naccelerate recipe (fsdp1.yaml) 2 ranks: loss {first:.3f} -> {last:.3f}")
+
+
+def test_trainer_fsdp1_resume_gives_the_uninterrupted_losses(tiny, reshard_bin, tmp_path):
+    """--fsdp1 --use-orig-params (bf16 mixed precision, fp32 master weights): N steps + save +
+    resume N steps give exactly the losses and gradient norms of 2N uninterrupted steps; every
+    checkpoint is in the job's own fsdp1 layout and verifies."""
+    out = str(tmp_path / "out")
+    _run([sys.executable, "-m", "reshard.manifest", tiny["src"], "-o", os.path.join(out, "reshard-model.json")])
+    _run([reshard_bin, "convert", tiny["src"], "-o", out, "--world-size", "2", "--layout", "fsdp1",
+          "--use-orig-params", "--param-dtype", "bf16", "--dtype", "fp32"])
+
+    def train(json_dir, *extra):
+        proc, _ = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", out,
+                        "--fsdp1", "--use-orig-params", "--seq-len", "32", "--batch-size", "2",
+                        "--lr", "3e-3", "--warmup-steps", "2", "--grad-accum", "2",
+                        "--json-out", json_dir, *map(str, extra)], timeout=400)
+        return _reports(json_dir, 2), proc
+
+    whole, _ = train(tmp_path / "whole", "--steps", 6)
+    saves = tmp_path / "saves"
+    first, _ = train(tmp_path / "first", "--steps", 3, "--save-dir", saves)
+    assert first[0]["checkpoints"] == [str(saves / "step-00000003")]
+    key = "fsdp1-ws2-LlamaDecoderLayer-orig-pbf16"
+    with open(saves / "step-00000003" / "reshard.json") as f:
+        assert list(json.load(f)["layouts"]) == [key]
+    _run([reshard_bin, "verify", saves / "step-00000003"])
+    second, proc = train(tmp_path / "second", "--steps", 6, "--resume", saves, "--save-dir", saves,
+                         "--save-every", 2)
+    assert "resume:" in proc.stdout and "at step 3" in proc.stdout
+    assert second[0]["first_step"] == 4 and second[0]["fsdp"] == 1
+    assert second[0]["load"]["file"].endswith(f"step-00000003/{key}/rank-00000-of-00002.reshard")
+    assert second[0]["checkpoints"] == [str(saves / "step-00000004"), str(saves / "step-00000006")]
+    for r in range(2):
+        assert len(whole[r]["losses"]) == 6 and len(second[r]["losses"]) == 3
+        # Exactly: same weights, optimizer state, data order and learning rates.
+        assert first[r]["losses"] == whole[r]["losses"][:3]
+        assert second[r]["losses"] == whole[r]["losses"][3:], (second[r]["losses"], whole[r]["losses"])
+        assert second[r]["grad_norms"] == whole[r]["grad_norms"][3:]
+    _run([reshard_bin, "verify", saves / "step-00000006"])
