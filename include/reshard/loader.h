@@ -68,7 +68,7 @@ struct LoadOptions {
   /// this many bytes, read with one pread into one staging slot and copied with one
   /// cudaMemcpyAsync per tensor. 0: one chunk at a time.
   uint64_t span_bytes = 0;
-  /// The same, and the number of reader threads (0: `threads`), for a file read from disk
+  /// The same, and the number of reader threads (0: `threads`; never more), for a file read from disk
   /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
   /// sequential requests suit disks (BENCHMARKS.md §7).
   uint64_t cold_span_bytes = 4ull << 20;

@@ -428,7 +428,6 @@ def init_distributed(device_arg: str) -> Tuple[int, int, torch.device]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
         kwargs["device_id"] = device  # binds NCCL to this rank's GPU
-        reshard.prepare(device)  # the copy engine is set up in the background meanwhile
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, **kwargs)
@@ -578,6 +577,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     t_job = time.perf_counter()
     rank, world, device = init_distributed(args.device)
+    if device.type == "cuda":  # the copy engine is set up in the background meanwhile
+        reshard.prepare(device, threads=args.threads)
 
     def log0(msg: str) -> None:
         if rank == 0:

@@ -200,7 +200,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     spans.push_back({i, 1, at, at + len, device_raw});
   }
 
-  const unsigned want_threads = cold && options.cold_threads ? options.cold_threads : options.threads;
+  // Cold loads use at most `threads` too: a copier has one lane per thread of `threads`.
+  const unsigned want_threads = cold && options.cold_threads
+                                    ? std::min(options.cold_threads, std::max(1u, options.threads))
+                                    : options.threads;
   const unsigned threads = static_cast<unsigned>(
       std::max<size_t>(1, std::min<size_t>(want_threads ? want_threads : 1, spans.size())));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));

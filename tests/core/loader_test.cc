@@ -38,6 +38,8 @@ constexpr uint64_t kChunk = 8192;
 // enqueueing its copy, lands wrong bytes.
 class HostDeviceCopier final : public DeviceCopier {
  public:
+  // A copier has a fixed number of lanes (the module makes one per thread of `threads`).
+  explicit HostDeviceCopier(int lanes = 64) : lanes_(lanes) {}
   double Reserve(size_t bytes, int) override {
     std::lock_guard<std::mutex> g(mu_);
     ++reserves;
@@ -47,6 +49,9 @@ class HostDeviceCopier final : public DeviceCopier {
   void* Staging(int lane, int slot, size_t bytes) override {
     std::lock_guard<std::mutex> g(mu_);
     if (bytes > max_reserved) misuse = "Staging asked for more than Reserve";
+    if (lane < 0 || lane >= lanes_) {
+      misuse = "lane " + std::to_string(lane) + " of a copier with " + std::to_string(lanes_);
+    }
     if (!pending_[{lane, slot}].empty()) misuse = "staging handed out with copies in flight";
     auto& b = buffers_[{lane, slot}];
     if (b.size < bytes) {  // page-aligned, as pinned memory is (O_DIRECT reads into it)
@@ -85,6 +90,7 @@ class HostDeviceCopier final : public DeviceCopier {
     for (const Copy& c : p) std::memcpy(c.dst, c.src, c.n);
     p.clear();
   }
+  int lanes_;
   std::mutex mu_;
   struct Free {
     void operator()(char* p) const { std::free(p); }
@@ -170,6 +176,7 @@ std::vector<Strategy> Strategies() {
       }
     }
     out.push_back({io, 3, 0, 5 * kChunk, 0, 2});
+    out.push_back({io, 3, 0, 2 * kChunk, 0, 8});  // more cold threads than threads: capped
   }
   return out;
 }
@@ -202,7 +209,7 @@ TEST(LoadRankFile, EveryStrategyLandsEveryByte) {
         // Alternate device and host destinations; the device ones through the copier.
         targets.push_back({f.names[i], got[i].data(), got[i].size(), i % 3 != 1});
       }
-      HostDeviceCopier copier;
+      HostDeviceCopier copier(static_cast<int>(s.threads));
       const LoadReport rep = LoadRankFile(r, targets, &copier, Options(s));
       EXPECT_EQ(copier.misuse, "");
       EXPECT_GE(copier.reserves, 1);
@@ -271,14 +278,15 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
     LoadOptions o;  // kAuto, the defaults
     Evict(f.path);
     if (PageCacheResidency(f.path.string()) > 0.5) GTEST_SKIP() << "the kernel kept the pages";
-    HostDeviceCopier cold_copier;
+    HostDeviceCopier cold_copier(static_cast<int>(o.threads));
     const LoadReport cold = LoadRankFile(r, targets, &cold_copier, o);
     EXPECT_TRUE(cold.cold);
     EXPECT_LT(cold.resident_fraction, 0.5);
     // O_DIRECT for an all-device load where the file system allows it, else read-ahead.
     EXPECT_EQ(cold.direct_io || cold.readahead, true);
     if (!all_device) EXPECT_FALSE(cold.direct_io);
-    EXPECT_LE(cold.threads, o.cold_threads);
+    EXPECT_LE(cold.threads, std::min(o.cold_threads, o.threads));
+    EXPECT_EQ(cold_copier.misuse, "");
     for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
 
     for (auto& g : got) std::fill(g.begin(), g.end(), '\0');
@@ -287,7 +295,7 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
       all.resize(fs::file_size(f.path));
       File::OpenRead(f.path).PReadExact(all.data(), all.size(), 0);
     }
-    HostDeviceCopier warm_copier;
+    HostDeviceCopier warm_copier(static_cast<int>(o.threads));
     const LoadReport warm = LoadRankFile(r, targets, &warm_copier, o);
     EXPECT_FALSE(warm.cold);
     EXPECT_GE(warm.resident_fraction, 0.5);
@@ -324,7 +332,7 @@ TEST(LoadRankFile, CorruptChunkStopsEveryStrategy) {
       got.emplace_back(f.data[i].size(), '\0');
       targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
     }
-    HostDeviceCopier copier;
+    HostDeviceCopier copier(static_cast<int>(s.threads));
     EXPECT_TRUE(ThrowsError([&] { LoadRankFile(r, targets, &copier, Options(s)); },
                             ErrorCode::kDataLoss,
                             {f.path.string(), "tensor \"d\" chunk 1", "checksum mismatch"}));
