@@ -31,7 +31,14 @@ namespace {
 #ifdef RESHARD_HAVE_CUDA
 // Copiers are cached per (device, lanes, slots) so that streams and pinned staging are made
 // once per process. prepare() makes one in the background (while the caller builds its
-// model); a load that needs it meanwhile waits for it on the registry's lock.
+// model). A copier is used by one load, save or prepare at a time: each holds the copier's
+// lease throughout (two at once would share lanes, and a Reserve during a load would re-carve
+// the staging under it); a load that comes while a prepare runs waits for it.
+struct CopierLease {
+  reshard::DeviceCopier* copier = nullptr;
+  std::unique_lock<std::mutex> lock;
+};
+
 class Copiers {
  public:
   static Copiers& Get() {
@@ -39,11 +46,17 @@ class Copiers {
     return *c;                        // and no copier outlives the CUDA runtime's teardown
   }
 
-  reshard::DeviceCopier* At(int device, int lanes, int slots) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto& c = cache_[{device, lanes, slots}];
-    if (!c) c = reshard::MakeCudaCopier(device, lanes, slots);
-    return c.get();
+  CopierLease Acquire(int device, int lanes, int slots) {
+    Entry* e = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& slot = cache_[{device, lanes, slots}];
+      if (!slot) slot = std::make_unique<Entry>();
+      e = slot.get();
+    }
+    std::unique_lock<std::mutex> use(e->use);
+    if (!e->copier) e->copier = reshard::MakeCudaCopier(device, lanes, slots);
+    return {e->copier.get(), std::move(use)};
   }
 
   // Creates the copier and reserves `slot_bytes` of staging per lane and slot on another
@@ -51,7 +64,8 @@ class Copiers {
   void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
     std::lock_guard<std::mutex> g(prep_mu_);
     pending_.push_back(std::async(std::launch::async, [=, this] {
-      At(device, lanes, slots)->Reserve(slot_bytes, lanes);
+      CopierLease lease = Acquire(device, lanes, slots);
+      lease.copier->Reserve(slot_bytes, lanes);
     }));
   }
 
@@ -65,14 +79,18 @@ class Copiers {
   }
 
  private:
-  std::mutex mu_;
-  std::map<std::tuple<int, int, int>, std::unique_ptr<reshard::DeviceCopier>> cache_;
+  struct Entry {
+    std::mutex use;  // held by the one load / save / prepare using the copier
+    std::unique_ptr<reshard::DeviceCopier> copier;
+  };
+  std::mutex mu_;  // guards cache_ (entries are never removed)
+  std::map<std::tuple<int, int, int>, std::unique_ptr<Entry>> cache_;
   std::mutex prep_mu_;
   std::vector<std::future<void>> pending_;
 };
 
-reshard::DeviceCopier* CachedCopier(int device, int lanes, int slots) {
-  return Copiers::Get().At(device, lanes, slots);
+CopierLease CachedCopier(int device, int lanes, int slots) {
+  return Copiers::Get().Acquire(device, lanes, slots);
 }
 #endif
 
@@ -221,10 +239,14 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release release;
           reshard::RankFileReader reader = reshard::RankFileReader::Open(path);
           reshard::DeviceCopier* copier = nullptr;
+#ifdef RESHARD_HAVE_CUDA
+          CopierLease lease;
+#endif
           if (any_device) {
 #ifdef RESHARD_HAVE_CUDA
             const unsigned lanes = std::max<unsigned>(1, threads);
-            copier = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
+            lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
+            copier = lease.copier;
 #else
             throw reshard::Error(reshard::ErrorCode::kUnsupported,
                                  "this reshard build has no CUDA support; rebuild with a CUDA "
@@ -364,9 +386,13 @@ PYBIND11_MODULE(_C, m) {
         {
           py::gil_scoped_release release;
           reshard::DeviceCopier* copier = nullptr;
+#ifdef RESHARD_HAVE_CUDA
+          CopierLease lease;
+#endif
           if (any_device) {
 #ifdef RESHARD_HAVE_CUDA
-            copier = CachedCopier(device, 1, 2);
+            lease = CachedCopier(device, 1, 2);
+            copier = lease.copier;
 #else
             throw reshard::Error(reshard::ErrorCode::kUnsupported,
                                  "this reshard build has no CUDA support; rebuild with a CUDA "
