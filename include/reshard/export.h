@@ -100,13 +100,15 @@ struct ExportResult {
   uint64_t tensors = 0;
   uint64_t total_size = 0;                // tensor bytes written (index metadata.total_size)
   uint64_t bytes_read = 0;                // decoded rank-file bytes read (checksums checked)
+  std::string config_dtype;               // set when config.json's dtype was rewritten to it
   double seconds = 0;
 };
 
 /// Writes layout `options.layout` of `options.out` as a Hugging Face checkpoint into
 /// `options.hf_dir`: model.safetensors, or model-0000i-of-0000N.safetensors +
 /// model.safetensors.index.json when the tensors (after `dtype`) exceed max_shard_size, plus
-/// the manifest's aux files (config.json, tokenizer files, ...). Files are byte for byte what
+/// the manifest's aux files (config.json, tokenizer files, ...; config.json's top-level
+/// "dtype"/"torch_dtype" is set to the exported weights' floating dtype when it names another). Files are byte for byte what
 /// safetensors.torch.save_file(..., metadata={"format": "pt"}) writes for the same tensors,
 /// grouped as save_pretrained groups them (SplitIntoShards, in the source's tensor order); the
 /// index is json.dumps(index, indent=2, sort_keys=True) + "\n" as transformers writes it.

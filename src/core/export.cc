@@ -17,6 +17,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 
@@ -359,6 +362,44 @@ void CopyFile(const fs::path& from, const fs::path& to) {
     at += n;
   }
   out.Sync();
+}
+
+// torch's name for a floating dtype, as transformers writes it in config.json ("dtype", or
+// "torch_dtype" before v5); empty for dtypes a config does not name.
+std::string_view TorchFloatName(DType d) {
+  switch (d) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kF64: return "float64";
+    default: return {};
+  }
+}
+
+// config.json with its top-level "dtype" / "torch_dtype" set to `name` where it says another
+// floating dtype; nullopt when nothing needs to change (the file is then copied as it is).
+// transformers loads a checkpoint in the dtype its config names (dtype="auto"), so a config
+// left at bfloat16 beside float32 weights would silently load them rounded to bfloat16.
+std::optional<std::string> ConfigWithDtype(const fs::path& config, std::string_view name) {
+  File in = File::OpenRead(config);
+  std::string text(in.Size(), '\0');
+  in.PReadExact(text.data(), text.size(), 0);
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return std::nullopt;  // not ours to judge: copied as is
+  bool changed = false;
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    auto it = j.find(key);
+    if (it == j.end() || !it->is_string()) continue;
+    const std::string was = it->get<std::string>();
+    const bool float_name = was == "float32" || was == "bfloat16" || was == "float16" ||
+                            was == "float64" || was == "float" || was == "half";
+    if (float_name && was != name) {
+      *it = std::string(name);
+      changed = true;
+    }
+  }
+  if (!changed) return std::nullopt;
+  return j.dump(2, ' ', /*ensure_ascii=*/false) + "\n";  // as transformers: indent 2, newline
 }
 
 bool IsWithin(const fs::path& inner, const fs::path& outer) {
@@ -781,12 +822,33 @@ ExportResult Export(const ExportOptions& o) {
     f.file.Sync();
     f.file.Close();
   }
+  // The floating dtype of the exported weights, when they have one.
+  std::optional<DType> float_dtype;
+  bool mixed = false;
+  for (const OutFile& f : files) {
+    for (const OutTensor& t : f.tensors) {
+      if (!Info(t.dtype).is_float) continue;
+      if (float_dtype && *float_dtype != t.dtype) mixed = true;
+      float_dtype = t.dtype;
+    }
+  }
   for (const auto& a : manifest->aux_files) {
     const fs::path from = o.out / a;
     if (!fs::exists(from, ec)) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");
     }
-    CopyFile(from, staging / a);
+    std::optional<std::string> config;
+    if (a == "config.json" && float_dtype && !mixed && !TorchFloatName(*float_dtype).empty()) {
+      config = ConfigWithDtype(from, TorchFloatName(*float_dtype));
+    }
+    if (config) {
+      File out = File::Create(staging / a);
+      out.PWriteExact(config->data(), config->size(), 0);
+      out.Sync();
+      result.config_dtype = std::string(TorchFloatName(*float_dtype));
+    } else {
+      CopyFile(from, staging / a);
+    }
     result.aux_files.push_back(a);
   }
   if (result.sharded) {

@@ -195,6 +195,26 @@ def test_dtype_equals_tensor_to(cli, checkpoint, tmp_path, arch, dtype, to):
     for k, v in src_tensors.items():
         want = v.to(torch_dtype) if v.is_floating_point() else v
         assert same_bits(got[k], want), k
+    # config.json names the weights' dtype (transformers loads in the config's dtype), and is
+    # otherwise the source's.
+    want_cfg = json.load(open(os.path.join(src, "config.json")))
+    got_cfg = json.load(open(hf / "config.json"))
+    name = str(torch_dtype).removeprefix("torch.")
+    key = "dtype" if "dtype" in want_cfg else "torch_dtype"
+    assert want_cfg[key] != name and got_cfg[key] == name, (want_cfg.get(key), got_cfg.get(key))
+    assert {k: v for k, v in got_cfg.items() if k != key} == {k: v for k, v in want_cfg.items() if k != key}
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert {p.dtype for p in model.parameters()} == {torch_dtype}
+
+
+def test_export_keeping_the_dtype_copies_config_as_it_is(cli, checkpoint, tmp_path):
+    src = checkpoint("qwen2", "bf16", True)
+    out, hf = tmp_path / "out", tmp_path / "hf"
+    convert(cli, src, out, 2)
+    export(cli, out, hf)
+    assert open(hf / "config.json", "rb").read() == open(os.path.join(src, "config.json"), "rb").read()
 
 
 def test_export_of_a_converted_layout(cli, checkpoint, tmp_path):

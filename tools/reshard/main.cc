@@ -339,6 +339,7 @@ int main(int argc, char** argv) {
                             {"sharded", r.sharded},          {"tensors", r.tensors},
                             {"total_size", r.total_size},    {"bytes_read", r.bytes_read},
                             {"seconds", r.seconds}};
+        if (!r.config_dtype.empty()) j["config_dtype"] = r.config_dtype;
         std::cout << j.dump(2) << "\n";
       } else {
         std::printf("wrote %s of layout %s into %s: %llu tensors, %zu weight file(s), %s in "
@@ -347,6 +348,9 @@ int main(int argc, char** argv) {
                     r.hf_dir.c_str(), static_cast<unsigned long long>(r.tensors),
                     r.weight_files.size(), Gb(r.total_size).c_str(), r.seconds,
                     r.seconds > 0 ? r.total_size / 1e9 / r.seconds : 0.0);
+        if (!r.config_dtype.empty()) {
+          std::printf("config.json: dtype set to %s, the weights' dtype\n", r.config_dtype.c_str());
+        }
       }
       return 0;
     }
