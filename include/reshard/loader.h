@@ -23,7 +23,8 @@ class DeviceCopier {
  public:
   virtual ~DeviceCopier() = default;
   /// Pinned host buffer for (lane, slot) of at least `bytes`, aligned to 4096 bytes (O_DIRECT
-  /// reads land in it), valid until the copier dies or a larger Reserve.
+  /// reads land in it), valid until the copier dies or the next Reserve (which may carve the
+  /// staging anew).
   virtual void* Staging(int lane, int slot, size_t bytes) = 0;
   /// Makes sure lanes [0, lanes) have `bytes` of staging per slot, allocating now rather
   /// than on a lane's first Staging call; returns the seconds spent allocating (0 when the
@@ -66,8 +67,9 @@ struct LoadOptions {
   /// What a reader thread takes at once from a file in the page cache: consecutive raw
   /// chunks bound for the device (of one tensor or of tensors adjacent in the file) up to
   /// this many bytes, read with one pread into one staging slot and copied with one
-  /// cudaMemcpyAsync per tensor. 0: one chunk at a time.
-  uint64_t span_bytes = 0;
+  /// cudaMemcpyAsync per tensor. 0: one chunk at a time; a chunk longer than this is read
+  /// on its own.
+  uint64_t span_bytes = 2ull << 20;
   /// The same, and the number of reader threads (0: `threads`; never more), for a file read from disk
   /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
   /// sequential requests suit disks (BENCHMARKS.md §7).
@@ -95,6 +97,16 @@ struct LoadReport {
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto
 };
+
+/// The span limit (LoadOptions::span_bytes or cold_span_bytes) and the reader threads (=
+/// copier lanes used) of a warm or cold load with these options.
+uint64_t SpanLimit(const LoadOptions& options, bool cold);
+unsigned LaneCount(const LoadOptions& options, bool cold);
+
+/// Staging bytes per (lane, slot) for a copier of `options.threads` lanes such that both a
+/// warm and a cold load of files with chunks of `chunk_size` bytes find it large enough
+/// (Reserve(PreparedSlotBytes(o, cs), o.threads) before either load allocates nothing).
+uint64_t PreparedSlotBytes(const LoadOptions& options, uint64_t chunk_size);
 
 /// Fraction of the file's pages in the page cache (mincore over a sample of pages).
 double PageCacheResidency(const std::string& path);

@@ -20,11 +20,17 @@ from .format import torch_dtype
 _CONVERT_BATCH_BYTES = 64 << 20
 
 
+_chosen_threads: Optional[int] = None  # set by prepare(threads=...): the process's default
+
+
 def _default_threads() -> int:
     """Reader threads of a load (and lanes of its CUDA copier) when the caller names none:
-    16 (the best measured on the GPU machine, BENCHMARKS.md §7) or this process's share of
-    the CPUs it may run on among the job's processes on this host (torchrun's
-    LOCAL_WORLD_SIZE), at least 4."""
+    what reshard.prepare(threads=...) chose for this process, else 16 (the best measured on
+    the GPU machine, BENCHMARKS.md §7) or this process's share of the CPUs it may run on
+    among the job's processes on this host (torchrun's LOCAL_WORLD_SIZE), at least 4. One
+    number per process keeps it to one copy engine (streams and pinned staging)."""
+    if _chosen_threads:
+        return _chosen_threads
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -44,11 +50,12 @@ def prepare(device=None, threads: Optional[int] = None, *, wait: bool = False) -
     background thread, so that the first reshard.load finds it ready instead of paying its
     one-time set-up (tens of ms, BENCHMARKS.md). Call it early, e.g. right after choosing the
     rank's GPU and before building the model; reshard.empty_model and
-    reshard.fsdp1_param_init_fn call it for you when CUDA is initialised. `threads` must be
-    what reshard.load will use (default: the same default). A load that comes before the
-    set-up has finished waits for it. Returns False (and does nothing) without CUDA or with
-    RESHARD_PREPARE=0; with `wait`, returns once the set-up is done."""
-    global _atexit_registered
+    reshard.fsdp1_param_init_fn call it for you when CUDA is initialised. `threads` becomes
+    this process's default for reshard.load and reshard.load_optimizer (so they use the copy
+    engine prepared here). A load that comes before the set-up has finished waits for it.
+    Returns False (and does nothing) without CUDA or with RESHARD_PREPARE=0; with `wait`,
+    returns once the set-up is done (raising what it met)."""
+    global _atexit_registered, _chosen_threads
     if os.environ.get("RESHARD_PREPARE", "1") == "0" or not torch.cuda.is_available():
         return False
     if not _C.build_info()["cuda"]:
@@ -62,19 +69,38 @@ def prepare(device=None, threads: Optional[int] = None, *, wait: bool = False) -
     if not _atexit_registered:  # no set-up thread may still run while the process exits
         import atexit
 
-        atexit.register(_C.wait_prepared)
+        atexit.register(_wait_prepared_at_exit)
         _atexit_registered = True
-    _C.prepare(index, threads or _default_threads(), wait=wait)
+    if threads:
+        _chosen_threads = int(threads)
+    _C.prepare(index, _default_threads(), wait=wait)
     return True
 
 
-def _prepare_quietly(device=None) -> None:
-    """prepare() where CUDA is already initialised (never creates a context on its own)."""
+def _wait_prepared_at_exit() -> None:
     try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            prepare(device)
+        _C.wait_prepared()
+    except Exception:  # noqa: BLE001 - a set-up nobody used failed: nothing to report now
+        pass
+
+
+def _prepare_quietly(device=None) -> None:
+    """prepare() where CUDA is already initialised (never creates a context on its own) and
+    the device is this process's own: the given one, or the current device when it is the
+    one torchrun's LOCAL_RANK points at (a process that touched CUDA before set_device would
+    otherwise set up GPU 0 for every rank)."""
+    try:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        if device is None:
+            local = os.environ.get("LOCAL_RANK")
+            if local is not None and torch.cuda.current_device() != int(local) % torch.cuda.device_count():
+                return
+        prepare(device)
     except Exception:  # noqa: BLE001 - an optimisation only: the load does the set-up itself
         pass
+
+
 
 
 @dataclasses.dataclass

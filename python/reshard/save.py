@@ -241,6 +241,11 @@ def _optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp
             elif fsdp1:
                 # FSDP1: state of this rank's local flat shard or original-parameter view, kept
                 # as it is (stored whole); it fits only this layout's same shard coordinate.
+                if full_shape != list(params[name].shape):
+                    raise ReshardError(
+                        f"optimizer state {name}[{k!r}] has shape {full_shape}, its parameter "
+                        f"{list(params[name].shape)} on this rank; reshard saves FSDP1 state shaped "
+                        "like its local parameter, or 0-dim (load_optimizer could not restore it)")
                 kind = "local"
                 e, t = _raw_entry(f"{name}{OPTIM_SEP}{k}", v.detach(), full_shape, False, 0, 0)
             elif full_shape == list(params[name].shape):
@@ -497,12 +502,19 @@ def _fsdp1_model_entries(model: nn.Module, job: _Fsdp1Job):
         keep.append(t)
         flat[name] = obj
     persistent = _persistent_buffer_names(model)
+    # FSDP1 MixedPrecision(buffer_dtype=...) casts buffers in place; like FSDP's own
+    # state_dict, save them in the dtype they had (the root FSDP state records it).
+    orig_dtypes = getattr(model, "_buffer_name_to_orig_dtype", None) or {}
     seen = set()
     for n, b in model.named_buffers():
         n = _clean_name(n)
         if n in persistent and n not in seen:
             seen.add(n)
-            e, t = _raw_entry(n, b.detach(), list(b.shape), False, 0, 0)
+            t = b.detach()
+            want = orig_dtypes.get(n)
+            if want is not None and t.is_floating_point() and t.dtype != want:
+                t = t.to(want)
+            e, t = _raw_entry(n, t, list(b.shape), False, 0, 0)
             entries.append(e)
             keep.append(t)
     return entries, keep, flat

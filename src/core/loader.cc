@@ -49,6 +49,25 @@ struct Item {
 
 double DeviceCopier::Reserve(size_t, int) { return 0; }
 
+uint64_t SpanLimit(const LoadOptions& o, bool cold) {
+  return cold && o.cold_span_bytes ? o.cold_span_bytes : o.span_bytes;
+}
+
+unsigned LaneCount(const LoadOptions& o, bool cold) {
+  const unsigned threads = std::max(1u, o.threads);
+  return cold && o.cold_threads ? std::min(o.cold_threads, threads) : threads;
+}
+
+uint64_t PreparedSlotBytes(const LoadOptions& o, uint64_t chunk_size) {
+  // A slot holds one span, or one chunk when the chunk is longer.
+  auto slot = [&](bool cold) {
+    return AlignUp(std::max(SpanLimit(o, cold), chunk_size), kDataAlignment);
+  };
+  const unsigned lanes = LaneCount(o, false);
+  const uint64_t need = std::max(uint64_t{lanes} * slot(false), uint64_t{LaneCount(o, true)} * slot(true));
+  return AlignUp((need + lanes - 1) / lanes, kDataAlignment);
+}
+
 void DeviceCopier::CopyToHostAsync(int, int, void*, const void*, size_t) {
   Fail(ErrorCode::kUnsupported, "this device copier copies host to device only");
 }
@@ -165,10 +184,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
 
   // Spans: what one reader thread takes at once. Consecutive raw chunks bound for the
   // device whose bytes are adjacent in the file (tensors start at multiples of 4096, so
-  // adjacent tensors leave gaps under 4096 bytes) join one span up to span_limit bytes;
-  // every other chunk is a span of its own.
-  const uint64_t span_limit = std::max<uint64_t>(
-      cs, cold && options.cold_span_bytes ? options.cold_span_bytes : options.span_bytes);
+  // adjacent tensors leave gaps under 4096 bytes) join one span while it stays within
+  // span_limit bytes (0: no joining); a chunk longer than the limit is a span of its own, as
+  // is every chunk that is not raw or not bound for the device.
+  const uint64_t span_limit = SpanLimit(options, cold);
   struct Span {
     size_t first = 0, count = 0;  // items [first, first + count)
     uint64_t begin = 0, end = 0;  // stored bytes in the file
@@ -190,7 +209,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     const uint64_t at = item_at(items[i]), len = item_len(items[i]);
     if (device_raw && !spans.empty()) {
       Span& last = spans.back();
-      if (last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
+      if (span_limit > 0 && last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
           at + len - last.begin <= span_limit) {
         last.count += 1;
         last.end = at + len;
@@ -201,9 +220,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   }
 
   // Cold loads use at most `threads` too: a copier has one lane per thread of `threads`.
-  const unsigned want_threads = cold && options.cold_threads
-                                    ? std::min(options.cold_threads, std::max(1u, options.threads))
-                                    : options.threads;
+  const unsigned want_threads = LaneCount(options, cold);
   const unsigned threads = static_cast<unsigned>(
       std::max<size_t>(1, std::min<size_t>(want_threads ? want_threads : 1, spans.size())));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));

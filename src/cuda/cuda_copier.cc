@@ -81,6 +81,10 @@ class PinnedBlock {
     if (end > aligned + len) ::munmap(reinterpret_cast<void*>(aligned + len), end - (aligned + len));
     char* p = reinterpret_cast<char*>(aligned);
     ::madvise(p, len, MADV_HUGEPAGE);  // a hint: without THP the pages stay 4 KiB
+    // Not inherited by fork()ed children (DataLoader workers): a child sharing the pinned
+    // pages copy-on-write could make the parent's next write move a page the GPU copies from.
+    // cudaHostAlloc marks its memory so too.
+    ::madvise(p, len, MADV_DONTFORK);
     const unsigned n = std::max(1u, std::min<unsigned>(touch_threads, static_cast<unsigned>(len / kHuge)));
     std::vector<std::thread> ts;
     const size_t per = (len / kHuge + n - 1) / n * kHuge;

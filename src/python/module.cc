@@ -94,17 +94,47 @@ CopierLease CachedCopier(int device, int lanes, int slots) {
 }
 #endif
 
-uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback) {
-  if (arg) return *arg;
-  const char* v = std::getenv(env);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (end == v || *end != '\0') {
+// A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
+// [0, max]), else the loader's default (include/reshard/loader.h).
+uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max) {
+  uint64_t n = fallback;
+  std::string text;
+  if (arg) {
+    n = *arg;
+  } else if (const char* v = std::getenv(env); v != nullptr && *v != '\0') {
+    text = v;
+    bool digits = text.size() <= 19;
+    for (char c : text) digits &= c >= '0' && c <= '9';
+    if (!digits) {
+      throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                           std::string(env) + "=\"" + text + "\": expected a whole number of at most 19 digits");
+    }
+    n = std::stoull(text);
+  }
+  if (n > max) {
     throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                         std::string(env) + "=\"" + v + "\": expected a whole number");
+                         std::string(arg ? "" : "environment ") + env + " = " + std::to_string(n) +
+                             ": at most " + std::to_string(max));
   }
   return n;
+}
+
+reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
+                                  std::optional<uint64_t> span_bytes,
+                                  std::optional<uint64_t> cold_span_bytes,
+                                  std::optional<unsigned> cold_threads,
+                                  std::optional<uint64_t> hash_piece_bytes) {
+  constexpr uint64_t kMaxSpan = 1ull << 30;  // a staging slot of 1 GiB is already absurd
+  reshard::LoadOptions o;
+  o.threads = threads;
+  o.slots_per_thread = slots;
+  o.span_bytes = Knob(span_bytes, "RESHARD_SPAN_BYTES", o.span_bytes, kMaxSpan);
+  o.cold_span_bytes = Knob(cold_span_bytes, "RESHARD_COLD_SPAN_BYTES", o.cold_span_bytes, kMaxSpan);
+  o.cold_threads = static_cast<unsigned>(
+      Knob(cold_threads ? std::optional<uint64_t>(*cold_threads) : std::nullopt,
+           "RESHARD_COLD_THREADS", o.cold_threads, 1024));
+  o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
+  return o;
 }
 
 reshard::IoMode ParseIo(const std::string& io) {
@@ -220,21 +250,12 @@ PYBIND11_MODULE(_C, m) {
           t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
           any_device |= on_device;
         }
-        reshard::LoadOptions o;
-        o.threads = threads;
+        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
+                                              cold_threads, hash_piece_bytes);
         o.verify_checksums = verify;
         o.io = ParseIo(io);
-        o.slots_per_thread = slots;
-        // Tuning knobs: the argument, else RESHARD_<NAME> from the environment, else the
-        // loader's default (include/reshard/loader.h).
-        o.span_bytes = Knob(span_bytes, "RESHARD_SPAN_BYTES", o.span_bytes);
-        o.cold_span_bytes = Knob(cold_span_bytes, "RESHARD_COLD_SPAN_BYTES", o.cold_span_bytes);
-        o.cold_threads = static_cast<unsigned>(Knob(cold_threads.has_value()
-                                                        ? std::optional<uint64_t>(*cold_threads)
-                                                        : std::nullopt,
-                                                    "RESHARD_COLD_THREADS", o.cold_threads));
-        o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes);
         reshard::LoadReport r;
+        double copier_wait = 0;
         {
           py::gil_scoped_release release;
           reshard::RankFileReader reader = reshard::RankFileReader::Open(path);
@@ -245,8 +266,12 @@ PYBIND11_MODULE(_C, m) {
           if (any_device) {
 #ifdef RESHARD_HAVE_CUDA
             const unsigned lanes = std::max<unsigned>(1, threads);
+            const auto t0 = std::chrono::steady_clock::now();
             lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
             copier = lease.copier;
+            // Waiting for a prepare still running (or another load) is part of this load.
+            copier_wait =
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #else
             throw reshard::Error(reshard::ErrorCode::kUnsupported,
                                  "this reshard build has no CUDA support; rebuild with a CUDA "
@@ -254,6 +279,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
           }
           r = reshard::LoadRankFile(reader, t, copier, o);
+          r.seconds += copier_wait;
         }
         py::dict d;
         d["bytes"] = r.bytes;
@@ -263,6 +289,7 @@ PYBIND11_MODULE(_C, m) {
         d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
         d["staging_bytes"] = r.staging_bytes;
         d["staging_alloc_seconds"] = r.staging_alloc_seconds;
+        d["copier_wait_seconds"] = copier_wait;
         d["residency_seconds"] = r.residency_seconds;
         d["sync_seconds"] = r.sync_seconds;
         d["span_bytes"] = r.span_bytes;
@@ -282,14 +309,21 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "prepare",
-      [](int device, unsigned threads, unsigned slots, uint64_t slot_bytes, bool wait) {
+      [](int device, unsigned threads, unsigned slots, std::optional<uint64_t> slot_bytes,
+         bool wait) {
 #ifdef RESHARD_HAVE_CUDA
         if (reshard::CudaDeviceCount() <= device || device < 0) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
                                "prepare: CUDA device " + std::to_string(device) + " is not visible");
         }
-        Copiers::Get().PrepareAsync(device, static_cast<int>(std::max(1u, threads)),
-                                    static_cast<int>(std::max(1u, slots)), slot_bytes);
+        threads = std::max(1u, threads);
+        slots = std::max(1u, slots);
+        // Enough for a warm and a cold load with this process's knobs (default chunk size).
+        const reshard::LoadOptions o =
+            TunedOptions(threads, slots, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+        Copiers::Get().PrepareAsync(
+            device, static_cast<int>(threads), static_cast<int>(slots),
+            slot_bytes.value_or(reshard::PreparedSlotBytes(o, reshard::kDefaultChunkSize)));
         if (wait) {
           py::gil_scoped_release release;
           Copiers::Get().WaitPrepared();
@@ -301,7 +335,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
       },
       py::arg("device"), py::arg("threads"), py::arg("slots") = 2,
-      py::arg("slot_bytes") = reshard::kDefaultChunkSize, py::arg("wait") = false,
+      py::arg("slot_bytes") = py::none(), py::arg("wait") = false,
       "Creates the CUDA copier of (device, threads, slots) with its pinned staging on a "
       "background thread, so that the first load in this process finds it ready.");
 

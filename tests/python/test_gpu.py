@@ -180,31 +180,48 @@ def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece
                                  cold_span_bytes=span or (3 << 20))
         assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
         assert report["span_bytes"] <= max(8192, span or (3 << 20) if io == "direct" else span or 8192)
+        if io == "direct":  # O_DIRECT was used wherever the file system allows it
+            try:
+                os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+                possible = True
+            except OSError:
+                possible = False
+            assert report["direct_io"] == possible, report
         for name, t in dests.items():
             assert torch.equal(t.cpu().view(torch.uint8), src[name].contiguous().view(torch.uint8)), (io, name)
 
 
-def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path):
+@pytest.mark.parametrize("threads,cold", [(None, False), (4, True), (8, True)])
+def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path, threads, cold):
     """reshard.prepare sets the copy engine up in the background: a first load in a fresh
-    process that called it allocates no staging; one that did not, does."""
+    process that called it allocates no staging, warm or cold (O_DIRECT spans), whatever the
+    thread count; one that did not, does."""
     _require_cuda()
     out = tmp_path / "out"
-    convert(llama_bf16, out, 1)
+    convert(llama_bf16, out, 1, "--chunk-size", "65536")
     script = (
-        "import sys, torch, reshard\n"
+        "import os, sys, torch, reshard\n"
         "torch.cuda.set_device(0)\n"
         "torch.empty(1, device='cuda')\n"
         "prepared = sys.argv[2] == '1'\n"
+        "threads = int(sys.argv[3]) or None\n"
         "if prepared:\n"
-        "    assert reshard.prepare(wait=True) is True\n"
+        "    assert reshard.prepare(threads=threads, wait=True) is True\n"
         "model = reshard.empty_model(sys.argv[1])\n"
         "model.to_empty(device='cuda')\n"
-        "r = reshard.load(model, sys.argv[1])\n"
+        "if sys.argv[4] == '1':  # out of the page cache: a cold load\n"
+        "    path = reshard.find_rank_file(sys.argv[1], 1, 0)[0]\n"
+        "    fd = os.open(path, os.O_RDONLY)\n"
+        "    os.fdatasync(fd)\n"
+        "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
+        "    os.close(fd)\n"
+        "r = reshard.load(model, sys.argv[1], threads=threads)\n"
         "print('ALLOC', r.staging_alloc_seconds, r.bytes)\n")
     env = dict(os.environ, RESHARD_PREPARE="0")  # no automatic prepare in empty_model
     got = {}
     for prepared in ("1", "0"):
-        p = subprocess.run([sys.executable, "-c", script, str(out), prepared],
+        p = subprocess.run([sys.executable, "-c", script, str(out), prepared, str(threads or 0),
+                            "1" if cold else "0"],
                            env=env if prepared == "0" else {k: v for k, v in os.environ.items()
                                                             if k != "RESHARD_PREPARE"},
                            capture_output=True, text=True,

@@ -348,3 +348,59 @@ def test_fsdp1_save_refusals(checkpoint, tmp_path):
                 "--expect-error", f"holds optimizer state for layout(s) {orig} only, another layout "
                                   f"than this job's {plain}")
     assert all(plain in x["error"] for x in r)
+
+
+_BUFFER_DTYPE_SCRIPT = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+import reshard
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.1, 3.3, 8, dtype=torch.float32) + 1e-4)
+    def forward(self, x):
+        return self.lin(x) * self.scale
+torch.manual_seed(0)
+m = M()
+want = m.scale.clone()
+model = FSDP(m, device_id=torch.device("cpu"),
+             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+model(torch.randn(2, 8))
+live = dict(model.named_buffers())
+assert any(b.dtype == torch.bfloat16 for b in live.values()), {n: b.dtype for n, b in live.items()}
+rep = reshard.save(model, sys.argv[1], source=None)
+h = json.loads(reshard._C.read_header(rep.file))
+e = next(t for t in h["tensors"] if t["name"] == "scale")
+print("RESULT", json.dumps({"dtype": e["dtype"], "layout": rep.layout,
+                            "want_rounded": want.to(torch.bfloat16).float().tolist()}))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp1_buffers_cast_by_mixed_precision_are_saved_in_their_own_dtype(tmp_path):
+    """MixedPrecision(buffer_dtype=bf16) casts buffers in place; the save writes them in the
+    dtype the model had (as FSDP's state_dict does), so the file agrees with convert's."""
+    saved = tmp_path / "saved"
+    p = subprocess.run([sys.executable, "-c", _BUFFER_DTYPE_SCRIPT, str(saved)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads([x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
+    assert r["dtype"] == "F32", r
+    got = reshard_tensor(saved, r["layout"], "scale")
+    assert got.dtype == torch.float32 and got.tolist() == r["want_rounded"]
+
+
+def reshard_tensor(out, key, name):
+    from reshard.format import torch_dtype
+
+    path = os.path.join(out, key, "rank-00000-of-00001.reshard")
+    h = json.loads(reshard._C.read_header(path))
+    e = next(t for t in h["tensors"] if t["name"] == name)
+    t = torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]))
+    reshard._C.load(path, [(name, t.data_ptr(), e["nbytes"], False)], io="buffered")
+    return t
