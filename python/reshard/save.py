@@ -137,13 +137,8 @@ def _raise_first(errs: List[Optional[str]], what: str) -> None:
 
 def _entry(name: str, t: torch.Tensor, global_shape: List[int], world: int, coord: int,
            sharded_like_param: bool) -> Tuple[tuple, torch.Tensor]:
-    """One `_C.save` tensor tuple for local tensor `t` (kept alive by the caller)."""
-    if t.device.type == "meta":
-        raise ReshardError(f"{name} is on the meta device: nothing to save")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ReshardError(f"{name} is on {t.device}; reshard saves from CUDA or CPU")
-    if not t.is_contiguous():
-        t = t.contiguous()
+    """One `_C.save` tensor tuple for local tensor `t` (kept alive by the caller), sharded by
+    the FSDP2 rule."""
     if len(global_shape) == 0:
         sharded, start, end = False, 0, 0
     else:
@@ -156,8 +151,7 @@ def _entry(name: str, t: torch.Tensor, global_shape: List[int], world: int, coor
                 f"{name}: local shape {list(t.shape)}, but rows [{start}, {end}) of global shape "
                 f"{global_shape} by the FSDP2 chunk rule for shard {coord} of {world}: reshard "
                 "saves FSDP2 layouts (fully_shard on dim 0)")
-    return ((name, _safetensors_dtype(t.dtype), list(global_shape), sharded, start, end,
-             t.data_ptr(), t.numel() * t.element_size(), t.device.type == "cuda"), t)
+    return _raw_entry(name, t, global_shape, sharded, start, end)
 
 
 def _model_entries(model: nn.Module, world: int, coord: int):

@@ -166,6 +166,27 @@ void MakeFile(Fixture& f) {
   SaveRankFile(f.path, h, sources, nullptr, {});
 }
 
+// Destinations for every tensor of the fixture, zero-filled; `on_device(i)` picks which go
+// through the copier.
+struct Destinations {
+  std::vector<std::string> got;
+  std::vector<LoadTarget> targets;
+};
+template <typename OnDevice>
+Destinations MakeDestinations(const Fixture& f, OnDevice on_device) {
+  Destinations d;
+  d.got.reserve(f.data.size());
+  for (size_t i = 0; i < f.data.size(); ++i) {
+    d.got.emplace_back(f.data[i].size(), '\0');
+    d.targets.push_back({f.names[i], d.got[i].data(), d.got[i].size(), on_device(i)});
+  }
+  return d;
+}
+
+void ExpectLanded(const Fixture& f, const Destinations& d) {
+  for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(d.got[i], f.data[i])) << f.names[i];
+}
+
 struct Strategy {
   IoMode io;
   unsigned threads;
@@ -244,13 +265,8 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   Fixture f;
   MakeFile(f);
   RankFileReader r = RankFileReader::Open(f.path);
-  std::vector<std::string> got;
-  std::vector<LoadTarget> targets;
-  got.reserve(f.data.size());
-  for (size_t i = 0; i < f.data.size(); ++i) {
-    got.emplace_back(f.data[i].size(), '\0');
-    targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
-  }
+  Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+  const std::vector<LoadTarget>& targets = dest.targets;
   LoadOptions per_chunk;
   per_chunk.io = IoMode::kBuffered;
   per_chunk.span_bytes = 0;  // no joining
@@ -267,7 +283,7 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   EXPECT_EQ(ra.span_bytes, kChunk);
   EXPECT_GT(rb.span_bytes, 10 * kChunk);
   EXPECT_EQ(rb.threads, 1u);  // one span: one thread
-  for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+  ExpectLanded(f, dest);
 }
 
 // Drops the file's pages from the page cache (clean pages of a file we wrote and synced).
@@ -283,13 +299,9 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
   RankFileReader r = RankFileReader::Open(f.path);
   for (bool all_device : {true, false}) {
     SCOPED_TRACE(all_device ? "device targets" : "device and host targets");
-    std::vector<std::string> got;
-    std::vector<LoadTarget> targets;
-    got.reserve(f.data.size());
-    for (size_t i = 0; i < f.data.size(); ++i) {
-      got.emplace_back(f.data[i].size(), '\0');
-      targets.push_back({f.names[i], got[i].data(), got[i].size(), all_device || i % 2 == 0});
-    }
+    Destinations dest = MakeDestinations(f, [&](size_t i) { return all_device || i % 2 == 0; });
+    std::vector<std::string>& got = dest.got;
+    const std::vector<LoadTarget>& targets = dest.targets;
     LoadOptions o;  // kAuto, the defaults
     Evict(f.path);
     if (PageCacheResidency(f.path.string()) > 0.5) GTEST_SKIP() << "the kernel kept the pages";
@@ -308,7 +320,7 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
     EXPECT_EQ(cold.readahead, !cold.direct_io);
     EXPECT_LE(cold.threads, std::min(o.cold_threads, o.threads));
     EXPECT_EQ(cold_copier.misuse, "");
-    for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+    ExpectLanded(f, dest);
 
     for (auto& g : got) std::fill(g.begin(), g.end(), '\0');
     {
@@ -321,7 +333,7 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
     EXPECT_FALSE(warm.cold);
     EXPECT_GE(warm.resident_fraction, 0.5);
     EXPECT_FALSE(warm.direct_io || warm.readahead);
-    for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+    ExpectLanded(f, dest);
   }
 }
 
@@ -351,19 +363,14 @@ TEST(LoadRankFile, PreparedStagingServesWarmAndColdLoadsWithoutAllocating) {
     o.threads = threads;
     HostDeviceCopier copier(static_cast<int>(threads));
     copier.Reserve(PreparedSlotBytes(o, kChunk), static_cast<int>(threads));
-    std::vector<std::string> got;
-    std::vector<LoadTarget> targets;
-    got.reserve(f.data.size());
-    for (size_t i = 0; i < f.data.size(); ++i) {
-      got.emplace_back(f.data[i].size(), '\0');
-      targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
-    }
+    Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+    const std::vector<LoadTarget>& targets = dest.targets;
     for (IoMode io : {IoMode::kBuffered, IoMode::kReadahead}) {
       o.io = io;
       LoadRankFile(r, targets, &copier, o);
       EXPECT_EQ(copier.misuse, "");
       EXPECT_EQ(copier.allocations, 1);
-      for (size_t i = 0; i < f.data.size(); ++i) EXPECT_TRUE(test::SameBytes(got[i], f.data[i])) << f.names[i];
+      ExpectLanded(f, dest);
     }
   }
 }
@@ -389,13 +396,8 @@ TEST(LoadRankFile, CorruptChunkStopsEveryStrategy) {
   RankFileReader r = RankFileReader::Open(f.path);
   for (const Strategy& s : Strategies()) {
     SCOPED_TRACE(Describe(s));
-    std::vector<std::string> got;
-    std::vector<LoadTarget> targets;
-    got.reserve(f.data.size());
-    for (size_t i = 0; i < f.data.size(); ++i) {
-      got.emplace_back(f.data[i].size(), '\0');
-      targets.push_back({f.names[i], got[i].data(), got[i].size(), true});
-    }
+    Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+    const std::vector<LoadTarget>& targets = dest.targets;
     HostDeviceCopier copier(static_cast<int>(s.threads));
     EXPECT_TRUE(ThrowsError([&] { LoadRankFile(r, targets, &copier, Options(s)); },
                             ErrorCode::kDataLoss,
