@@ -15,7 +15,9 @@ One run, following the fair method of docs/peers-and-performance.md:
      buffers -> cudaMemcpyAsync per thread) cold and warm, a multithreaded page cache -> pinned
      copy warm (16 threads, 2 MiB), pinned host -> device copies;
    * reshard: `reshard._C.load` into preallocated CUDA tensors, --threads each, io=auto, and
-     verify=False (warm) to show what checksums cost;
+     verify=False (warm) to show what checksums cost; "-prepared": the same after
+     `_C.prepare` was started (not waited for) before the targets were allocated, as
+     reshard.empty_model does in a job (a load that comes first waits for it, in the timer);
    * peers on the same bytes: safe_open row slices of rank r's part + .cuda() (rank case);
      safetensors load_file(device="cuda") and DCP HuggingFaceStorageReader into an FSDP2
      LlamaForCausalLM on one rank (whole case);
