@@ -621,9 +621,7 @@ def _load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, stric
     for u, m, h, lv in lives:
         e = entries[_flat_entry_name(u)]
         fp = h.flat_param
-        target = getattr(fp, "_local_shard", None)
-        if target is None or target.numel() != fp.numel():
-            target = fp.data
+        target = _flat_local_shard(fp, lv["local_numel"])
         if target.device.type == "meta":
             raise ReshardError(f"unit {u or '(root)'}: the FlatParameter is on the meta device; "
                                "build FSDP with param_init_fn=reshard.fsdp1_param_init_fn(device)")
@@ -672,6 +670,13 @@ def fsdp1_param_init_fn(device):
         return module  # as nn.Module.to_empty does (accelerate's tie wrapper uses it)
 
     return init
+
+
+def _flat_local_shard(fp, numel: int) -> torch.Tensor:
+    """A FlatParameter's local shard of `numel` elements: `_local_shard` (there also while a
+    unit stays unsharded after a forward), else its data (before the first forward)."""
+    t = getattr(fp, "_local_shard", None)
+    return t if t is not None and t.numel() == numel else fp.data
 
 
 def _flat_entry_name(unit: str) -> str:

@@ -45,7 +45,7 @@ from torch import nn
 from . import _C
 from ._C import ReshardError
 from .api import _default_threads, _local, _shard_coordinate
-from .format import _TORCH_DTYPE_NAMES
+from .format import _TORCH_DTYPE_NAMES, chunk_rows
 
 OPTIM_DIR = "optim"
 OPTIM_JSON = "optimizer.json"
@@ -76,11 +76,6 @@ def _safetensors_dtype(dtype: torch.dtype) -> str:
         if getattr(torch, attr, None) == dtype:
             return name
     raise ReshardError(f"dtype {dtype} has no safetensors name; reshard cannot save it")
-
-
-def _chunk_rows(n: int, world: int, rank: int) -> Tuple[int, int]:
-    c = -(-n // world)
-    return min(rank * c, n), min((rank + 1) * c, n)
 
 
 def _replica_index(model: nn.Module) -> int:
@@ -142,7 +137,7 @@ def _entry(name: str, t: torch.Tensor, global_shape: List[int], world: int, coor
     if len(global_shape) == 0:
         sharded, start, end = False, 0, 0
     else:
-        start, end = _chunk_rows(global_shape[0], world, coord)
+        start, end = chunk_rows(global_shape[0], world, coord)
         sharded = True
         if not sharded_like_param:  # a whole tensor on every rank: take this rank's rows
             t = t[start:end]
@@ -268,12 +263,13 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def _write_atomic(path: str, data) -> None:
+    """Writes `data` (str or bytes) to `path` through a synced temporary and a rename."""
     d = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".tmp-")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -300,13 +296,7 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str) -> List[str]:
             names.append(MODEL_MANIFEST)
         for a in names:
             with open(os.path.join(source, a), "rb") as f:
-                data = f.read()
-            tmp = os.path.join(out, f".{a}.tmp-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(out, a))
+                _write_atomic(os.path.join(out, a), f.read())
     elif source:
         raise ReshardError(f"source {source}: no reshard.json; pass the reshard output directory "
                            "the model was loaded from (or source=None)")
@@ -461,17 +451,15 @@ def _fsdp1_local_shard(unit: str, handle, world: int) -> torch.Tensor:
     """The unit's local flat shard, padding included: the FlatParameter's sharded data (outside
     forward/backward the same as `flat_param.data`; `_local_shard` also while a unit stays
     unsharded after a forward)."""
-    from .api import _flat_entry_name
+    from .api import _flat_entry_name, _flat_local_shard
 
     fp = handle.flat_param
     if handle._use_orig_params:
         # Parameters whose storage was replaced (not updated in place) go back into the
         # FlatParameter first, as FSDP does before its next unshard (a no-op while unsharded).
         handle._writeback_orig_params()
-    t = getattr(fp, "_local_shard", None)
     c = -(-int(fp._unpadded_unsharded_size.numel()) // world)
-    if t is None or t.numel() != c:
-        t = fp.data
+    t = _flat_local_shard(fp, c)
     if t.numel() != c or t.dim() != 1:
         raise ReshardError(
             f"{_flat_entry_name(unit)}: the local flat shard has shape {list(t.shape)}, expected "
@@ -490,7 +478,7 @@ def _fsdp1_model_entries(model: nn.Module, job: _Fsdp1Job):
         name = _flat_entry_name(u)
         t = _fsdp1_local_shard(u, h, job.world)
         obj = _flat_object(u, h)
-        start, end = _chunk_rows(obj[1], job.world, job.coord)
+        start, end = chunk_rows(obj[1], job.world, job.coord)
         e, t = _raw_entry(name, t, [obj[1]], True, start, end)
         entries.append(e)
         keep.append(t)

@@ -8,7 +8,6 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <cstdlib>
@@ -382,17 +381,9 @@ TEST(LoadRankFile, CorruptChunkStopsEveryStrategy) {
   RankFileHeader h = RankFileReader::Open(f.path).header();
   const TensorEntry& d = *h.Find("d");
   const uint64_t data_offset = RankFileReader::Open(f.path).preamble().data_offset;
-  {
-    std::fstream w(f.path, std::ios::in | std::ios::out | std::ios::binary);
-    const auto at = static_cast<std::streamoff>(data_offset + d.offset + kChunk + 123);
-    char c = 0;
-    w.seekg(at);
-    w.read(&c, 1);
-    c ^= 0x10;
-    w.seekp(at);
-    w.write(&c, 1);
-    ASSERT_TRUE(w.good());
-  }
+  std::string bytes = test::ReadBytes(f.path);
+  bytes[data_offset + d.offset + kChunk + 123] ^= 0x10;
+  test::WriteBytes(f.path, bytes);
   RankFileReader r = RankFileReader::Open(f.path);
   for (const Strategy& s : Strategies()) {
     SCOPED_TRACE(Describe(s));
