@@ -304,7 +304,7 @@ class ReshardLoad:
     def run(self):
         s = self.spec
         self.report = self._C.load(s["rank_file"], self.targets, device=s.get("cuda_device", 0),
-                                   threads=s["threads"], verify=s["verify"], io=s["io"], slots=2)
+                                   threads=s["threads"], verify=s["verify"], io=s["io"])
         return self.tensors
 
     def extra(self):

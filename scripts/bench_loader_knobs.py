@@ -3,8 +3,8 @@
 
 For each rank file given, into preallocated CUDA tensors, GB = 1e9 bytes landed:
 
-* warm (file in the page cache): every combination of --threads, span_bytes and
-  hash_piece_bytes (checksums on), plus checksums off; staging set up by an untimed load with
+* warm (file in the page cache): every combination of --threads, span_bytes,
+  hash_piece_bytes and slots (checksums on), plus checksums off; staging set up by an untimed load with
   the same knobs, then --reps timed loads;
 * cold (page cache dropped before each timed load; io=auto picks the cold path): every
   combination of cold_threads and cold_span_bytes, and io=direct for a few; the
@@ -57,9 +57,12 @@ def main():
     ap.add_argument("--threads", default="8,16")
     ap.add_argument("--spans-mib", default="0,4,8", help="warm span_bytes in MiB (0: one chunk)")
     ap.add_argument("--pieces-kib", default="0,256", help="warm hash_piece_bytes in KiB (0: off)")
+    ap.add_argument("--slots", default="2", help="staging slots per thread")
     ap.add_argument("--cold-threads", default="2,4,8,16")
     ap.add_argument("--cold-spans-mib", default="2,8,16,32")
     ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--warm-ceilings", action="store_true",
+                    help="also measure the warm ceilings (reshard_bench_ceilings) --reps times")
     ap.add_argument("--ceilings", default="build/tools/bench/reshard_bench_ceilings")
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -108,10 +111,10 @@ def main():
 
         # ---- warm
         read_file(path)
-        configs = [dict(threads=t, span_bytes=s * MiB, hash_piece_bytes=p << 10, verify=True)
-                   for t, s, p in itertools.product(ints(args.threads), ints(args.spans_mib),
-                                                    ints(args.pieces_kib))]
-        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False)
+        configs = [dict(threads=t, span_bytes=s * MiB, hash_piece_bytes=p << 10, verify=True, slots=n)
+                   for t, s, p, n in itertools.product(ints(args.threads), ints(args.spans_mib),
+                                                       ints(args.pieces_kib), ints(args.slots))]
+        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2)
                     for t in ints(args.threads)]
         for cfg in configs:
             load(io="buffered", **cfg)  # staging for these knobs, untimed
@@ -119,14 +122,47 @@ def main():
             poison()
             g.append(load(io="auto", **cfg))
             check(f"warm {cfg}")
+            phases = {k: statistics.median(r.get(k, 0.0) for _, r in g)
+                      for k in ("read_seconds", "wait_seconds", "sync_seconds", "open_seconds", "seconds")}
             rec = {**cfg, "gbps": [x for x, _ in g], "median": statistics.median(x for x, _ in g),
-                   "cold_detected": any(r["cold"] for _, r in g),
+                   "cold_detected": any(r["cold"] for _, r in g), "phases_median": phases,
+                   "pooled": all(r.get("pooled") for _, r in g),
                    "span_bytes_used": g[0][1]["span_bytes"], "threads_used": g[0][1]["threads"]}
             res["warm"].append(rec)
             print(f"  warm threads {cfg['threads']:2d} span {cfg['span_bytes'] // MiB:2d} MiB piece "
-                  f"{cfg['hash_piece_bytes'] >> 10:4d} KiB verify {int(cfg['verify'])}: "
+                  f"{cfg['hash_piece_bytes'] >> 10:4d} KiB "
+                  f"slots {cfg['slots']} verify {int(cfg['verify'])}: "
                   f"{rec['median']:6.2f} GB/s [{min(rec['gbps']):.2f}-{max(rec['gbps']):.2f}]"
+                  + f"  ms: load {phases['seconds'] * 1e3:.2f} read {phases['read_seconds'] * 1e3:.2f} "
+                  f"wait {phases['wait_seconds'] * 1e3:.2f} sync {phases['sync_seconds'] * 1e3:.2f} "
+                  f"open {phases['open_seconds'] * 1e3:.2f}"
                   + ("  (found cold!)" if rec["cold_detected"] else ""), flush=True)
+
+        # ---- warm ceilings, measured here too (same minutes, same file): 16 threads page
+        # cache -> pinned, the plain pipeline, pinned H2D; ratios to min(read, H2D).
+        if args.warm_ceilings:
+            tool = {"read-pinned": ["read", "--file", path, "--threads", "16", "--request", "2MiB", "--pinned"],
+                    "pipeline": ["pipeline", "--file", path, "--threads", "16", "--request", "2MiB"],
+                    "h2d": ["h2d", "--bytes", str(max(nbytes, 256 * MiB)), "--reps", "3", "--threads", "4",
+                            "--request", "64MiB"]}
+            ceil = {k: [] for k in tool}
+            for _ in range(args.reps):
+                for k, argv in tool.items():
+                    out = subprocess.run([args.ceilings, *argv], check=True, capture_output=True, text=True).stdout
+                    ceil[k].append(json.loads(out)["gbps"])
+            med = {k: statistics.median(v) for k, v in ceil.items()}
+            lower = min(med["read-pinned"], med["h2d"])
+            res["warm_ceilings"] = {"gbps": ceil, "median": med, "lower": lower}
+            print("  warm ceilings (medians of %d): " % args.reps
+                  + ", ".join(f"{k} {v:.2f} [{min(ceil[k]):.2f}-{max(ceil[k]):.2f}]" for k, v in med.items())
+                  + f"; lower {lower:.2f} GB/s", flush=True)
+            for rec in res["warm"]:
+                rec["vs_lower_ceiling"] = rec["median"] / lower
+                rec["vs_pipeline"] = rec["median"] / med["pipeline"]
+            best = max(res["warm"], key=lambda r: r["median"] if r["verify"] else 0)
+            print(f"  best with checksums: {best['median']:.2f} GB/s = {best['vs_lower_ceiling']:.2f}x lower "
+                  f"ceiling, {best['vs_pipeline']:.2f}x pipeline ({best['threads']} threads, span "
+                  f"{best['span_bytes'] // MiB} MiB, slots {best['slots']})", flush=True)
 
         # ---- cold
         if not args.no_cold:

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "reshard/rank_file.h"
+#include "reshard/worker_pool.h"
 
 namespace reshard {
 
@@ -68,8 +69,9 @@ struct LoadOptions {
   /// chunks bound for the device (of one tensor or of tensors adjacent in the file) up to
   /// this many bytes, read with one pread into one staging slot and copied with one
   /// cudaMemcpyAsync per tensor. 0: one chunk at a time; a chunk longer than this is read
-  /// on its own.
-  uint64_t span_bytes = 2ull << 20;
+  /// on its own. 4 MiB: larger copies keep the copy engine nearer its peak (pinned H2D of
+  /// 2 MiB copies 50.8 GB/s, 4 MiB 52.2, 64 MiB 54.7 on the H200; BENCHMARKS.md §7 run J).
+  uint64_t span_bytes = 4ull << 20;
   /// The same, and the number of reader threads (0: `threads`; never more), for a file read from disk
   /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
   /// sequential requests suit disks (BENCHMARKS.md §7).
@@ -79,6 +81,9 @@ struct LoadOptions {
   /// many bytes, each hashed right after it is read, while it is still in the core's cache
   /// (0: read the whole span, then hash it).
   uint64_t hash_piece_bytes = 256ull << 10;
+  /// Run the reader threads on these (already started) threads rather than starting new
+  /// ones for this load; ignored when it has fewer threads than the load wants.
+  WorkerPool* pool = nullptr;
 };
 
 struct LoadReport {
@@ -90,9 +95,14 @@ struct LoadReport {
   double staging_alloc_seconds = 0;  // of `seconds`: allocating staging (0 when it was reused)
   unsigned threads = 0;
   uint64_t span_bytes = 0;     // largest span a thread read at once
+  bool pooled = false;         // the reader threads came from LoadOptions::pool
   bool cold = false;           // read as a file on disk (cold_threads / cold_span_bytes)
   double residency_seconds = 0;  // of `seconds`: probing the page cache (kAuto)
   double sync_seconds = 0;       // of `seconds`: waiting for the last copies after the reads
+  // Raw spans bound for the device, averaged over the reader threads: seconds reading (and
+  // hashing) them, and seconds waiting for a staging slot whose copy was still in flight.
+  double read_seconds = 0;
+  double wait_seconds = 0;
   bool direct_io = false;
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto

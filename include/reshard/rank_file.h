@@ -3,6 +3,9 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "reshard/file_io.h"
@@ -10,12 +13,41 @@
 
 namespace reshard {
 
+/// Headers parsed before, keyed by path and the header's exact bytes: opening a file whose
+/// header bytes equal those of an earlier open of the same path reuses that parse (parsing a
+/// header's JSON takes 1-3 ms, most of the fixed cost of loading a sub-GB rank file). The
+/// bytes are still read and checked against the preamble's checksum on every open.
+/// Thread-safe; keeps the `capacity` most recently used paths.
+class HeaderCache {
+ public:
+  explicit HeaderCache(size_t capacity = 64) : capacity_(capacity) {}
+  std::shared_ptr<const RankFileHeader> Find(const std::string& path, const std::string& header_bytes,
+                                             uint64_t data_size);
+  void Put(const std::string& path, std::string header_bytes, uint64_t data_size,
+           std::shared_ptr<const RankFileHeader> header);
+  size_t hits() const;
+
+ private:
+  struct Entry {
+    std::string bytes;
+    uint64_t data_size = 0;
+    std::shared_ptr<const RankFileHeader> header;
+    uint64_t stamp = 0;  // for eviction: larger = used later
+  };
+  size_t capacity_;
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> entries_;
+  uint64_t clock_ = 0;
+  size_t hits_ = 0;
+};
+
 class RankFileReader {
  public:
   /// Opens and validates preamble and header (invariants 1–7). Throws kNotFound / kDataLoss.
-  static RankFileReader Open(const std::filesystem::path& path);
+  /// With a cache, a header whose bytes were parsed before for this path is not parsed again.
+  static RankFileReader Open(const std::filesystem::path& path, HeaderCache* cache = nullptr);
 
-  const RankFileHeader& header() const { return header_; }
+  const RankFileHeader& header() const { return *header_; }
   const Preamble& preamble() const { return preamble_; }
   const std::string& path() const { return file_.path(); }
   uint64_t file_size() const { return file_size_; }
@@ -35,7 +67,7 @@ class RankFileReader {
   File file_;
   uint64_t file_size_ = 0;
   Preamble preamble_;
-  RankFileHeader header_;
+  std::shared_ptr<const RankFileHeader> header_;
 };
 
 /// Decompresses one zstd frame into exactly `expected` bytes; kDataLoss otherwise.

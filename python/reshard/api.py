@@ -119,6 +119,7 @@ class LoadReport:
     converted_tensors: int
     buffers_restored: List[str]
     staging_alloc_seconds: float = 0.0  # of `seconds`: pinned staging made by this load (0: reused/prepared)
+    pooled: bool = False  # the reader threads were the copy engine's own (started once, by prepare)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -336,7 +337,8 @@ def _move_and_report(model, path, key, world_size, coord, entries, direct, conve
                       staging_bytes=result["staging_bytes"], direct_io=result["direct_io"],
                       threads=result["threads"], converted_tensors=len(converted),
                       buffers_restored=restored,
-                      staging_alloc_seconds=result.get("staging_alloc_seconds", 0.0))
+                      staging_alloc_seconds=result.get("staging_alloc_seconds", 0.0),
+                      pooled=bool(result.get("pooled", False)))
 
 
 def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, used: set):

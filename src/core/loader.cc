@@ -80,10 +80,11 @@ double PageCacheResidency(const std::string& path) {
   if (map == MAP_FAILED) return 0.0;
   const long page = ::sysconf(_SC_PAGESIZE);
   const size_t pages = (size + page - 1) / page;
-  // Sample up to 256 pages spread over the file: enough to tell cold from warm (the loader
+  // Sample up to 64 pages spread over the file: enough to tell cold from warm (the loader
   // only asks "mostly cached?") without walking every page of a many-GB file. Each sample
-  // is a system call: 4096 of them took 2-4 ms, most of a small warm load (BENCHMARKS.md).
-  const size_t samples = std::min<size_t>(pages, 256);
+  // is a system call: 4096 of them took 2-4 ms, 256 of them 0.3 ms, of a ~10 ms warm load
+  // of a sub-GB file (BENCHMARKS.md §7).
+  const size_t samples = std::min<size_t>(pages, 64);
   size_t resident = 0;
   unsigned char v = 0;
   for (size_t i = 0; i < samples; ++i) {
@@ -248,6 +249,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
+  // Per lane: seconds blocked waiting for a staging slot's copy (the device side is behind),
+  // and seconds spent reading and hashing.
+  std::vector<double> lane_wait(threads, 0.0), lane_read(threads, 0.0);
   std::mutex error_mu;
   std::exception_ptr error;
 
@@ -292,7 +296,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         if (si >= spans.size()) break;
         const Span& sp = spans[si];
         if (sp.device_raw) {
+          const auto tw = Clock::now();
           copier->WaitSlot(lane, slot);
+          const auto tr = Clock::now();
+          lane_wait[lane] += std::chrono::duration<double>(tr - tw).count();
           char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
           const uint64_t n = sp.end - sp.begin;
           bool hashed = false;
@@ -330,6 +337,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
                     stage + (item_at(items[k]) - sp.begin), item_len(items[k]));
             }
           }
+          lane_read[lane] += since(tr);
           // One copy per run of chunks of the same tensor (contiguous on both sides).
           for (size_t k = sp.first; k < sp.first + sp.count;) {
             size_t k2 = k + 1;
@@ -407,10 +415,17 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     });
   }
 
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker, static_cast<int>(t));
-  worker(0);
-  for (auto& t : pool) t.join();
+  if (options.pool != nullptr && options.pool->size() >= threads) {
+    // Every lane on a pool thread: none on the caller's, whose current CUDA device
+    // BindThread would otherwise change.
+    report.pooled = true;
+    options.pool->Run(threads, [&](unsigned lane) { worker(static_cast<int>(lane)); });
+  } else {
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker, static_cast<int>(t));
+    worker(0);
+    for (auto& t : pool) t.join();
+  }
   finished = true;
   if (ahead.joinable()) ahead.join();
   if (any_device) {
@@ -421,6 +436,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       if (!error) error = std::current_exception();
     }
     report.sync_seconds = since(ts);
+  }
+  for (unsigned t = 0; t < threads; ++t) {
+    report.wait_seconds += lane_wait[t] / threads;
+    report.read_seconds += lane_read[t] / threads;
   }
   if (error) std::rethrow_exception(error);
   report.seconds = since(t0);

@@ -9,7 +9,39 @@
 
 namespace reshard {
 
-RankFileReader RankFileReader::Open(const std::filesystem::path& path) {
+std::shared_ptr<const RankFileHeader> HeaderCache::Find(const std::string& path,
+                                                        const std::string& header_bytes,
+                                                        uint64_t data_size) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = entries_.find(path);
+  if (it == entries_.end() || it->second.data_size != data_size || it->second.bytes != header_bytes) {
+    return nullptr;
+  }
+  ++hits_;
+  it->second.stamp = ++clock_;
+  return it->second.header;
+}
+
+void HeaderCache::Put(const std::string& path, std::string header_bytes, uint64_t data_size,
+                      std::shared_ptr<const RankFileHeader> header) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (capacity_ == 0) return;
+  if (entries_.size() >= capacity_ && entries_.find(path) == entries_.end()) {
+    auto oldest = entries_.begin();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->second.stamp < oldest->second.stamp) oldest = it;
+    }
+    entries_.erase(oldest);
+  }
+  entries_[path] = {std::move(header_bytes), data_size, std::move(header), ++clock_};
+}
+
+size_t HeaderCache::hits() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return hits_;
+}
+
+RankFileReader RankFileReader::Open(const std::filesystem::path& path, HeaderCache* cache) {
   RankFileReader r;
   r.file_ = File::OpenRead(path);
   r.file_size_ = r.file_.Size();
@@ -23,7 +55,12 @@ RankFileReader RankFileReader::Open(const std::filesystem::path& path) {
     FailField(path.string(), "header_xxh3", Hex16(r.preamble_.header_xxh3),
               Hex16(hash) + " (the header is corrupt)");
   }
-  r.header_ = ParseHeader(header, r.preamble_.data_size, path.string());
+  if (cache != nullptr) {
+    r.header_ = cache->Find(path.string(), header, r.preamble_.data_size);
+    if (r.header_) return r;
+  }
+  r.header_ = std::make_shared<const RankFileHeader>(ParseHeader(header, r.preamble_.data_size, path.string()));
+  if (cache != nullptr) cache->Put(path.string(), std::move(header), r.preamble_.data_size, r.header_);
   return r;
 }
 
@@ -48,7 +85,7 @@ void DecodeZstdFrame(const void* src, size_t src_size, void* dst, size_t expecte
 
 uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* dst,
                                    std::string& scratch) const {
-  const uint64_t cs = header_.chunk_size;
+  const uint64_t cs = header_->chunk_size;
   const uint64_t len = ChunkLength(t, cs, chunk);
   const uint64_t base = preamble_.data_offset + t.offset;
   const std::string what =
@@ -73,7 +110,7 @@ uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* d
 void RankFileReader::ReadTensor(const TensorEntry& t, void* dst) const {
   std::string scratch;
   auto* out = static_cast<char*>(dst);
-  const uint64_t cs = header_.chunk_size;
+  const uint64_t cs = header_->chunk_size;
   for (uint64_t c = 0; c < t.ChunkCount(cs); ++c) {
     ReadChunk(t, c, out + ChunkBegin(cs, c), scratch);
   }

@@ -110,13 +110,32 @@ class PinnedBlock {
   bool registered_ = false;
 };
 
+// Streams the lanes' copies go to: RESHARD_STREAMS (1..lanes), else one per lane; lane i
+// uses stream i mod streams.
+int StreamCount(int lanes) {
+  const char* v = std::getenv("RESHARD_STREAMS");
+  if (v == nullptr || *v == '\0') return lanes;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != '\0' || n < 1) {
+    Fail(ErrorCode::kInvalidArgument,
+         std::string("environment RESHARD_STREAMS=\"") + v + "\": expected a whole number >= 1");
+  }
+  return static_cast<int>(std::min<long>(n, lanes));
+}
+
 class CudaCopier final : public DeviceCopier {
  public:
   CudaCopier(int device, int lanes, int slots) : device_(device), slots_(slots) {
     Check(cudaSetDevice(device), "cudaSetDevice");
+    streams_.resize(StreamCount(std::max(1, lanes)));
+    for (auto& s : streams_) {
+      Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    }
     lanes_.resize(lanes);
-    for (auto& lane : lanes_) {
-      Check(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    for (size_t i = 0; i < lanes_.size(); ++i) {
+      Lane& lane = lanes_[i];
+      lane.stream = streams_[i % streams_.size()];
       lane.slots.resize(slots);
       for (auto& s : lane.slots) {
         Check(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "cudaEventCreate");
@@ -126,12 +145,16 @@ class CudaCopier final : public DeviceCopier {
 
   ~CudaCopier() override {
     cudaSetDevice(device_);
+    for (cudaStream_t s : streams_) {
+      if (s) cudaStreamSynchronize(s);
+    }
     for (auto& lane : lanes_) {
-      if (lane.stream) cudaStreamSynchronize(lane.stream);
       for (auto& s : lane.slots) {
         if (s.event) cudaEventDestroy(s.event);
       }
-      if (lane.stream) cudaStreamDestroy(lane.stream);
+    }
+    for (cudaStream_t s : streams_) {
+      if (s) cudaStreamDestroy(s);
     }
     pool_.Free();
   }
@@ -197,9 +220,11 @@ class CudaCopier final : public DeviceCopier {
   void Synchronize() override {
     Check(cudaSetDevice(device_), "cudaSetDevice");
     cudaError_t first = cudaSuccess;
-    for (auto& lane : lanes_) {
-      cudaError_t err = cudaStreamSynchronize(lane.stream);
+    for (cudaStream_t s : streams_) {
+      cudaError_t err = cudaStreamSynchronize(s);
       if (first == cudaSuccess) first = err;
+    }
+    for (auto& lane : lanes_) {
       for (auto& s : lane.slots) s.pending = false;
     }
     Check(first, "cudaStreamSynchronize");
@@ -211,11 +236,12 @@ class CudaCopier final : public DeviceCopier {
     bool pending = false;
   };
   struct Lane {
-    cudaStream_t stream = nullptr;
+    cudaStream_t stream = nullptr;  // one of streams_
     std::vector<Slot> slots;
   };
   int device_;
   int slots_;
+  std::vector<cudaStream_t> streams_;
   std::vector<Lane> lanes_;
   std::mutex pool_mu_;
   PinnedBlock pool_;         // pinned staging for all lanes and slots

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <tuple>
 
+#include <unistd.h>
+
 #include "reshard/error.h"
 #include "reshard/loader.h"
 #include "reshard/rank_file.h"
@@ -36,6 +38,7 @@ namespace {
 // the staging under it); a load that comes while a prepare runs waits for it.
 struct CopierLease {
   reshard::DeviceCopier* copier = nullptr;
+  reshard::WorkerPool* pool = nullptr;  // the copier's reader threads, one per lane
   std::unique_lock<std::mutex> lock;
 };
 
@@ -55,8 +58,17 @@ class Copiers {
       e = slot.get();
     }
     std::unique_lock<std::mutex> use(e->use);
+    if (e->pid != ::getpid()) {
+      // Made before this process was forked: the child has neither the pool's threads nor
+      // the parent's CUDA state. Left alone (not destroyed) and made anew.
+      (void)e->copier.release();
+      (void)e->pool.release();
+      e->pid = ::getpid();
+    }
     if (!e->copier) e->copier = reshard::MakeCudaCopier(device, lanes, slots);
-    return {e->copier.get(), std::move(use)};
+    // Started once with the copier (by prepare, in the background), so loads start no threads.
+    if (!e->pool) e->pool = std::make_unique<reshard::WorkerPool>(static_cast<unsigned>(std::max(1, lanes)));
+    return {e->copier.get(), e->pool.get(), std::move(use)};
   }
 
   // Creates the copier and reserves `slot_bytes` of staging per lane and slot on another
@@ -82,6 +94,8 @@ class Copiers {
   struct Entry {
     std::mutex use;  // held by the one load / save / prepare using the copier
     std::unique_ptr<reshard::DeviceCopier> copier;
+    std::unique_ptr<reshard::WorkerPool> pool;
+    pid_t pid = ::getpid();  // the process that made copier and pool
   };
   std::mutex mu_;  // guards cache_ (entries are never removed)
   std::map<std::tuple<int, int, int>, std::unique_ptr<Entry>> cache_;
@@ -93,6 +107,13 @@ CopierLease CachedCopier(int device, int lanes, int slots) {
   return Copiers::Get().Acquire(device, lanes, slots);
 }
 #endif
+
+// Rank file headers parsed in this process (reshard.load reads a file's header to check the
+// model against it, then loads it: the second open reuses the parse).
+reshard::HeaderCache& Headers() {
+  static auto* cache = new reshard::HeaderCache(64);  // never destroyed, as Copiers
+  return *cache;
+}
 
 // A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
 // [0, max]), else the loader's default (include/reshard/loader.h).
@@ -117,6 +138,12 @@ uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, u
                              ": at most " + std::to_string(max));
   }
   return n;
+}
+
+// Staging slots per reader thread: the argument, else RESHARD_SLOTS, else 2.
+unsigned Slots(std::optional<unsigned> arg) {
+  return static_cast<unsigned>(std::max<uint64_t>(
+      1, Knob(arg ? std::optional<uint64_t>(*arg) : std::nullopt, "RESHARD_SLOTS", 2, 64)));
 }
 
 reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
@@ -228,7 +255,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "read_header",
       [](const std::string& path) {
-        reshard::RankFileReader r = reshard::RankFileReader::Open(path);
+        reshard::RankFileReader r = reshard::RankFileReader::Open(path, &Headers());
         return reshard::SerializeHeader(r.header());
       },
       py::arg("path"),
@@ -240,9 +267,10 @@ PYBIND11_MODULE(_C, m) {
       "load",
       [](const std::string& path,
          const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
-         int device, unsigned threads, bool verify, const std::string& io, unsigned slots,
-         std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
+         int device, unsigned threads, bool verify, const std::string& io,
+         std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
          std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes) {
+        const unsigned slots = Slots(slots_arg);
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
         bool any_device = false;
@@ -255,10 +283,13 @@ PYBIND11_MODULE(_C, m) {
         o.verify_checksums = verify;
         o.io = ParseIo(io);
         reshard::LoadReport r;
-        double copier_wait = 0;
+        double copier_wait = 0, open_seconds = 0;
         {
           py::gil_scoped_release release;
-          reshard::RankFileReader reader = reshard::RankFileReader::Open(path);
+          const auto t_open = std::chrono::steady_clock::now();
+          reshard::RankFileReader reader = reshard::RankFileReader::Open(path, &Headers());
+          open_seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_open).count();
           reshard::DeviceCopier* copier = nullptr;
 #ifdef RESHARD_HAVE_CUDA
           CopierLease lease;
@@ -269,6 +300,7 @@ PYBIND11_MODULE(_C, m) {
             const auto t0 = std::chrono::steady_clock::now();
             lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
             copier = lease.copier;
+            o.pool = lease.pool;
             // Waiting for a prepare still running (or another load) is part of this load.
             copier_wait =
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -292,7 +324,12 @@ PYBIND11_MODULE(_C, m) {
         d["copier_wait_seconds"] = copier_wait;
         d["residency_seconds"] = r.residency_seconds;
         d["sync_seconds"] = r.sync_seconds;
+        d["read_seconds"] = r.read_seconds;
+        d["wait_seconds"] = r.wait_seconds;
+        d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
+        d["header_cache_hits"] = Headers().hits();  // in this process, so far
         d["span_bytes"] = r.span_bytes;
+        d["pooled"] = r.pooled;
         d["cold"] = r.cold;
         d["threads"] = r.threads;
         d["direct_io"] = r.direct_io;
@@ -301,7 +338,7 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
-      py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = 2,
+      py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
       py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
       py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
       "Loads tensors of one rank file into raw destinations: targets are "
@@ -309,8 +346,9 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "prepare",
-      [](int device, unsigned threads, unsigned slots, std::optional<uint64_t> slot_bytes,
-         bool wait) {
+      [](int device, unsigned threads, std::optional<unsigned> slots_arg,
+         std::optional<uint64_t> slot_bytes, bool wait) {
+        unsigned slots = Slots(slots_arg);
 #ifdef RESHARD_HAVE_CUDA
         if (reshard::CudaDeviceCount() <= device || device < 0) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
@@ -334,7 +372,7 @@ PYBIND11_MODULE(_C, m) {
                              "this reshard build has no CUDA support; nothing to prepare");
 #endif
       },
-      py::arg("device"), py::arg("threads"), py::arg("slots") = 2,
+      py::arg("device"), py::arg("threads"), py::arg("slots") = py::none(),
       py::arg("slot_bytes") = py::none(), py::arg("wait") = false,
       "Creates the CUDA copier of (device, threads, slots) with its pinned staging on a "
       "background thread, so that the first load in this process finds it ready.");

@@ -191,12 +191,14 @@ struct Strategy {
   unsigned threads;
   uint64_t span_bytes, cold_span_bytes, hash_piece_bytes;
   unsigned cold_threads;
+  bool pooled = false;  // reader threads from a WorkerPool
 };
 
 std::string Describe(const Strategy& s) {
   return "io " + std::to_string(static_cast<int>(s.io)) + " threads " + std::to_string(s.threads) +
          " span " + std::to_string(s.span_bytes) + " cold span " + std::to_string(s.cold_span_bytes) +
-         " piece " + std::to_string(s.hash_piece_bytes) + " cold threads " + std::to_string(s.cold_threads);
+         " piece " + std::to_string(s.hash_piece_bytes) + " cold threads " + std::to_string(s.cold_threads) +
+         (s.pooled ? " pooled" : "");
 }
 
 std::vector<Strategy> Strategies() {
@@ -205,7 +207,8 @@ std::vector<Strategy> Strategies() {
     for (unsigned threads : {1u, 3u}) {
       for (uint64_t span : {uint64_t{0}, 3 * kChunk, 64 * kChunk}) {
         for (uint64_t piece : {uint64_t{0}, uint64_t{1000}, 4 * kChunk}) {
-          out.push_back({io, threads, span, span, piece, 0});
+          // The reader threads from a WorkerPool, or started for the load.
+          for (bool pooled : {false, true}) out.push_back({io, threads, span, span, piece, 0, pooled});
         }
       }
     }
@@ -223,6 +226,10 @@ LoadOptions Options(const Strategy& s) {
   o.cold_span_bytes = s.cold_span_bytes;
   o.cold_threads = s.cold_threads;
   o.hash_piece_bytes = s.hash_piece_bytes;
+  if (s.pooled) {
+    static WorkerPool pool(8);
+    o.pool = &pool;
+  }
   return o;
 }
 
@@ -247,6 +254,7 @@ TEST(LoadRankFile, EveryStrategyLandsEveryByte) {
       const LoadReport rep = LoadRankFile(r, targets, &copier, Options(s));
       EXPECT_EQ(copier.misuse, "");
       EXPECT_GE(copier.reserves, 1);
+      EXPECT_EQ(rep.pooled, s.pooled);
       EXPECT_LE(rep.span_bytes, std::max<uint64_t>(kChunk, s.io == IoMode::kBuffered ? s.span_bytes
                                                                                    : s.cold_span_bytes));
       for (size_t i = 0; i < f.data.size(); ++i) {

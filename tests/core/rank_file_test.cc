@@ -555,6 +555,50 @@ TEST_F(RankFileTest, HeaderNotJsonText) {
   EXPECT_TRUE(OpenFails(v, {"header is not valid JSON"}));
 }
 
+// ---- the header cache ---------------------------------------------------------------------
+
+TEST_F(RankFileTest, HeaderCacheReusesAParseOnlyForTheSameBytes) {
+  const fs::path v = Victim();
+  HeaderCache cache(2);
+  const RankFileReader a = RankFileReader::Open(v, &cache);
+  const RankFileReader b = RankFileReader::Open(v, &cache);
+  EXPECT_EQ(cache.hits(), 1u);
+  EXPECT_EQ(&a.header(), &b.header());  // the same parse
+  EXPECT_EQ(SerializeHeader(b.header()), SerializeHeader(RankFileReader::Open(v).header()));
+  // Another valid file at the same path (rank 1's): parsed anew, not served from the cache.
+  fs::copy_file(Convert(Codec::kRaw, 2, 1), v, fs::copy_options::overwrite_existing);
+  const RankFileReader c = RankFileReader::Open(v, &cache);
+  EXPECT_EQ(cache.hits(), 1u);
+  EXPECT_EQ(c.header().rank, 1u);
+  // A corrupt header after a cached open still fails, with the same errors as without a cache.
+  const test::RawRankFile f = test::RawRankFile::Read(v);
+  const size_t at = f.bytes.find("model.embed_tokens.weight", f.header_offset);
+  ASSERT_NE(at, std::string::npos);
+  FlipByte(v, at + 3, 0x01);
+  EXPECT_TRUE(ThrowsError([&] { RankFileReader::Open(v, &cache); }, ErrorCode::kDataLoss,
+                          {v.string(), "header_xxh3", "the header is corrupt"}));
+  // A header that is valid JSON text with a consistent checksum but breaks the format.
+  std::string text = f.bytes.substr(f.header_offset);
+  text.insert(1, "\"rank\":0,");
+  std::string out = f.bytes.substr(0, f.header_offset) + text;
+  out.replace(0, 64, test::RefPreamble(1, 0, 4096, f.data_size, f.header_offset, text.size(),
+                                       test::RefXxh3(text)));
+  test::WriteBytes(v, out);
+  EXPECT_TRUE(ThrowsError([&] { RankFileReader::Open(v, &cache); }, ErrorCode::kDataLoss,
+                          {"header: duplicate key \"rank\""}));
+  EXPECT_EQ(cache.hits(), 1u);
+  // Capacity 2: a third path evicts the least recently used one.
+  const fs::path r0 = Convert(Codec::kRaw, 2, 0), r1 = Convert(Codec::kRaw, 2, 1);
+  RankFileReader::Open(r0, &cache);
+  RankFileReader::Open(r1, &cache);
+  RankFileReader::Open(r0, &cache);
+  EXPECT_EQ(cache.hits(), 2u);
+  fs::copy_file(r0, v, fs::copy_options::overwrite_existing);
+  RankFileReader::Open(v, &cache);  // evicts r1 (r0 was used after it)
+  RankFileReader::Open(r1, &cache);
+  EXPECT_EQ(cache.hits(), 2u);
+}
+
 // ---- data (invariant 8) --------------------------------------------------------------------
 
 TEST_F(RankFileTest, BitFlipInTensorDataIsAChecksumMismatch) {

@@ -195,7 +195,7 @@ def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece
 def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path, threads, cold):
     """reshard.prepare sets the copy engine up in the background: a first load in a fresh
     process that called it allocates no staging, warm or cold (O_DIRECT spans), whatever the
-    thread count; one that did not, does."""
+    thread count; one that did not, does. Both run on the copy engine's own reader threads."""
     _require_cuda()
     out = tmp_path / "out"
     convert(llama_bf16, out, 1, "--chunk-size", "65536")
@@ -216,7 +216,7 @@ def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path, threa
         "    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
         "    os.close(fd)\n"
         "r = reshard.load(model, sys.argv[1], threads=threads)\n"
-        "print('ALLOC', r.staging_alloc_seconds, r.bytes)\n")
+        "print('ALLOC', r.staging_alloc_seconds, r.bytes, r.pooled)\n")
     env = dict(os.environ, RESHARD_PREPARE="0")  # no automatic prepare in empty_model
     got = {}
     for prepared in ("1", "0"):
@@ -228,9 +228,11 @@ def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path, threa
                            timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         line = [x for x in p.stdout.splitlines() if x.startswith("ALLOC")][-1].split()
-        got[prepared] = (float(line[1]), int(line[2]))
+        got[prepared] = (float(line[1]), int(line[2]), line[3])
     assert got["1"][0] == 0.0 and got["1"][1] > 0, got
     assert got["0"][0] > 0.0, got
+    # Either way the reader threads are the copy engine's own, started once per process.
+    assert got["1"][2] == "True" and got["0"][2] == "True", got
 
 @pytest.mark.parametrize("orig", [False, True])
 def test_fsdp1_save_from_cuda_round_trips(llama_bf16, tmp_path, orig):
