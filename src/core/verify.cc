@@ -18,6 +18,7 @@
 #include "reshard/fsdp1.h"
 #include "reshard/manifest.h"
 #include "reshard/rank_file.h"
+#include "json_util.h"
 
 namespace reshard {
 
@@ -63,6 +64,7 @@ class Verifier {
     } else if (fs::exists(o_.path / kManifestName)) {
       CollectFromManifest(layouts);
     } else {
+      ReadRankState();
       LayoutFiles l;
       l.key = o_.path.filename().string();
       l.dir = o_.path;
@@ -91,6 +93,46 @@ class Verifier {
     if (!tensor.empty() && message.starts_with(t)) message.erase(0, t.size());
     std::lock_guard<std::mutex> g(mu_);
     report_.problems.push_back({std::move(file), std::move(tensor), std::move(message)});
+  }
+
+  // An optimizer directory of a saved FSDP1 checkpoint (OUT/KEY/optim) holds per-rank
+  // ("local") state: its optimizer.json lists, per shard coordinate, the parameters with state
+  // and their state tensors ("rank_state", formats/manifest.md). Under use_orig_params the
+  // ranks hold state for different parameters, so each rank file is checked against its own
+  // list rather than against rank 0's file.
+  void ReadRankState() {
+    const fs::path meta = o_.path / "optimizer.json";
+    std::error_code ec;
+    if (!fs::is_regular_file(meta, ec)) return;
+    const std::string mpath = meta.string();
+    try {
+      File f = File::OpenRead(meta);
+      std::string text(f.Size(), '\0');
+      f.PReadExact(text.data(), text.size(), 0);
+      const nlohmann::json j = internal::ParseStrictJson(text, mpath, "optimizer.json");
+      if (!j.is_object() || !j.contains("rank_state")) return;  // FSDP2: one state layout
+      const nlohmann::json& ranks = internal::GetArray(j["rank_state"], mpath, "rank_state");
+      std::vector<std::set<std::string>> names;
+      for (size_t r = 0; r < ranks.size(); ++r) {
+        const std::string field = "rank_state[" + std::to_string(r) + "]";
+        std::set<std::string> n;
+        for (const auto& [param, desc] : internal::GetObject(ranks[r], mpath, field).items()) {
+          const std::string pf = field + "[\"" + param + "\"]";
+          const nlohmann::json& tensors =
+              internal::GetObject(internal::Member(internal::GetObject(desc, mpath, pf), "tensors", mpath, pf + ".tensors"),
+                                  mpath, pf + ".tensors");
+          for (const auto& [k, kind] : tensors.items()) {
+            internal::GetString(kind, mpath, pf + ".tensors[\"" + k + "\"]");
+            n.insert(param + "#" + k);
+          }
+        }
+        names.push_back(std::move(n));
+      }
+      rank_state_ = std::move(names);
+      rank_state_path_ = mpath;
+    } catch (const Error& e) {
+      Problem(mpath, "", e.what());
+    }
   }
 
   void CollectFromManifest(std::vector<LayoutFiles>& layouts) {
@@ -176,6 +218,29 @@ class Verifier {
       if (manifest_source_ && !(h.source == *manifest_source_)) {
         Problem(r.path(), "", "converted from source " + Hex16(h.source.fingerprint) +
                                   ", the manifest names " + Hex16(manifest_source_->fingerprint));
+      }
+      if (rank_state_) {
+        // Per-rank state (see ReadRankState): this file's tensors are exactly its list.
+        if (h.rank >= rank_state_->size()) {
+          Problem(r.path(), "", "rank " + std::to_string(h.rank) + ": " + rank_state_path_ +
+                                    " lists state for " + std::to_string(rank_state_->size()) +
+                                    " shard coordinates");
+          continue;
+        }
+        const std::set<std::string>& want = (*rank_state_)[h.rank];
+        std::set<std::string> have;
+        for (const auto& t : h.tensors) {
+          have.insert(t.name);
+          if (!want.count(t.name)) {
+            Problem(r.path(), t.name, "not listed for rank " + std::to_string(h.rank) + " in " + rank_state_path_);
+          }
+        }
+        for (const auto& n : want) {
+          if (!have.count(n)) {
+            Problem(r.path(), n, "missing (" + rank_state_path_ + " lists it for rank " + std::to_string(h.rank) + ")");
+          }
+        }
+        continue;
       }
       std::set<std::string> names;
       for (const auto& t : h.tensors) {
@@ -391,6 +456,8 @@ class Verifier {
   unsigned threads_;
   std::optional<Checkpoint> ckpt_;
   std::optional<SourceFingerprint> manifest_source_;
+  std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
+  std::string rank_state_path_;
   std::vector<File> sources_;
   std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
   std::mutex mu_;

@@ -241,8 +241,23 @@ def test_fsdp1_trained_save_exports_and_round_trips(checkpoint, cli, tmp_path, c
     if orig:
         # Which original parameters have elements (so state) on a rank differs between ranks.
         assert len({frozenset(s) for s in meta["rank_state"]}) > 1
-    else:
-        cli("verify", saved / key / "optim", rc=0)
+    # verify checks each rank file of the directory against its own list in optimizer.json.
+    cli("verify", saved / key / "optim", rc=0)
+    meta_path = saved / key / "optim" / "optimizer.json"
+    text = meta_path.read_text()
+    last = world - 1
+    dropped = sorted(meta["rank_state"][last])[0]
+    tampered = json.loads(text)
+    del tampered["rank_state"][last][dropped]
+    meta_path.write_text(json.dumps(tampered))
+    r = cli("verify", saved / key / "optim", rc=1)
+    assert f"{dropped}#exp_avg" in r.out + r.err and "not listed for rank" in r.out + r.err, r.out + r.err
+    tampered = json.loads(text)
+    tampered["rank_state"] = tampered["rank_state"][:last]
+    meta_path.write_text(json.dumps(tampered))
+    r = cli("verify", saved / key / "optim", rc=1)
+    assert f"lists state for {last} shard coordinates" in r.out + r.err, r.out + r.err
+    meta_path.write_text(text)
 
 
 @pytest.mark.parametrize("orig", [False, True])
