@@ -17,10 +17,12 @@ namespace reshard {
 /// header bytes equal those of an earlier open of the same path reuses that parse (parsing a
 /// header's JSON takes 1-3 ms, most of the fixed cost of loading a sub-GB rank file). The
 /// bytes are still read and checked against the preamble's checksum on every open.
-/// Thread-safe; keeps the `capacity` most recently used paths.
+/// Thread-safe; keeps the `capacity` most recently used paths, and no more than about
+/// `max_bytes` of headers (each counted twice its text: the text and its parse).
 class HeaderCache {
  public:
-  explicit HeaderCache(size_t capacity = 64) : capacity_(capacity) {}
+  explicit HeaderCache(size_t capacity = 64, size_t max_bytes = size_t{256} << 20)
+      : capacity_(capacity), max_bytes_(max_bytes) {}
   std::shared_ptr<const RankFileHeader> Find(const std::string& path, const std::string& header_bytes,
                                              uint64_t data_size);
   void Put(const std::string& path, std::string header_bytes, uint64_t data_size,
@@ -34,7 +36,9 @@ class HeaderCache {
     std::shared_ptr<const RankFileHeader> header;
     uint64_t stamp = 0;  // for eviction: larger = used later
   };
-  size_t capacity_;
+  void EvictLocked();  // the least recently used entry
+  size_t capacity_, max_bytes_;
+  size_t bytes_ = 0;  // sum of the entries' costs
   mutable std::mutex mu_;
   std::map<std::string, Entry> entries_;
   uint64_t clock_ = 0;

@@ -30,6 +30,7 @@ class WorkerPool {
 
  private:
   void Loop(unsigned index);
+  void Stop() noexcept;  // ends and joins every started thread
 
   std::mutex mu_;
   std::condition_variable work_cv_;

@@ -25,15 +25,24 @@ std::shared_ptr<const RankFileHeader> HeaderCache::Find(const std::string& path,
 void HeaderCache::Put(const std::string& path, std::string header_bytes, uint64_t data_size,
                       std::shared_ptr<const RankFileHeader> header) {
   std::lock_guard<std::mutex> g(mu_);
-  if (capacity_ == 0) return;
-  if (entries_.size() >= capacity_ && entries_.find(path) == entries_.end()) {
-    auto oldest = entries_.begin();
-    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->second.stamp < oldest->second.stamp) oldest = it;
-    }
-    entries_.erase(oldest);
+  const size_t cost = 2 * header_bytes.size();
+  if (capacity_ == 0 || cost > max_bytes_) return;
+  if (auto it = entries_.find(path); it != entries_.end()) {
+    bytes_ -= 2 * it->second.bytes.size();
+    entries_.erase(it);
   }
+  while (!entries_.empty() && (entries_.size() >= capacity_ || bytes_ + cost > max_bytes_)) EvictLocked();
   entries_[path] = {std::move(header_bytes), data_size, std::move(header), ++clock_};
+  bytes_ += cost;
+}
+
+void HeaderCache::EvictLocked() {
+  auto oldest = entries_.begin();
+  for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+    if (it->second.stamp < oldest->second.stamp) oldest = it;
+  }
+  bytes_ -= 2 * oldest->second.bytes.size();
+  entries_.erase(oldest);
 }
 
 size_t HeaderCache::hits() const {

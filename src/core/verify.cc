@@ -130,6 +130,7 @@ class Verifier {
       }
       rank_state_ = std::move(names);
       rank_state_path_ = mpath;
+      state_coordinates_ = ranks.size();
     } catch (const Error& e) {
       Problem(mpath, "", e.what());
     }
@@ -175,6 +176,7 @@ class Verifier {
   }
 
   void VerifyLayout(LayoutFiles& l, bool whole_layout) {
+    state_first_.clear();  // points into this layout's readers
     std::vector<RankFileReader> readers;
     std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
     for (const auto& p : l.files) {
@@ -234,6 +236,15 @@ class Verifier {
           if (!want.count(t.name)) {
             Problem(r.path(), t.name, "not listed for rank " + std::to_string(h.rank) + " in " + rank_state_path_);
           }
+          // A state tensor present on several ranks has one dtype; without use_orig_params
+          // (each rank's state is its flat shard's) one shape too.
+          auto [first, fresh] = state_first_.emplace(t.name, std::make_pair(&t, r.path()));
+          if (fresh) continue;
+          const TensorEntry& u = *first->second.first;
+          if (u.dtype != t.dtype || (!h.use_orig_params && u.global_shape != t.global_shape)) {
+            Problem(r.path(), t.name,
+                    std::string(u.dtype != t.dtype ? "dtype" : "shape") + " differs from " + first->second.second);
+          }
         }
         for (const auto& n : want) {
           if (!have.count(n)) {
@@ -260,6 +271,10 @@ class Verifier {
       for (const auto& [n, _] : names0) {
         if (!names.count(n)) Problem(r.path(), n, "missing (present in " + readers.front().path() + ")");
       }
+    }
+    if (rank_state_ && state_coordinates_ != ws) {
+      Problem(rank_state_path_, "", "rank_state lists " + std::to_string(state_coordinates_) +
+                                        " shard coordinates, the layout has " + std::to_string(ws));
     }
     if (whole_layout) {
       for (uint32_t rank = 0; rank < ws; ++rank) {
@@ -458,6 +473,9 @@ class Verifier {
   std::optional<SourceFingerprint> manifest_source_;
   std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
   std::string rank_state_path_;
+  size_t state_coordinates_ = 0;
+  // Per-rank state: each state tensor's first appearance (entry, file), to compare the others with.
+  std::map<std::string, std::pair<const TensorEntry*, std::string>> state_first_;
   std::vector<File> sources_;
   std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
   std::mutex mu_;

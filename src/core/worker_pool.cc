@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "reshard/error.h"
@@ -11,16 +12,26 @@ namespace reshard {
 WorkerPool::WorkerPool(unsigned threads) {
   threads = std::max(1u, threads);
   threads_.reserve(threads);
-  for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, i] { Loop(i); });
+  try {
+    for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this, i] { Loop(i); });
+  } catch (const std::system_error& e) {
+    Stop();  // the threads already started
+    Fail(ErrorCode::kIo, "cannot start " + std::to_string(threads) + " reader threads: " + e.what());
+  }
 }
 
-WorkerPool::~WorkerPool() {
+WorkerPool::~WorkerPool() { Stop(); }
+
+void WorkerPool::Stop() noexcept {
   {
     std::lock_guard<std::mutex> g(mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  threads_.clear();
 }
 
 void WorkerPool::Run(unsigned n, const std::function<void(unsigned)>& fn) {

@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -110,24 +111,53 @@ class PinnedBlock {
   bool registered_ = false;
 };
 
+// Makes `device` current on this thread and restores the thread's previous device when it
+// goes: a load or prepare on the caller's thread leaves the caller's current device (torch's
+// torch.cuda.current_device()) as it was.
+class DeviceGuard {
+ public:
+  // `may_throw` false: errors are ignored (for destructors).
+  explicit DeviceGuard(int device, bool may_throw = true) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    if (previous_ == device) return;
+    const cudaError_t err = cudaSetDevice(device);
+    if (may_throw) Check(err, "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int now = -1;
+    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // Streams the lanes' copies go to: RESHARD_STREAMS (1..lanes), else one per lane; lane i
-// uses stream i mod streams.
+// uses stream i mod streams. Read when a copier is made (once per process and knob set: the
+// Python module caches its copiers), so set it before the first load.
 int StreamCount(int lanes) {
   const char* v = std::getenv("RESHARD_STREAMS");
   if (v == nullptr || *v == '\0') return lanes;
-  char* end = nullptr;
-  const long n = std::strtol(v, &end, 10);
-  if (*end != '\0' || n < 1) {
+  const std::string text = v;
+  unsigned n = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  if (ec != std::errc() || end != text.data() + text.size() || n < 1) {
     Fail(ErrorCode::kInvalidArgument,
-         std::string("environment RESHARD_STREAMS=\"") + v + "\": expected a whole number >= 1");
+         "environment RESHARD_STREAMS=\"" + text + "\": expected a whole number from 1 to " +
+             std::to_string(lanes));
   }
-  return static_cast<int>(std::min<long>(n, lanes));
+  return static_cast<int>(std::min<unsigned>(n, static_cast<unsigned>(lanes)));
 }
 
 class CudaCopier final : public DeviceCopier {
  public:
   CudaCopier(int device, int lanes, int slots) : device_(device), slots_(slots) {
-    Check(cudaSetDevice(device), "cudaSetDevice");
+    DeviceGuard guard(device);
     streams_.resize(StreamCount(std::max(1, lanes)));
     for (auto& s : streams_) {
       Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -144,7 +174,7 @@ class CudaCopier final : public DeviceCopier {
   }
 
   ~CudaCopier() override {
-    cudaSetDevice(device_);
+    DeviceGuard guard(device_, /*may_throw=*/false);
     for (cudaStream_t s : streams_) {
       if (s) cudaStreamSynchronize(s);
     }
@@ -173,7 +203,7 @@ class CudaCopier final : public DeviceCopier {
       return 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    Check(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceGuard guard(device_);
     if (pool_.data() != nullptr) {
       Synchronize();
       pool_.Free();
@@ -218,7 +248,7 @@ class CudaCopier final : public DeviceCopier {
   }
 
   void Synchronize() override {
-    Check(cudaSetDevice(device_), "cudaSetDevice");
+    DeviceGuard guard(device_);
     cudaError_t first = cudaSuccess;
     for (cudaStream_t s : streams_) {
       cudaError_t err = cudaStreamSynchronize(s);

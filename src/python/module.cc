@@ -53,18 +53,19 @@ class Copiers {
     Entry* e = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
+      if (pid_ != ::getpid()) {
+        // This process is a fork()ed child of the one that made the entries: it has neither
+        // their pools' threads nor the parent's CUDA state, and an entry's `use` may be held
+        // by a thread that does not exist here. Left alone (not destroyed), made anew.
+        for (auto& [key, entry] : cache_) (void)entry.release();
+        cache_.clear();
+        pid_ = ::getpid();
+      }
       auto& slot = cache_[{device, lanes, slots}];
       if (!slot) slot = std::make_unique<Entry>();
       e = slot.get();
     }
     std::unique_lock<std::mutex> use(e->use);
-    if (e->pid != ::getpid()) {
-      // Made before this process was forked: the child has neither the pool's threads nor
-      // the parent's CUDA state. Left alone (not destroyed) and made anew.
-      (void)e->copier.release();
-      (void)e->pool.release();
-      e->pid = ::getpid();
-    }
     if (!e->copier) e->copier = reshard::MakeCudaCopier(device, lanes, slots);
     // Started once with the copier (by prepare, in the background), so loads start no threads.
     if (!e->pool) e->pool = std::make_unique<reshard::WorkerPool>(static_cast<unsigned>(std::max(1, lanes)));
@@ -75,6 +76,7 @@ class Copiers {
   // thread; returns at once. Errors are kept and raised by wait_prepared().
   void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
     std::lock_guard<std::mutex> g(prep_mu_);
+    ForgetParentPreparesLocked();
     pending_.push_back(std::async(std::launch::async, [=, this] {
       CopierLease lease = Acquire(device, lanes, slots);
       lease.copier->Reserve(slot_bytes, lanes);
@@ -85,22 +87,33 @@ class Copiers {
     std::vector<std::future<void>> p;
     {
       std::lock_guard<std::mutex> g(prep_mu_);
+      ForgetParentPreparesLocked();
       p.swap(pending_);
     }
     for (auto& f : p) f.get();  // rethrows the first error
   }
 
  private:
+  // In a fork()ed child, the parent's pending prepares have no threads: waiting for (or
+  // destroying) their futures would block forever. Left alone.
+  void ForgetParentPreparesLocked() {
+    if (prep_pid_ == ::getpid()) return;
+    (void)new std::vector<std::future<void>>(std::move(pending_));
+    pending_.clear();
+    prep_pid_ = ::getpid();
+  }
+
   struct Entry {
     std::mutex use;  // held by the one load / save / prepare using the copier
     std::unique_ptr<reshard::DeviceCopier> copier;
     std::unique_ptr<reshard::WorkerPool> pool;
-    pid_t pid = ::getpid();  // the process that made copier and pool
   };
-  std::mutex mu_;  // guards cache_ (entries are never removed)
+  std::mutex mu_;  // guards cache_ and pid_
   std::map<std::tuple<int, int, int>, std::unique_ptr<Entry>> cache_;
-  std::mutex prep_mu_;
+  pid_t pid_ = ::getpid();  // the process that made cache_'s entries
+  std::mutex prep_mu_;      // guards pending_ and prep_pid_
   std::vector<std::future<void>> pending_;
+  pid_t prep_pid_ = ::getpid();
 };
 
 CopierLease CachedCopier(int device, int lanes, int slots) {

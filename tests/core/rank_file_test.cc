@@ -597,6 +597,19 @@ TEST_F(RankFileTest, HeaderCacheReusesAParseOnlyForTheSameBytes) {
   RankFileReader::Open(v, &cache);  // evicts r1 (r0 was used after it)
   RankFileReader::Open(r1, &cache);
   EXPECT_EQ(cache.hits(), 2u);
+  // A byte budget: room for one of these headers (each costs twice its size).
+  const uint64_t size0 = RankFileReader::Open(r0).preamble().header_size;
+  const uint64_t size1 = RankFileReader::Open(r1).preamble().header_size;
+  HeaderCache one(64, 3 * std::max(size0, size1));
+  RankFileReader::Open(r0, &one);
+  RankFileReader::Open(r1, &one);  // evicts r0
+  RankFileReader::Open(r1, &one);
+  RankFileReader::Open(r0, &one);
+  EXPECT_EQ(one.hits(), 1u);
+  HeaderCache none(64, std::min(size0, size1));  // no header fits: nothing is kept
+  RankFileReader::Open(r0, &none);
+  RankFileReader::Open(r0, &none);
+  EXPECT_EQ(none.hits(), 0u);
 }
 
 // ---- data (invariant 8) --------------------------------------------------------------------

@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 import reshard
+import reshard.format as rf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -72,6 +74,20 @@ def _rank_file(path):
     data = open(path, "rb").read()
     assert all(t["codec"] == "raw" for t in h["tensors"])
     return h, {t["name"]: data[4096 + t["offset"]:4096 + t["offset"] + t["nbytes"]] for t in h["tensors"]}
+
+
+def _rewrite_header(path, edit):
+    """The rank file at `path` with its header JSON changed by edit(header), every checksum
+    (header_xxh3, preamble_xxh3) recomputed so that only the edited field is wrong."""
+    raw = open(path, "rb").read()
+    ver, flags, d_off, d_size, h_off, h_size = struct.unpack_from("<IIQQQQ", raw, 8)
+    header = json.loads(raw[h_off:h_off + h_size])
+    edit(header)
+    text = json.dumps(header).encode()
+    pre = raw[:8] + struct.pack("<IIQQQQQ", ver, flags, d_off, d_size, h_off, len(text), rf.xxh3_64(text))
+    pre += struct.pack("<Q", rf.xxh3_64(pre))
+    with open(path, "wb") as f:
+        f.write(pre + raw[64:h_off] + text)
 
 
 def _manifest(out):
@@ -258,6 +274,32 @@ def test_fsdp1_trained_save_exports_and_round_trips(checkpoint, cli, tmp_path, c
     r = cli("verify", saved / key / "optim", rc=1)
     assert f"lists state for {last} shard coordinates" in r.out + r.err, r.out + r.err
     meta_path.write_text(text)
+    # A state tensor that several ranks hold has one dtype on all of them (and, without
+    # use_orig_params, one shape): rank `last`'s header edited, its checksums consistent.
+    opt_file = saved / key / "optim" / f"rank-{last:05d}-of-{world:05d}.reshard"
+    pristine = opt_file.read_bytes()
+    h_last, _ = _rank_file(opt_file)
+    even = {t["name"] for t in h_last["tensors"] if t["local_shape"] and t["local_shape"][0] % 2 == 0}
+    both = sorted(n + "#exp_avg" for n in set(meta["rank_state"][0]) & set(meta["rank_state"][last]))
+    shared = [n for n in both if n in even][0]  # held by rank 0 too, of even length
+
+    def retype(h):
+        for t in h["tensors"]:
+            if t["name"] == shared:
+                t["dtype"] = "I32"  # F32 -> I32: same size, so nbytes stays consistent
+
+    def reshape(h):
+        for t in h["tensors"]:
+            if t["name"] == shared:
+                t["global_shape"] = t["local_shape"] = [t["global_shape"][0] // 2, 2]
+    for edit, what in ((retype, "dtype"), (reshape, "shape")):
+        _rewrite_header(opt_file, edit)
+        cli("verify", opt_file, rc=0)  # alone, the file is intact
+        r = cli("verify", saved / key / "optim", rc=0 if (what == "shape" and orig) else 1)
+        if r.rc:
+            assert shared in r.out + r.err and f"{what} differs from" in r.out + r.err, r.out + r.err
+        opt_file.write_bytes(pristine)
+    cli("verify", saved / key / "optim", rc=0)
 
 
 @pytest.mark.parametrize("orig", [False, True])
