@@ -416,8 +416,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   }
 
   if (options.pool != nullptr && options.pool->size() >= threads) {
-    // Every lane on a pool thread: none on the caller's, whose current CUDA device
-    // BindThread would otherwise change.
+    // Every lane on a pool thread (started once, so this load starts none).
     report.pooled = true;
     options.pool->Run(threads, [&](unsigned lane) { worker(static_cast<int>(lane)); });
   } else {

@@ -111,32 +111,6 @@ class PinnedBlock {
   bool registered_ = false;
 };
 
-// Makes `device` current on this thread and restores the thread's previous device when it
-// goes: a load or prepare on the caller's thread leaves the caller's current device (torch's
-// torch.cuda.current_device()) as it was.
-class DeviceGuard {
- public:
-  // `may_throw` false: errors are ignored (for destructors).
-  explicit DeviceGuard(int device, bool may_throw = true) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      cudaGetLastError();
-      previous_ = -1;
-    }
-    if (previous_ == device) return;
-    const cudaError_t err = cudaSetDevice(device);
-    if (may_throw) Check(err, "cudaSetDevice");
-  }
-  ~DeviceGuard() {
-    int now = -1;
-    if (previous_ >= 0 && cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = -1;
-};
-
 // Streams the lanes' copies go to: RESHARD_STREAMS (1..lanes), else one per lane; lane i
 // uses stream i mod streams. Read when a copier is made (once per process and knob set: the
 // Python module caches its copiers), so set it before the first load.
@@ -157,7 +131,7 @@ int StreamCount(int lanes) {
 class CudaCopier final : public DeviceCopier {
  public:
   CudaCopier(int device, int lanes, int slots) : device_(device), slots_(slots) {
-    DeviceGuard guard(device);
+    Check(cudaSetDevice(device), "cudaSetDevice");
     streams_.resize(StreamCount(std::max(1, lanes)));
     for (auto& s : streams_) {
       Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -174,7 +148,7 @@ class CudaCopier final : public DeviceCopier {
   }
 
   ~CudaCopier() override {
-    DeviceGuard guard(device_, /*may_throw=*/false);
+    cudaSetDevice(device_);
     for (cudaStream_t s : streams_) {
       if (s) cudaStreamSynchronize(s);
     }
@@ -203,7 +177,7 @@ class CudaCopier final : public DeviceCopier {
       return 0;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    DeviceGuard guard(device_);
+    Check(cudaSetDevice(device_), "cudaSetDevice");
     if (pool_.data() != nullptr) {
       Synchronize();
       pool_.Free();
@@ -248,7 +222,7 @@ class CudaCopier final : public DeviceCopier {
   }
 
   void Synchronize() override {
-    DeviceGuard guard(device_);
+    Check(cudaSetDevice(device_), "cudaSetDevice");
     cudaError_t first = cudaSuccess;
     for (cudaStream_t s : streams_) {
       cudaError_t err = cudaStreamSynchronize(s);
