@@ -757,6 +757,12 @@ def main(argv=None):
                     help="no GPU: generation, convert, host loads with _C.load(on_device=False), "
                          "safe_open slices, load_file and DCP on CPU, and the read ceiling")
     ap.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
+    ap.add_argument("--flush-cpu-caches", type=int, default=0, metavar="MIB",
+                    help="before every warm run, write and read MIB MiB in another process "
+                         "(reshard_bench_ceilings flush): a ceiling tool then starts as cold in "
+                         "the CPU caches as a Python child does after its start-up, instead of "
+                         "inheriting the page cache's metadata the previous run left there "
+                         "(default 0: off)")
     args = ap.parse_args(argv)
 
     small = args.quick or args.cpu_smoke
@@ -846,7 +852,10 @@ def run_bench(b: Bench, args, threads) -> int:
                    "child's VmHWM at the end of the timed load; children are started by a small "
                    "spawner process so that wait4's ru_maxrss is not inflated by this script's "
                    "own RSS. Libraries the children map are kept mapped by this script so that "
-                   "dropping the page cache does not slow the children's start (untimed)."),
+                   "dropping the page cache does not slow the children's start (untimed)."
+                   + (f" Before every warm run, {args.flush_cpu_caches} MiB were written and read "
+                      "by another process to push the previous run's data out of the CPU caches."
+                      if args.flush_cpu_caches else "")),
     })
     try:
         import safetensors
@@ -954,6 +963,11 @@ def run_bench(b: Bench, args, threads) -> int:
     def run_once(s, mode, rep, discard=False, extra_spec=None):
         rec = {"series": s["id"], "case": s["case"], "label": s["label"], "group": s["group"],
                "mode": mode, "rep": rep, "discard": discard}
+        if mode == "warm" and args.flush_cpu_caches and have_tool:
+            f = run_child([str(ceilings), "flush", "--mib", str(args.flush_cpu_caches), "--threads",
+                           str(os.cpu_count() or 1)], env=env, timeout=120)
+            if f["rc"] != 0:
+                raise SystemExit("bench_load: flush failed: " + (f["stderr"] or f["stdout"])[-500:])
         if s["runner"] == "tool":
             if mode == "cold":
                 why = drop_caches()

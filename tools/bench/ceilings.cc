@@ -18,6 +18,9 @@
 //            concurrent cudaHostAllocs, and by page-aligned memory (transparent huge pages
 //            asked for, pages touched by T threads) + cudaHostRegister; T streams and 2T
 //            events; T threads started with cudaSetDevice; a first copy on each new stream.
+//   flush    --mib N --threads T
+//            writes then reads N MiB: run before a warm ceiling, it starts as cold in the
+//            CPU caches as a loader in a fresh Python process (bench_load --flush-cpu-caches).
 //
 // Each prints one JSON object on stdout (GB = 1e9 bytes). Timers start before the file is
 // opened (buffers, streams and device memory are allocated before) and stop after the last
@@ -593,6 +596,32 @@ Json CmdSetup(unsigned threads, uint64_t request, unsigned reps, int device) {
   return j;
 }
 
+// ---- flush -------------------------------------------------------------------------------
+// Writes then reads `mib` MiB with T threads, pushing whatever a previous run left in the CPU
+// caches (e.g. the page cache's metadata for the file just read) out of them, so that a tool
+// run that follows starts as cold as a Python child after its interpreter start-up.
+Json CmdFlush(uint64_t mib, unsigned threads) {
+  const uint64_t bytes = mib << 20;
+  std::vector<char> buf(bytes);
+  std::atomic<uint64_t> sum{0};
+  const auto t0 = Clock::now();
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
+    const uint64_t per = (bytes + threads - 1) / threads;
+    const uint64_t begin = std::min<uint64_t>(bytes, lane * per), end = std::min<uint64_t>(bytes, begin + per);
+    std::memset(buf.data() + begin, static_cast<int>(lane + 1), end - begin);
+    uint64_t s = 0;
+    for (uint64_t i = begin; i < end; i += 64) s += static_cast<unsigned char>(buf[i]);
+    sum += s;
+  });
+  Json j;
+  j["mode"] = "flush";
+  j["bytes"] = bytes;
+  j["seconds"] = Since(t0);
+  j["threads"] = threads;
+  j["checksum"] = sum.load();
+  return j;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -625,6 +654,10 @@ int main(int argc, char** argv) {
   common(setup, false);
   setup->add_option("--reps", reps, "repetitions of each measurement (default 5)")
       ->check(CLI::Range(1u, 1000u));
+  uint64_t flush_mib = 1024;
+  CLI::App* flush = app.add_subcommand("flush", "write then read a large buffer: push other data out of the CPU caches");
+  flush->add_option("--mib", flush_mib, "MiB to write and read (default 1024)")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20));
+  flush->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
   CLI::App* pipe = app.add_subcommand(
       "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
   common(pipe, true);
@@ -642,6 +675,8 @@ int main(int argc, char** argv) {
       out = CmdRead(file, threads, request, direct, pinned, device);
     } else if (*setup) {
       out = CmdSetup(threads, request, reps, device);
+    } else if (*flush) {
+      out = CmdFlush(flush_mib, threads);
     } else if (*h2d) {
       out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
     } else {
