@@ -273,6 +273,12 @@ def test_fsdp1_trained_save_exports_and_round_trips(checkpoint, cli, tmp_path, c
     meta_path.write_text(json.dumps(tampered))
     r = cli("verify", saved / key / "optim", rc=1)
     assert f"lists state for {last} shard coordinates" in r.out + r.err, r.out + r.err
+    # Malformed: the error names the file and the field.
+    tampered = json.loads(text)
+    tampered["rank_state"][0] = ["not", "an object"]
+    meta_path.write_text(json.dumps(tampered))
+    r = cli("verify", saved / key / "optim", rc=1)
+    assert str(meta_path) in r.out + r.err and "rank_state[0]" in r.out + r.err, r.out + r.err
     meta_path.write_text(text)
     # A state tensor that several ranks hold has one dtype on all of them (and, without
     # use_orig_params, one shape): rank `last`'s header edited, its checksums consistent.
