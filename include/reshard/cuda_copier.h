@@ -16,7 +16,9 @@ int CudaDeviceCount();
 
 /// A copier for `device` with `lanes` lanes. Pinned staging memory is allocated on first
 /// use and kept until the copier is destroyed, so a copier can be reused across loads.
-std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots);
+/// Its copies go to `streams` CUDA streams (lane i to stream i mod streams; 0 or more than
+/// `lanes`: one stream per lane).
+std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots, int streams = 0);
 
 /// Allocation helpers for tests and benchmarks that have no framework (device memory).
 void* CudaMalloc(int device, size_t bytes);

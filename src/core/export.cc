@@ -381,10 +381,8 @@ std::string_view TorchFloatName(DType d) {
 // transformers loads a checkpoint in the dtype its config names (dtype="auto"), so a config
 // left at bfloat16 beside float32 weights would silently load them rounded to bfloat16.
 std::optional<std::string> ConfigWithDtype(const fs::path& config, std::string_view name) {
-  File in = File::OpenRead(config);
-  std::string text(in.Size(), '\0');
-  in.PReadExact(text.data(), text.size(), 0);
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(ReadWholeFile(config, 64ull << 20), nullptr,
+                                                          /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;  // not ours to judge: copied as is
   bool changed = false;
   for (const char* key : {"dtype", "torch_dtype"}) {

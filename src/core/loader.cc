@@ -302,7 +302,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           lane_wait[lane] += std::chrono::duration<double>(tr - tw).count();
           char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
           const uint64_t n = sp.end - sp.begin;
-          bool hashed = false;
           if (direct) {
             const size_t got = direct_file.PReadUpTo(stage, AlignUp(n, kDataAlignment), sp.begin);
             if (got < n) {
@@ -327,11 +326,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
               const uint64_t hash = hasher.Digest();
               if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
             }
-            hashed = true;
           } else {
             buffered.PReadExact(stage, n, sp.begin);
           }
-          if (!hashed) {
+          if (!piece) {  // pieces were hashed as they were read
             for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
               check(*jobs[items[k].job].entry, items[k].chunk,
                     stage + (item_at(items[k]) - sp.begin), item_len(items[k]));

@@ -106,10 +106,8 @@ class Verifier {
     if (!fs::is_regular_file(meta, ec)) return;
     const std::string mpath = meta.string();
     try {
-      File f = File::OpenRead(meta);
-      std::string text(f.Size(), '\0');
-      f.PReadExact(text.data(), text.size(), 0);
-      const nlohmann::json j = internal::ParseStrictJson(text, mpath, "optimizer.json");
+      const nlohmann::json j =
+          internal::ParseStrictJson(ReadWholeFile(meta, 256ull << 20), mpath, "optimizer.json");
       if (!j.is_object() || !j.contains("rank_state")) return;  // FSDP2: one state layout
       const nlohmann::json& ranks = internal::GetArray(j["rank_state"], mpath, "rank_state");
       std::vector<std::set<std::string>> names;
@@ -130,7 +128,6 @@ class Verifier {
       }
       rank_state_ = std::move(names);
       rank_state_path_ = mpath;
-      state_coordinates_ = ranks.size();
     } catch (const Error& e) {
       Problem(mpath, "", e.what());
     }
@@ -176,7 +173,6 @@ class Verifier {
   }
 
   void VerifyLayout(LayoutFiles& l, bool whole_layout) {
-    state_first_.clear();  // points into this layout's readers
     std::vector<RankFileReader> readers;
     std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
     for (const auto& p : l.files) {
@@ -200,6 +196,9 @@ class Verifier {
     std::set<uint32_t> seen;
     std::map<std::string, const TensorEntry*> names0;
     for (const auto& t : h0.tensors) names0[t.name] = &t;
+    // Per-rank state: each state tensor's first appearance (entry, file), to compare the
+    // other ranks' with.
+    std::map<std::string, std::pair<const TensorEntry*, std::string>> state_first;
     for (const auto& r : readers) {
       const RankFileHeader& h = r.header();
       if (h.layout_key != h0.layout_key || h.world_size != ws || h.kind != h0.kind) {
@@ -238,7 +237,7 @@ class Verifier {
           }
           // A state tensor present on several ranks has one dtype; without use_orig_params
           // (each rank's state is its flat shard's) one shape too.
-          auto [first, fresh] = state_first_.emplace(t.name, std::make_pair(&t, r.path()));
+          auto [first, fresh] = state_first.emplace(t.name, std::make_pair(&t, r.path()));
           if (fresh) continue;
           const TensorEntry& u = *first->second.first;
           if (u.dtype != t.dtype || (!h.use_orig_params && u.global_shape != t.global_shape)) {
@@ -272,8 +271,8 @@ class Verifier {
         if (!names.count(n)) Problem(r.path(), n, "missing (present in " + readers.front().path() + ")");
       }
     }
-    if (rank_state_ && state_coordinates_ != ws) {
-      Problem(rank_state_path_, "", "rank_state lists " + std::to_string(state_coordinates_) +
+    if (rank_state_ && rank_state_->size() != ws) {
+      Problem(rank_state_path_, "", "rank_state lists " + std::to_string(rank_state_->size()) +
                                         " shard coordinates, the layout has " + std::to_string(ws));
     }
     if (whole_layout) {
@@ -473,9 +472,6 @@ class Verifier {
   std::optional<SourceFingerprint> manifest_source_;
   std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
   std::string rank_state_path_;
-  size_t state_coordinates_ = 0;
-  // Per-rank state: each state tensor's first appearance (entry, file), to compare the others with.
-  std::map<std::string, std::pair<const TensorEntry*, std::string>> state_first_;
   std::vector<File> sources_;
   std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
   std::mutex mu_;

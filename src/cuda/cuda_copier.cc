@@ -4,7 +4,6 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -111,28 +110,11 @@ class PinnedBlock {
   bool registered_ = false;
 };
 
-// Streams the lanes' copies go to: RESHARD_STREAMS (1..lanes), else one per lane; lane i
-// uses stream i mod streams. Read when a copier is made (once per process and knob set: the
-// Python module caches its copiers), so set it before the first load.
-int StreamCount(int lanes) {
-  const char* v = std::getenv("RESHARD_STREAMS");
-  if (v == nullptr || *v == '\0') return lanes;
-  const std::string text = v;
-  unsigned n = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
-  if (ec != std::errc() || end != text.data() + text.size() || n < 1) {
-    Fail(ErrorCode::kInvalidArgument,
-         "environment RESHARD_STREAMS=\"" + text + "\": expected a whole number from 1 to " +
-             std::to_string(lanes));
-  }
-  return static_cast<int>(std::min<unsigned>(n, static_cast<unsigned>(lanes)));
-}
-
 class CudaCopier final : public DeviceCopier {
  public:
-  CudaCopier(int device, int lanes, int slots) : device_(device), slots_(slots) {
+  CudaCopier(int device, int lanes, int slots, int streams) : device_(device), slots_(slots) {
     Check(cudaSetDevice(device), "cudaSetDevice");
-    streams_.resize(StreamCount(std::max(1, lanes)));
+    streams_.resize(streams > 0 ? std::min(streams, std::max(1, lanes)) : std::max(1, lanes));
     for (auto& s : streams_) {
       Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     }
@@ -266,8 +248,8 @@ int CudaDeviceCount() {
 
 bool CudaAvailable() { return CudaDeviceCount() > 0; }
 
-std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots) {
-  return std::make_unique<CudaCopier>(device, lanes, slots);
+std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots, int streams) {
+  return std::make_unique<CudaCopier>(device, lanes, slots, streams);
 }
 
 void* CudaMalloc(int device, size_t bytes) {

@@ -30,6 +30,8 @@ namespace py = pybind11;
 
 namespace {
 
+uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max);
+
 #ifdef RESHARD_HAVE_CUDA
 // Copiers are cached per (device, lanes, slots) so that streams and pinned staging are made
 // once per process. prepare() makes one in the background (while the caller builds its
@@ -66,7 +68,12 @@ class Copiers {
       e = slot.get();
     }
     std::unique_lock<std::mutex> use(e->use);
-    if (!e->copier) e->copier = reshard::MakeCudaCopier(device, lanes, slots);
+    if (!e->copier) {
+      // RESHARD_STREAMS (for measuring): lanes sharing that many CUDA streams; read when the
+      // copier is made, so once per process and (device, lanes, slots).
+      const int streams = static_cast<int>(Knob(std::nullopt, "RESHARD_STREAMS", 0, 1024));
+      e->copier = reshard::MakeCudaCopier(device, lanes, slots, streams);
+    }
     // Started once with the copier (by prepare, in the background), so loads start no threads.
     if (!e->pool) e->pool = std::make_unique<reshard::WorkerPool>(static_cast<unsigned>(std::max(1, lanes)));
     return {e->copier.get(), e->pool.get(), std::move(use)};

@@ -234,6 +234,7 @@ def test_prepare_makes_the_first_load_pay_no_staging(llama_bf16, tmp_path, threa
     # Either way the reader threads are the copy engine's own, started once per process.
     assert got["1"][2] == "True" and got["0"][2] == "True", got
 
+
 @pytest.mark.parametrize("orig", [False, True])
 def test_fsdp1_save_from_cuda_round_trips(llama_bf16, tmp_path, orig):
     """reshard.save of an FSDP1 model on CUDA (NCCL, one process per visible GPU; one GPU:
