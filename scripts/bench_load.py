@@ -319,6 +319,7 @@ class ReshardLoad:
             if self.device.type == "cuda":
                 self.torch.cuda.synchronize()
             out["second_load_seconds"] = time.perf_counter() - t0
+            out["loader_report_2"] = dict(self.report)
         return out
 
 
@@ -494,6 +495,8 @@ def child_main(spec: dict) -> int:
             torch.cuda.synchronize()
         else:
             device = torch.device("cpu")
+        for k, v in (spec.get("env") or {}).items():  # knobs of a diagnostic series
+            os.environ[k] = str(v)
         t_setup = time.perf_counter()
         if gpu:
             free0 = torch.cuda.mem_get_info(device)[0]
@@ -509,6 +512,8 @@ def child_main(spec: dict) -> int:
                 raise RuntimeError(why)
         out["resident_fraction_before"] = round(residency(loader.files), 4)
         out["rss_before_kib"] = _status_kib("VmHWM")
+        if spec.get("pre_argv"):  # diagnostic: e.g. every core kept busy just before the timer
+            subprocess.run(spec["pre_argv"], check=True, stdout=subprocess.DEVNULL)
 
         t0 = time.perf_counter()
         loaded = loader.run()
@@ -744,7 +749,10 @@ def main(argv=None):
     ap.add_argument("--build-dir", default=str(REPO / "build"), help="where reshard and tools/bench were built")
     ap.add_argument("--only", default=None, help="comma-separated series labels to run: ceil-seq-read, ceil-seq-direct, "
                          "ceil-pipeline, ceil-read-pinned, ceil-h2d, reshard-t8, reshard-t16, "
-                         "reshard-t16-noverify, safe_open-slices, load_file, dcp-fsdp2")
+                         "reshard-t16-noverify, reshard-t16-prepared, safe_open-slices, load_file, "
+                         "dcp-fsdp2; diagnostics, run only when named here: reshard-t16-prepared-nowarm "
+                         "(no warm-up in prepare), reshard-t16-prepared-spin (every core busy for 30 ms "
+                         "just before the timer), reshard-t16-prepared-env (with --diag-env)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
@@ -757,6 +765,9 @@ def main(argv=None):
                     help="no GPU: generation, convert, host loads with _C.load(on_device=False), "
                          "safe_open slices, load_file and DCP on CPU, and the read ceiling")
     ap.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
+    ap.add_argument("--diag-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment of the diagnostic series reshard-tN-prepared-env (repeatable), "
+                         "e.g. RESHARD_LEAD_IN_BYTES=524288")
     ap.add_argument("--flush-cpu-caches", type=int, default=0, metavar="MIB",
                     help="before every warm run, write and read MIB MiB in another process "
                          "(reshard_bench_ceilings flush): a ceiling tool then starts as cold in "
@@ -933,7 +944,22 @@ def run_bench(b: Bench, args, threads) -> int:
         child(case, f"reshard-t{top}-noverify", "reshard", ["warm"], threads=top, verify=False, io="auto")
         if gpu:  # the flow of a job: reshard.prepare (empty_model) before the model is allocated
             child(case, f"reshard-t{top}-prepared", "reshard", ["cold", "warm"], threads=top,
-                  verify=True, io="auto", prepare=True)
+                  verify=True, io="auto", prepare=True, second_load=True)
+            # Diagnostics of the first load (run only when --only names them): without the
+            # copy engine's warm-up in prepare; with every core kept busy for 30 ms just before
+            # the timer (do idle cores slow a first load?).
+            child(case, f"reshard-t{top}-prepared-nowarm", "reshard", ["warm"], threads=top,
+                  verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                  env={"RESHARD_WARMUP": "0"})
+            if args.diag_env:  # the same with knobs from the environment (--diag-env)
+                child(case, f"reshard-t{top}-prepared-env", "reshard", ["warm"], threads=top,
+                      verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                      env=dict(kv.split("=", 1) for kv in args.diag_env))
+            if have_tool:
+                child(case, f"reshard-t{top}-prepared-spin", "reshard", ["warm"], threads=top,
+                      verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                      pre_argv=[str(ceilings), "spin", "--ms", "30", "--threads",
+                                str(os.cpu_count() or 1)])
         if case == "rank":
             child(case, "safe_open-slices", "slices", ["cold", "warm"])
         else:
@@ -945,9 +971,9 @@ def run_bench(b: Bench, args, threads) -> int:
             s["argv_by_mode"] = {
                 "cold": ["pipeline", "--file", f, "--threads", "16", "--request", "16MiB"],
                 "warm": ["pipeline", "--file", f, "--threads", "16", "--request", "2MiB"]}
-    if args.only:
-        keep = {x.strip() for x in args.only.split(",") if x.strip()}
-        series = [s for s in series if s["label"] in keep or s["id"] in keep]
+    keep = {x.strip() for x in (args.only or "").split(",") if x.strip()}
+    series = [s for s in series if (s["label"] in keep or s["id"] in keep) or
+              (not keep and not s.get("spec", {}).get("diagnostic"))]
     if args.no_cold:
         for s in series:
             s["modes"] = [m for m in s["modes"] if m != "cold"]

@@ -44,6 +44,11 @@ class DeviceCopier {
   virtual void Synchronize() = 0;
   /// Prepares the calling thread to drive `lane` (e.g. cudaSetDevice).
   virtual void BindThread(int lane) = 0;
+  /// Called on the thread that will drive `lane`, after Reserve, with no copies in flight:
+  /// binds the thread and pays now the one-time costs a lane's first copies would otherwise
+  /// pay inside a load (e.g. a small copy on the lane's stream, each slot's event recorded
+  /// and waited for). The default does nothing.
+  virtual void Warm(int lane);
 };
 
 struct LoadTarget {
@@ -81,6 +86,12 @@ struct LoadOptions {
   /// many bytes, each hashed right after it is read, while it is still in the core's cache
   /// (0: read the whole span, then hash it).
   uint64_t hash_piece_bytes = 256ull << 10;
+  /// For a file in the page cache: the first span each reader thread takes in a load is
+  /// copied to the device in parts as it is read, the first part once this many bytes are
+  /// in, each next part twice as long, so that the device starts copying before whole spans
+  /// are in (0: whole spans only). A part may be copied before the rest of its chunk has been
+  /// checked; a checksum mismatch still fails the load.
+  uint64_t lead_in_bytes = 0;
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;
@@ -103,6 +114,11 @@ struct LoadReport {
   // hashing) them, and seconds waiting for a staging slot whose copy was still in flight.
   double read_seconds = 0;
   double wait_seconds = 0;
+  // Of `seconds`, from the start of the load: when the first copy to the device was issued
+  // (the pipeline's fill), and when the last reader thread finished (what follows is
+  // sync_seconds: the copies still in flight).
+  double first_copy_seconds = 0;
+  double reads_done_seconds = 0;
   bool direct_io = false;
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto

@@ -49,6 +49,8 @@ struct Item {
 
 double DeviceCopier::Reserve(size_t, int) { return 0; }
 
+void DeviceCopier::Warm(int) {}
+
 uint64_t SpanLimit(const LoadOptions& o, bool cold) {
   return cold && o.cold_span_bytes ? o.cold_span_bytes : o.span_bytes;
 }
@@ -246,12 +248,17 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   }
   const uint64_t piece =
       !cold && options.verify_checksums && options.hash_piece_bytes > 0 ? options.hash_piece_bytes : 0;
+  // Lead-in (warm loads): a lane's first span is copied in parts as it is read.
+  const uint64_t lead_in = cold ? 0 : options.lead_in_bytes;
+  constexpr uint64_t kLeadPiece = 256ull << 10;  // read size of a lead-in without checksums
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   // Per lane: seconds blocked waiting for a staging slot's copy (the device side is behind),
   // and seconds spent reading and hashing.
   std::vector<double> lane_wait(threads, 0.0), lane_read(threads, 0.0);
+  // Per lane: when it issued its first copy to the device (seconds since t0; -1: none).
+  std::vector<double> lane_first_copy(threads, -1.0);
   std::mutex error_mu;
   std::exception_ptr error;
 
@@ -291,6 +298,37 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         const uint64_t hash = Xxh3(data, len);
         if (hash != e.chunk_xxh3[chunk]) mismatch(e, chunk, hash);
       };
+      // Copies of a span's bytes [copied, upto) (file offsets) from its staging slot: one per
+      // run of chunks of the same tensor (contiguous on both sides).
+      bool first_span = true;
+      uint64_t copied = 0, part = 0;
+      auto copy_upto = [&](const Span& sp, char* stage, uint64_t upto) {
+        if (lane_first_copy[lane] < 0) lane_first_copy[lane] = since(t0);
+        const TensorEntry* run = nullptr;
+        char* run_dst = nullptr;
+        uint64_t run_at = 0, run_end = 0;
+        auto flush = [&] {
+          if (run != nullptr && run_end > run_at) {
+            copier->CopyAsync(lane, slot, run_dst, stage + (run_at - sp.begin), run_end - run_at);
+          }
+          run = nullptr;
+        };
+        for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
+          const uint64_t at = item_at(items[k]), len = item_len(items[k]);
+          const uint64_t lo = std::max(at, copied), hi = std::min(at + len, upto);
+          if (lo >= hi) continue;
+          const Job& job = jobs[items[k].job];
+          if (run != job.entry || run_end != lo) {
+            flush();
+            run = job.entry;
+            run_at = lo;
+            run_dst = static_cast<char*>(job.target->ptr) + ChunkBegin(cs, items[k].chunk) + (lo - at);
+          }
+          run_end = hi;
+        }
+        flush();
+        copied = upto;
+      };
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t si = next.fetch_add(1);
         if (si >= spans.size()) break;
@@ -302,6 +340,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           lane_wait[lane] += std::chrono::duration<double>(tr - tw).count();
           char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
           const uint64_t n = sp.end - sp.begin;
+          copied = sp.begin;
+          part = lead_in;
+          const bool lead = lead_in > 0 && first_span && !direct;
           if (direct) {
             const size_t got = direct_file.PReadUpTo(stage, AlignUp(n, kDataAlignment), sp.begin);
             if (got < n) {
@@ -311,20 +352,28 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
                        std::to_string(it.chunk) + ": truncated file (read " + std::to_string(got) +
                        " of " + std::to_string(n) + " bytes)");
             }
-          } else if (piece) {
-            // Each chunk in pieces, each hashed while it is still in this core's cache.
+          } else if (piece || lead) {
+            // Each chunk in pieces, each hashed while it is still in this core's cache. In a
+            // lane's first span with a lead-in, parts are copied as soon as they are read.
+            const uint64_t step = piece ? piece : kLeadPiece;
             for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
               const TensorEntry& e = *jobs[items[k].job].entry;
               const uint64_t at = item_at(items[k]), len = item_len(items[k]);
               char* dst = stage + (at - sp.begin);
               hasher.Reset();
-              for (uint64_t off = 0; off < len; off += piece) {
-                const uint64_t m = std::min(piece, len - off);
+              for (uint64_t off = 0; off < len; off += step) {
+                const uint64_t m = std::min(step, len - off);
                 buffered.PReadExact(dst + off, m, at + off);
-                hasher.Update(dst + off, m);
+                if (piece) hasher.Update(dst + off, m);
+                if (lead && at + off + m - copied >= part && at + off + m < sp.end) {
+                  copy_upto(sp, stage, at + off + m);
+                  part *= 2;
+                }
               }
-              const uint64_t hash = hasher.Digest();
-              if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
+              if (piece) {
+                const uint64_t hash = hasher.Digest();
+                if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
+              }
             }
           } else {
             buffered.PReadExact(stage, n, sp.begin);
@@ -336,17 +385,8 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
             }
           }
           lane_read[lane] += since(tr);
-          // One copy per run of chunks of the same tensor (contiguous on both sides).
-          for (size_t k = sp.first; k < sp.first + sp.count;) {
-            size_t k2 = k + 1;
-            while (k2 < sp.first + sp.count && items[k2].job == items[k].job) ++k2;
-            const Job& job = jobs[items[k].job];
-            const uint64_t at = item_at(items[k]);
-            const uint64_t len = item_at(items[k2 - 1]) + item_len(items[k2 - 1]) - at;
-            copier->CopyAsync(lane, slot, static_cast<char*>(job.target->ptr) + ChunkBegin(cs, items[k].chunk),
-                              stage + (at - sp.begin), len);
-            k = k2;
-          }
+          copy_upto(sp, stage, sp.end);
+          first_span = false;
           slot = (slot + 1) % slots;
           continue;
         }
@@ -376,6 +416,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         const char* frame = read_frame(e, chunk);
         DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what());
         check(e, chunk, stage, len);
+        if (lane_first_copy[lane] < 0) lane_first_copy[lane] = since(t0);
         copier->CopyAsync(lane, slot, dst, stage, len);
         slot = (slot + 1) % slots;
       }
@@ -423,6 +464,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     worker(0);
     for (auto& t : pool) t.join();
   }
+  report.reads_done_seconds = since(t0);
   finished = true;
   if (ahead.joinable()) ahead.join();
   if (any_device) {
@@ -437,6 +479,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   for (unsigned t = 0; t < threads; ++t) {
     report.wait_seconds += lane_wait[t] / threads;
     report.read_seconds += lane_read[t] / threads;
+    if (lane_first_copy[t] >= 0 &&
+        (report.first_copy_seconds == 0 || lane_first_copy[t] < report.first_copy_seconds)) {
+      report.first_copy_seconds = lane_first_copy[t];
+    }
   }
   if (error) std::rethrow_exception(error);
   report.seconds = since(t0);

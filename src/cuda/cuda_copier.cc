@@ -118,6 +118,9 @@ class CudaCopier final : public DeviceCopier {
     for (auto& s : streams_) {
       Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
     }
+    // Where Warm's copies land: one small block per lane (the only device memory a copier
+    // owns).
+    Check(cudaMalloc(&scratch_, kWarmBytes * static_cast<size_t>(std::max(1, lanes))), "cudaMalloc");
     lanes_.resize(lanes);
     for (size_t i = 0; i < lanes_.size(); ++i) {
       Lane& lane = lanes_[i];
@@ -143,9 +146,33 @@ class CudaCopier final : public DeviceCopier {
       if (s) cudaStreamDestroy(s);
     }
     pool_.Free();
+    if (scratch_) cudaFree(scratch_);
   }
 
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
+
+  void Warm(int lane) override {
+    BindThread(lane);
+    Lane& l = lanes_.at(lane);
+    const void* src = nullptr;
+    {
+      std::lock_guard<std::mutex> g(pool_mu_);
+      const size_t at = static_cast<size_t>(lane) * slots_ * slot_bytes_;
+      if (slot_bytes_ >= kWarmBytes && at + kWarmBytes <= capacity_) {
+        src = static_cast<const char*>(pool_.data()) + at;
+      }
+    }
+    if (src != nullptr) {  // the lane's first copy, from its own staging
+      Check(cudaMemcpyAsync(static_cast<char*>(scratch_) + kWarmBytes * lane, src, kWarmBytes,
+                            cudaMemcpyHostToDevice, l.stream),
+            "cudaMemcpyAsync");
+    }
+    for (Slot& s : l.slots) {
+      Check(cudaEventRecord(s.event, l.stream), "cudaEventRecord");
+      Check(cudaEventSynchronize(s.event), "cudaEventSynchronize");
+      s.pending = false;
+    }
+  }
 
   double Reserve(size_t bytes, int lanes) override {
     // One pinned block carved into (lane, slot) buffers of `bytes`: one allocation instead
@@ -225,8 +252,10 @@ class CudaCopier final : public DeviceCopier {
     cudaStream_t stream = nullptr;  // one of streams_
     std::vector<Slot> slots;
   };
+  static constexpr size_t kWarmBytes = 4096;
   int device_;
   int slots_;
+  void* scratch_ = nullptr;  // kWarmBytes per lane, for Warm
   std::vector<cudaStream_t> streams_;
   std::vector<Lane> lanes_;
   std::mutex pool_mu_;

@@ -84,9 +84,17 @@ class Copiers {
   void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
     std::lock_guard<std::mutex> g(prep_mu_);
     ForgetParentPreparesLocked();
+    // RESHARD_WARMUP=0 (for measuring): no warm-up of the lanes.
+    const bool warm = Knob(std::nullopt, "RESHARD_WARMUP", 1, 1) != 0;
     pending_.push_back(std::async(std::launch::async, [=, this] {
       CopierLease lease = Acquire(device, lanes, slots);
       lease.copier->Reserve(slot_bytes, lanes);
+      // Each lane's one-time costs paid now, on the pool thread that will drive it in loads.
+      if (warm) {
+        lease.pool->Run(static_cast<unsigned>(lanes), [&](unsigned lane) {
+          lease.copier->Warm(static_cast<int>(lane));
+        });
+      }
     }));
   }
 
@@ -170,7 +178,8 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
                                   std::optional<uint64_t> span_bytes,
                                   std::optional<uint64_t> cold_span_bytes,
                                   std::optional<unsigned> cold_threads,
-                                  std::optional<uint64_t> hash_piece_bytes) {
+                                  std::optional<uint64_t> hash_piece_bytes,
+                                  std::optional<uint64_t> lead_in_bytes = std::nullopt) {
   constexpr uint64_t kMaxSpan = 1ull << 30;  // a staging slot of 1 GiB is already absurd
   reshard::LoadOptions o;
   o.threads = threads;
@@ -181,6 +190,7 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
       Knob(cold_threads ? std::optional<uint64_t>(*cold_threads) : std::nullopt,
            "RESHARD_COLD_THREADS", o.cold_threads, 1024));
   o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
+  o.lead_in_bytes = Knob(lead_in_bytes, "RESHARD_LEAD_IN_BYTES", o.lead_in_bytes, kMaxSpan);
   return o;
 }
 
@@ -289,7 +299,8 @@ PYBIND11_MODULE(_C, m) {
          const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
          int device, unsigned threads, bool verify, const std::string& io,
          std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
-         std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes) {
+         std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
+         std::optional<uint64_t> lead_in_bytes) {
         const unsigned slots = Slots(slots_arg);
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
@@ -299,7 +310,7 @@ PYBIND11_MODULE(_C, m) {
           any_device |= on_device;
         }
         reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
-                                              cold_threads, hash_piece_bytes);
+                                              cold_threads, hash_piece_bytes, lead_in_bytes);
         o.verify_checksums = verify;
         o.io = ParseIo(io);
         reshard::LoadReport r;
@@ -346,6 +357,8 @@ PYBIND11_MODULE(_C, m) {
         d["sync_seconds"] = r.sync_seconds;
         d["read_seconds"] = r.read_seconds;
         d["wait_seconds"] = r.wait_seconds;
+        d["first_copy_seconds"] = r.first_copy_seconds;
+        d["reads_done_seconds"] = r.reads_done_seconds;
         d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
         d["header_cache_hits"] = Headers().hits();  // in this process, so far
         d["span_bytes"] = r.span_bytes;
@@ -361,6 +374,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
       py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
       py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
+      py::arg("lead_in_bytes") = py::none(),
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
 

@@ -192,13 +192,14 @@ struct Strategy {
   uint64_t span_bytes, cold_span_bytes, hash_piece_bytes;
   unsigned cold_threads;
   bool pooled = false;  // reader threads from a WorkerPool
+  uint64_t lead_in = 0;  // LoadOptions::lead_in_bytes
 };
 
 std::string Describe(const Strategy& s) {
   return "io " + std::to_string(static_cast<int>(s.io)) + " threads " + std::to_string(s.threads) +
          " span " + std::to_string(s.span_bytes) + " cold span " + std::to_string(s.cold_span_bytes) +
          " piece " + std::to_string(s.hash_piece_bytes) + " cold threads " + std::to_string(s.cold_threads) +
-         (s.pooled ? " pooled" : "");
+         (s.pooled ? " pooled" : "") + " lead-in " + std::to_string(s.lead_in);
 }
 
 std::vector<Strategy> Strategies() {
@@ -209,6 +210,16 @@ std::vector<Strategy> Strategies() {
         for (uint64_t piece : {uint64_t{0}, uint64_t{1000}, 4 * kChunk}) {
           // The reader threads from a WorkerPool, or started for the load.
           for (bool pooled : {false, true}) out.push_back({io, threads, span, span, piece, 0, pooled});
+        }
+      }
+    }
+    // A lead-in: each lane's first span copied in growing parts as it is read (warm only).
+    for (unsigned threads : {1u, 3u}) {
+      for (uint64_t span : {uint64_t{0}, 3 * kChunk, 64 * kChunk}) {
+        for (uint64_t piece : {uint64_t{0}, uint64_t{1000}}) {
+          for (uint64_t lead : {uint64_t{1000}, kChunk / 2}) {
+            out.push_back({io, threads, span, span, piece, 0, false, lead});
+          }
         }
       }
     }
@@ -226,6 +237,7 @@ LoadOptions Options(const Strategy& s) {
   o.cold_span_bytes = s.cold_span_bytes;
   o.cold_threads = s.cold_threads;
   o.hash_piece_bytes = s.hash_piece_bytes;
+  o.lead_in_bytes = s.lead_in;
   if (s.pooled) {
     static WorkerPool pool(8);
     o.pool = &pool;
@@ -291,6 +303,46 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   EXPECT_GT(rb.span_bytes, 10 * kChunk);
   EXPECT_EQ(rb.threads, 1u);  // one span: one thread
   ExpectLanded(f, dest);
+}
+
+TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
+  Fixture f;
+  MakeFile(f);
+  RankFileReader r = RankFileReader::Open(f.path);
+  LoadOptions o;
+  o.io = IoMode::kBuffered;
+  o.threads = 1;
+  o.span_bytes = 1 << 20;  // the whole file in one span: 6 copies, one per non-empty tensor
+  o.hash_piece_bytes = 1024;
+  Destinations whole = MakeDestinations(f, [](size_t) { return true; });
+  HostDeviceCopier a;
+  const LoadReport ra = LoadRankFile(r, whole.targets, &a, o);
+  EXPECT_EQ(a.copies, 6);
+  ExpectLanded(f, whole);
+
+  // Parts after 1 KiB, then 2, 4, 8, 16, 32, 64 KiB more (each at a piece boundary, split
+  // where tensors end): more copies, the same bytes.
+  o.lead_in_bytes = 1024;
+  Destinations lead = MakeDestinations(f, [](size_t) { return true; });
+  HostDeviceCopier b;
+  const LoadReport rb = LoadRankFile(r, lead.targets, &b, o);
+  EXPECT_EQ(b.misuse, "");
+  EXPECT_GE(b.copies, 6 + 6);
+  ExpectLanded(f, lead);
+  EXPECT_GT(rb.first_copy_seconds, 0);
+  EXPECT_LE(rb.first_copy_seconds, rb.reads_done_seconds);
+  EXPECT_LE(rb.reads_done_seconds, rb.seconds);
+  EXPECT_LE(ra.first_copy_seconds, ra.reads_done_seconds);
+
+  // Only a lane's first span: with one chunk per span, every later span is one copy.
+  o.span_bytes = 0;
+  o.lead_in_bytes = 1024;
+  Destinations per_chunk = MakeDestinations(f, [](size_t) { return true; });
+  HostDeviceCopier c;
+  LoadRankFile(r, per_chunk.targets, &c, o);
+  EXPECT_GT(c.copies, 15);            // the first chunk (8 KiB) in parts: 1, 2, 4 KiB, the rest
+  EXPECT_LE(c.copies, 15 + 3);
+  ExpectLanded(f, per_chunk);
 }
 
 // Drops the file's pages from the page cache (clean pages of a file we wrote and synced).

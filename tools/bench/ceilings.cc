@@ -21,6 +21,9 @@
 //   flush    --mib N --threads T
 //            writes then reads N MiB: run before a warm ceiling, it starts as cold in the
 //            CPU caches as a loader in a fresh Python process (bench_load --flush-cpu-caches).
+//   spin     --ms N --threads T
+//            T threads busy (arithmetic only, no memory traffic) for N ms: run just before a
+//            load, it tells whether idle cores (sleep states, clock ramp-up) slow a first load.
 //
 // Each prints one JSON object on stdout (GB = 1e9 bytes). Timers start before the file is
 // opened (buffers, streams and device memory are allocated before) and stop after the last
@@ -622,6 +625,25 @@ Json CmdFlush(uint64_t mib, unsigned threads) {
   return j;
 }
 
+// ---- spin --------------------------------------------------------------------------------
+Json CmdSpin(uint64_t ms, unsigned threads) {
+  std::atomic<uint64_t> sum{0};
+  const auto t0 = Clock::now();
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
+    uint64_t x = lane + 1;
+    while (Since(t0) * 1e3 < static_cast<double>(ms)) {
+      for (int i = 0; i < 4096; ++i) x = x * 6364136223846793005ull + 1442695040888963407ull;
+    }
+    sum += x;
+  });
+  Json j;
+  j["mode"] = "spin";
+  j["seconds"] = Since(t0);
+  j["threads"] = threads;
+  j["checksum"] = sum.load();
+  return j;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -658,6 +680,10 @@ int main(int argc, char** argv) {
   CLI::App* flush = app.add_subcommand("flush", "write then read a large buffer: push other data out of the CPU caches");
   flush->add_option("--mib", flush_mib, "MiB to write and read (default 1024)")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20));
   flush->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
+  uint64_t spin_ms = 50;
+  CLI::App* spin = app.add_subcommand("spin", "keep T threads busy for N ms (no memory traffic)");
+  spin->add_option("--ms", spin_ms, "milliseconds (default 50)")->check(CLI::Range(uint64_t{1}, uint64_t{600000}));
+  spin->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
   CLI::App* pipe = app.add_subcommand(
       "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
   common(pipe, true);
@@ -677,6 +703,8 @@ int main(int argc, char** argv) {
       out = CmdSetup(threads, request, reps, device);
     } else if (*flush) {
       out = CmdFlush(flush_mib, threads);
+    } else if (*spin) {
+      out = CmdSpin(spin_ms, threads);
     } else if (*h2d) {
       out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
     } else {
