@@ -7,6 +7,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace reshard {
 
@@ -28,6 +29,14 @@ class Xxh3Hasher {
  private:
   void* state_;  // XXH3_state_t
 };
+
+/// The instruction set Xxh3 and Xxh3Hasher use: the best this CPU supports ("avx512",
+/// "avx2", "sse2"; "scalar" off x86-64), or RESHARD_XXH3 when it names a supported one.
+const char* Xxh3Implementation();
+/// Every implementation this CPU supports, best first; Xxh3With hashes with one of them
+/// (throws std::invalid_argument for another name). For tests and benchmarks.
+std::vector<std::string> Xxh3Implementations();
+uint64_t Xxh3With(const std::string& implementation, const void* data, size_t size);
 
 /// The tensor checksum of formats/rank-file.md: XXH3-64 of the chunk checksums as u64 LE.
 uint64_t CombineChunkChecksums(std::span<const uint64_t> chunk_checksums);

@@ -92,6 +92,10 @@ struct LoadOptions {
   /// are in (0: whole spans only). A part may be copied before the rest of its chunk has been
   /// checked; a checksum mismatch still fails the load.
   uint64_t lead_in_bytes = 0;
+  /// For a file in the page cache: spans that start within the last threads × span_bytes
+  /// bytes bound for the device join chunks only up to this many bytes, so that the reader
+  /// threads run out of work at nearly the same time (0: no tail rule).
+  uint64_t tail_span_bytes = 0;
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;
@@ -119,6 +123,12 @@ struct LoadReport {
   // sync_seconds: the copies still in flight).
   double first_copy_seconds = 0;
   double reads_done_seconds = 0;
+  // Diagnostics of the reader threads: the latest start (the slowest to wake), the average
+  // time a thread ran out of work (reads_done_seconds minus this is the end's imbalance),
+  // and the seconds a thread spent issuing copies, averaged.
+  double lane_start_seconds = 0;
+  double lane_end_seconds = 0;
+  double issue_seconds = 0;
   bool direct_io = false;
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto

@@ -1,6 +1,9 @@
 #include "reshard/checksum.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
 #include <new>
 #include <vector>
 
@@ -9,30 +12,84 @@
 
 namespace reshard {
 
+namespace {
+using HashFn = uint64_t (*)(const void*, size_t);
+using UpdateFn = void (*)(void*, const void*, size_t);  // state: XXH3_state_t
+uint64_t Sse2(const void* data, size_t size) { return XXH3_64bits(data, size); }
+void Sse2Update(void* state, const void* data, size_t size) {
+  XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, size);
+}
+struct Impl {
+  const char* name;
+  HashFn hash;
+  UpdateFn update;
+  bool supported;
+};
+}  // namespace
+
 #if defined(__x86_64__) && defined(RESHARD_HAVE_AVX2_TU)
 namespace internal {
 uint64_t Xxh3Avx2(const void* data, size_t size);
-void Xxh3Avx2Update(void* state, const void* data, size_t size);  // state: XXH3_state_t
-}
+void Xxh3Avx2Update(void* state, const void* data, size_t size);
+uint64_t Xxh3Avx512(const void* data, size_t size);
+void Xxh3Avx512Update(void* state, const void* data, size_t size);
+}  // namespace internal
 namespace {
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+// Best first.
+const std::vector<Impl>& Impls() {
+  static const std::vector<Impl> impls = {
+      {"avx512", internal::Xxh3Avx512, internal::Xxh3Avx512Update,
+       __builtin_cpu_supports("avx512f") != 0},
+      {"avx2", internal::Xxh3Avx2, internal::Xxh3Avx2Update, __builtin_cpu_supports("avx2") != 0},
+      {"sse2", Sse2, Sse2Update, true}};
+  return impls;
 }
-uint64_t Xxh3(const void* data, size_t size) {
-  return kHaveAvx2 ? internal::Xxh3Avx2(data, size) : XXH3_64bits(data, size);
-}
-void Xxh3Hasher::Update(const void* data, size_t size) {
-  if (kHaveAvx2) {
-    internal::Xxh3Avx2Update(state_, data, size);
-  } else {
-    XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, size);
-  }
-}
+}  // namespace
 #else
-uint64_t Xxh3(const void* data, size_t size) { return XXH3_64bits(data, size); }
-void Xxh3Hasher::Update(const void* data, size_t size) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, size);
+namespace {
+const std::vector<Impl>& Impls() {
+  static const std::vector<Impl> impls = {{"scalar", Sse2, Sse2Update, true}};
+  return impls;
 }
+}  // namespace
 #endif
+
+namespace {
+// The best the CPU supports, or RESHARD_XXH3=<name> (for measuring; a name the CPU does not
+// support, or an unknown one, is ignored).
+const Impl& Chosen() {
+  static const Impl& chosen = [&]() -> const Impl& {
+    const char* want = std::getenv("RESHARD_XXH3");
+    for (const Impl& i : Impls()) {
+      if (want != nullptr && i.supported && std::strcmp(want, i.name) == 0) return i;
+    }
+    for (const Impl& i : Impls()) {
+      if (i.supported) return i;
+    }
+    return Impls().back();
+  }();
+  return chosen;
+}
+}  // namespace
+
+uint64_t Xxh3(const void* data, size_t size) { return Chosen().hash(data, size); }
+void Xxh3Hasher::Update(const void* data, size_t size) { Chosen().update(state_, data, size); }
+const char* Xxh3Implementation() { return Chosen().name; }
+
+std::vector<std::string> Xxh3Implementations() {
+  std::vector<std::string> out;
+  for (const Impl& i : Impls()) {
+    if (i.supported) out.push_back(i.name);
+  }
+  return out;
+}
+
+uint64_t Xxh3With(const std::string& implementation, const void* data, size_t size) {
+  for (const Impl& i : Impls()) {
+    if (i.supported && implementation == i.name) return i.hash(data, size);
+  }
+  throw std::invalid_argument("XXH3 implementation \"" + implementation + "\" is not available here");
+}
 
 Xxh3Hasher::Xxh3Hasher() : state_(XXH3_createState()) {
   if (state_ == nullptr) throw std::bad_alloc();

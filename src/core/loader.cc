@@ -205,21 +205,35 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     const TensorEntry& e = *jobs[it.job].entry;
     return e.codec == Codec::kRaw ? ChunkLength(e, cs, it.chunk) : e.frames[it.chunk].size;
   };
+  // The tail: spans that start within the last (threads × span_limit) bytes bound for the
+  // device are limited to tail_span_bytes, so that the threads run out of work at nearly the
+  // same time (the load ends when the last of them is done).
+  auto is_device_raw = [&](const Item& it) {
+    const Job& job = jobs[it.job];
+    return job.target->on_device && job.entry->codec == Codec::kRaw;
+  };
+  const uint64_t tail_limit = cold ? 0 : options.tail_span_bytes;
+  const uint64_t tail_zone = uint64_t{LaneCount(options, cold)} * span_limit;
+  std::vector<uint64_t> after(items.size() + 1, 0);  // device-raw bytes from item i on
+  for (size_t i = items.size(); i-- > 0;) {
+    after[i] = after[i + 1] + (is_device_raw(items[i]) ? item_len(items[i]) : 0);
+  }
   std::vector<Span> spans;
+  uint64_t last_limit = span_limit;
   for (size_t i = 0; i < items.size(); ++i) {
-    const Job& job = jobs[items[i].job];
-    const bool device_raw = job.target->on_device && job.entry->codec == Codec::kRaw;
+    const bool device_raw = is_device_raw(items[i]);
     const uint64_t at = item_at(items[i]), len = item_len(items[i]);
     if (device_raw && !spans.empty()) {
       Span& last = spans.back();
-      if (span_limit > 0 && last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
-          at + len - last.begin <= span_limit) {
+      if (last_limit > 0 && last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
+          at + len - last.begin <= last_limit) {
         last.count += 1;
         last.end = at + len;
         continue;
       }
     }
     spans.push_back({i, 1, at, at + len, device_raw});
+    last_limit = tail_limit > 0 && after[i] <= tail_zone ? std::min(tail_limit, span_limit) : span_limit;
   }
 
   // Cold loads use at most `threads` too: a copier has one lane per thread of `threads`.
@@ -259,10 +273,14 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   std::vector<double> lane_wait(threads, 0.0), lane_read(threads, 0.0);
   // Per lane: when it issued its first copy to the device (seconds since t0; -1: none).
   std::vector<double> lane_first_copy(threads, -1.0);
+  // Per lane: when it started (woken), when it ran out of spans, and seconds spent issuing
+  // copies (since t0).
+  std::vector<double> lane_start(threads, 0.0), lane_end(threads, 0.0), lane_issue(threads, 0.0);
   std::mutex error_mu;
   std::exception_ptr error;
 
   auto worker = [&](int lane) {
+    lane_start[lane] = since(t0);
     try {
       if (any_device) copier->BindThread(lane);
       AlignedBuffer scratch;
@@ -309,7 +327,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         uint64_t run_at = 0, run_end = 0;
         auto flush = [&] {
           if (run != nullptr && run_end > run_at) {
+            const auto tc = Clock::now();
             copier->CopyAsync(lane, slot, run_dst, stage + (run_at - sp.begin), run_end - run_at);
+            lane_issue[lane] += since(tc);
           }
           run = nullptr;
         };
@@ -425,6 +445,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       std::lock_guard<std::mutex> g(error_mu);
       if (!error) error = std::current_exception();
     }
+    lane_end[lane] = since(t0);
   };
 
   // Read-ahead: walk the spans' byte ranges in file order, coalesced into windows, and ask
@@ -479,6 +500,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   for (unsigned t = 0; t < threads; ++t) {
     report.wait_seconds += lane_wait[t] / threads;
     report.read_seconds += lane_read[t] / threads;
+    report.lane_start_seconds = std::max(report.lane_start_seconds, lane_start[t]);
+    report.lane_end_seconds += lane_end[t] / threads;
+    report.issue_seconds += lane_issue[t] / threads;
     if (lane_first_copy[t] >= 0 &&
         (report.first_copy_seconds == 0 || lane_first_copy[t] < report.first_copy_seconds)) {
       report.first_copy_seconds = lane_first_copy[t];

@@ -87,6 +87,32 @@ TEST(ParseHex16, RejectsAnythingButSixteenLowerCaseHexDigits) {
   EXPECT_FALSE(ParseHex16(std::string_view("2d06800538d394\0c", 16)).has_value());
 }
 
+TEST(Xxh3, EveryImplementationHashesAlike) {
+  const std::vector<std::string> impls = Xxh3Implementations();
+  ASSERT_FALSE(impls.empty());
+  const char* forced = std::getenv("RESHARD_XXH3");
+  if (forced == nullptr || std::find(impls.begin(), impls.end(), forced) == impls.end()) {
+    EXPECT_EQ(std::string(Xxh3Implementation()), impls.front()) << "the best one is used";
+  } else {
+    EXPECT_EQ(std::string(Xxh3Implementation()), forced);
+  }
+  std::vector<unsigned char> data(1 << 20);
+  uint64_t x = 0x2545F4914F6CDD1Dull;
+  for (auto& b : data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<unsigned char>(x);
+  }
+  for (const std::string& impl : impls) {
+    SCOPED_TRACE(impl);
+    EXPECT_EQ(Xxh3With(impl, "reshard", 7), 0x2cd50bb8e17b7f9bull);  // xxhsum's value
+    for (size_t size : {size_t{0}, size_t{17}, size_t{240}, size_t{241}, size_t{1025},
+                        size_t{64 << 10}, size_t{(256 << 10) + 3}, data.size()}) {
+      EXPECT_EQ(Xxh3With(impl, data.data(), size), Xxh3(data.data(), size)) << "size " << size;
+    }
+  }
+  EXPECT_THROW(Xxh3With("no-such-isa", data.data(), 8), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace reshard
 

@@ -21,6 +21,9 @@
 //   flush    --mib N --threads T
 //            writes then reads N MiB: run before a warm ceiling, it starts as cold in the
 //            CPU caches as a loader in a fresh Python process (bench_load --flush-cpu-caches).
+//   hash     --mib N --threads T --request BYTES
+//            XXH3 throughput of every implementation this CPU supports: T threads each hash
+//            its own buffer of BYTES (cache-resident when small) until N MiB are hashed in all.
 //   spin     --ms N --threads T
 //            T threads busy (arithmetic only, no memory traffic) for N ms: run just before a
 //            load, it tells whether idle cores (sleep states, clock ramp-up) slow a first load.
@@ -54,6 +57,7 @@
 #include <thread>
 #include <vector>
 
+#include "reshard/checksum.h"  // the XXH3 implementations, timed alone
 #include "reshard/loader.h"  // PageCacheResidency (mincore), no loading code
 
 namespace {
@@ -625,6 +629,36 @@ Json CmdFlush(uint64_t mib, unsigned threads) {
   return j;
 }
 
+// ---- hash --------------------------------------------------------------------------------
+Json CmdHash(uint64_t mib, unsigned threads, uint64_t request) {
+  const uint64_t total = mib << 20;
+  Json j;
+  j["mode"] = "hash";
+  j["bytes"] = total;
+  j["threads"] = threads;
+  j["request"] = request;
+  j["used_by_loader"] = reshard::Xxh3Implementation();
+  for (const std::string& impl : reshard::Xxh3Implementations()) {
+    std::vector<std::unique_ptr<HostBuffer>> bufs;
+    for (unsigned t = 0; t < threads; ++t) {
+      bufs.push_back(std::make_unique<HostBuffer>(request, /*pinned=*/false));
+      std::memset(bufs.back()->data(), static_cast<int>(t + 1), request);
+    }
+    std::atomic<uint64_t> sink{0};
+    const uint64_t per_thread = std::max<uint64_t>(1, total / threads / request);
+    const auto t0 = Clock::now();
+    RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
+      uint64_t h = 0;
+      for (uint64_t i = 0; i < per_thread; ++i) h += reshard::Xxh3With(impl, bufs[lane]->data(), request);
+      sink += h;
+    });
+    const double seconds = Since(t0);
+    j["gbps"][impl] = Gbps(per_thread * threads * request, seconds);
+    j["checksum"][impl] = sink.load();
+  }
+  return j;
+}
+
 // ---- spin --------------------------------------------------------------------------------
 Json CmdSpin(uint64_t ms, unsigned threads) {
   std::atomic<uint64_t> sum{0};
@@ -680,6 +714,11 @@ int main(int argc, char** argv) {
   CLI::App* flush = app.add_subcommand("flush", "write then read a large buffer: push other data out of the CPU caches");
   flush->add_option("--mib", flush_mib, "MiB to write and read (default 1024)")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20));
   flush->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
+  uint64_t hash_mib = 4096;
+  CLI::App* hash = app.add_subcommand("hash", "XXH3 throughput of each implementation the CPU supports");
+  hash->add_option("--mib", hash_mib, "MiB hashed in all (default 4096)")->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20));
+  hash->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
+  hash->add_option("--request", request_text, "bytes per hash call, each thread's buffer (default 2MiB)");
   uint64_t spin_ms = 50;
   CLI::App* spin = app.add_subcommand("spin", "keep T threads busy for N ms (no memory traffic)");
   spin->add_option("--ms", spin_ms, "milliseconds (default 50)")->check(CLI::Range(uint64_t{1}, uint64_t{600000}));
@@ -703,6 +742,8 @@ int main(int argc, char** argv) {
       out = CmdSetup(threads, request, reps, device);
     } else if (*flush) {
       out = CmdFlush(flush_mib, threads);
+    } else if (*hash) {
+      out = CmdHash(hash_mib, threads, request);
     } else if (*spin) {
       out = CmdSpin(spin_ms, threads);
     } else if (*h2d) {
