@@ -4,7 +4,7 @@
 For each rank file given, into preallocated CUDA tensors, GB = 1e9 bytes landed:
 
 * warm (file in the page cache): every combination of --threads, span_bytes,
-  hash_piece_bytes, slots, lead_in_bytes and tail_span_bytes (checksums on), plus checksums off; staging set up by an untimed load with
+  hash_piece_bytes, slots and lead_in_bytes (checksums on), plus checksums off; staging set up by an untimed load with
   the same knobs, then --reps timed loads;
 * cold (page cache dropped before each timed load; io=auto picks the cold path): every
   combination of cold_threads and cold_span_bytes, and io=direct for a few; the
@@ -59,7 +59,6 @@ def main():
     ap.add_argument("--pieces-kib", default="0,256", help="warm hash_piece_bytes in KiB (0: off)")
     ap.add_argument("--slots", default="2", help="staging slots per thread")
     ap.add_argument("--lead-in-kib", default="0", help="warm lead_in_bytes in KiB (0: off)")
-    ap.add_argument("--tail-kib", default="0", help="warm tail_span_bytes in KiB (0: off)")
     ap.add_argument("--cold-threads", default="2,4,8,16")
     ap.add_argument("--cold-spans-mib", default="2,8,16,32")
     ap.add_argument("--no-cold", action="store_true")
@@ -114,10 +113,10 @@ def main():
         # ---- warm
         read_file(path)
         configs = [dict(threads=t, span_bytes=s * MiB, hash_piece_bytes=p << 10, verify=True, slots=n,
-                        lead_in_bytes=li << 10, tail_span_bytes=tl << 10)
-                   for t, s, p, n, li, tl in itertools.product(ints(args.threads), ints(args.spans_mib),
-                                                               ints(args.pieces_kib), ints(args.slots),
-                                                               ints(args.lead_in_kib), ints(args.tail_kib))]
+                        lead_in_bytes=li << 10)
+                   for t, s, p, n, li in itertools.product(ints(args.threads), ints(args.spans_mib),
+                                                           ints(args.pieces_kib), ints(args.slots),
+                                                           ints(args.lead_in_kib))]
         configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2)
                     for t in ints(args.threads)]
         for cfg in configs:
@@ -138,7 +137,6 @@ def main():
             print(f"  warm threads {cfg['threads']:2d} span {cfg['span_bytes'] // MiB:2d} MiB piece "
                   f"{cfg['hash_piece_bytes'] >> 10:4d} KiB "
                   f"slots {cfg['slots']} lead-in {cfg.get('lead_in_bytes', 0) >> 10:4d} KiB "
-                  f"tail {cfg.get('tail_span_bytes', 0) >> 10:4d} KiB "
                   f"verify {int(cfg['verify'])}: "
                   f"{rec['median']:6.2f} GB/s [{min(rec['gbps']):.2f}-{max(rec['gbps']):.2f}]"
                   + f"  ms: load {phases['seconds'] * 1e3:.2f} read {phases['read_seconds'] * 1e3:.2f} "

@@ -30,8 +30,8 @@ class Xxh3Hasher {
   void* state_;  // XXH3_state_t
 };
 
-/// The instruction set Xxh3 and Xxh3Hasher use: the best this CPU supports ("avx512",
-/// "avx2", "sse2"; "scalar" off x86-64), or RESHARD_XXH3 when it names a supported one.
+/// The instruction set Xxh3 and Xxh3Hasher use: the best this CPU supports ("avx2", "sse2";
+/// "scalar" off x86-64), or RESHARD_XXH3 when it names a supported one (for measuring).
 const char* Xxh3Implementation();
 /// Every implementation this CPU supports, best first; Xxh3With hashes with one of them
 /// (throws std::invalid_argument for another name). For tests and benchmarks.

@@ -90,12 +90,10 @@ struct LoadOptions {
   /// copied to the device in parts as it is read, the first part once this many bytes are
   /// in, each next part twice as long, so that the device starts copying before whole spans
   /// are in (0: whole spans only). A part may be copied before the rest of its chunk has been
-  /// checked; a checksum mismatch still fails the load.
-  uint64_t lead_in_bytes = 0;
-  /// For a file in the page cache: spans that start within the last threads × span_bytes
-  /// bytes bound for the device join chunks only up to this many bytes, so that the reader
-  /// threads run out of work at nearly the same time (0: no tail rule).
-  uint64_t tail_span_bytes = 0;
+  /// checked; a checksum mismatch still fails the load. 1 MiB: the first copy starts after
+  /// ~0.4 ms instead of ~0.9 ms; 0.46 GB rank file +1-8 %, multi-GB files unchanged
+  /// (BENCHMARKS.md §7, runs M and N).
+  uint64_t lead_in_bytes = 1ull << 20;
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;

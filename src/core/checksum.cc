@@ -31,15 +31,11 @@ struct Impl {
 namespace internal {
 uint64_t Xxh3Avx2(const void* data, size_t size);
 void Xxh3Avx2Update(void* state, const void* data, size_t size);
-uint64_t Xxh3Avx512(const void* data, size_t size);
-void Xxh3Avx512Update(void* state, const void* data, size_t size);
 }  // namespace internal
 namespace {
 // Best first.
 const std::vector<Impl>& Impls() {
   static const std::vector<Impl> impls = {
-      {"avx512", internal::Xxh3Avx512, internal::Xxh3Avx512Update,
-       __builtin_cpu_supports("avx512f") != 0},
       {"avx2", internal::Xxh3Avx2, internal::Xxh3Avx2Update, __builtin_cpu_supports("avx2") != 0},
       {"sse2", Sse2, Sse2Update, true}};
   return impls;

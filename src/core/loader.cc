@@ -205,35 +205,21 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     const TensorEntry& e = *jobs[it.job].entry;
     return e.codec == Codec::kRaw ? ChunkLength(e, cs, it.chunk) : e.frames[it.chunk].size;
   };
-  // The tail: spans that start within the last (threads × span_limit) bytes bound for the
-  // device are limited to tail_span_bytes, so that the threads run out of work at nearly the
-  // same time (the load ends when the last of them is done).
-  auto is_device_raw = [&](const Item& it) {
-    const Job& job = jobs[it.job];
-    return job.target->on_device && job.entry->codec == Codec::kRaw;
-  };
-  const uint64_t tail_limit = cold ? 0 : options.tail_span_bytes;
-  const uint64_t tail_zone = uint64_t{LaneCount(options, cold)} * span_limit;
-  std::vector<uint64_t> after(items.size() + 1, 0);  // device-raw bytes from item i on
-  for (size_t i = items.size(); i-- > 0;) {
-    after[i] = after[i + 1] + (is_device_raw(items[i]) ? item_len(items[i]) : 0);
-  }
   std::vector<Span> spans;
-  uint64_t last_limit = span_limit;
   for (size_t i = 0; i < items.size(); ++i) {
-    const bool device_raw = is_device_raw(items[i]);
+    const Job& job = jobs[items[i].job];
+    const bool device_raw = job.target->on_device && job.entry->codec == Codec::kRaw;
     const uint64_t at = item_at(items[i]), len = item_len(items[i]);
     if (device_raw && !spans.empty()) {
       Span& last = spans.back();
-      if (last_limit > 0 && last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
-          at + len - last.begin <= last_limit) {
+      if (span_limit > 0 && last.device_raw && at >= last.end && at - last.end < kDataAlignment &&
+          at + len - last.begin <= span_limit) {
         last.count += 1;
         last.end = at + len;
         continue;
       }
     }
     spans.push_back({i, 1, at, at + len, device_raw});
-    last_limit = tail_limit > 0 && after[i] <= tail_zone ? std::min(tail_limit, span_limit) : span_limit;
   }
 
   // Cold loads use at most `threads` too: a copier has one lane per thread of `threads`.

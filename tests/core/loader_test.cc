@@ -193,15 +193,13 @@ struct Strategy {
   unsigned cold_threads;
   bool pooled = false;  // reader threads from a WorkerPool
   uint64_t lead_in = 0;  // LoadOptions::lead_in_bytes
-  uint64_t tail = 0;     // LoadOptions::tail_span_bytes
 };
 
 std::string Describe(const Strategy& s) {
   return "io " + std::to_string(static_cast<int>(s.io)) + " threads " + std::to_string(s.threads) +
          " span " + std::to_string(s.span_bytes) + " cold span " + std::to_string(s.cold_span_bytes) +
          " piece " + std::to_string(s.hash_piece_bytes) + " cold threads " + std::to_string(s.cold_threads) +
-         (s.pooled ? " pooled" : "") + " lead-in " + std::to_string(s.lead_in) + " tail " +
-         std::to_string(s.tail);
+         (s.pooled ? " pooled" : "") + " lead-in " + std::to_string(s.lead_in);
 }
 
 std::vector<Strategy> Strategies() {
@@ -221,7 +219,7 @@ std::vector<Strategy> Strategies() {
         for (uint64_t piece : {uint64_t{0}, uint64_t{1000}}) {
           for (uint64_t lead : {uint64_t{1000}, kChunk / 2}) {
             out.push_back({io, threads, span, span, piece, 0, false, lead});
-            out.push_back({io, threads, span, span, piece, 0, true, lead, kChunk});
+            out.push_back({io, threads, span, span, piece, 0, true, lead});
           }
         }
       }
@@ -241,7 +239,6 @@ LoadOptions Options(const Strategy& s) {
   o.cold_threads = s.cold_threads;
   o.hash_piece_bytes = s.hash_piece_bytes;
   o.lead_in_bytes = s.lead_in;
-  o.tail_span_bytes = s.tail;
   if (s.pooled) {
     static WorkerPool pool(8);
     o.pool = &pool;
@@ -347,40 +344,6 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
   EXPECT_GT(c.copies, 15);            // the first chunk (8 KiB) in parts: 1, 2, 4 KiB, the rest
   EXPECT_LE(c.copies, 15 + 3);
   ExpectLanded(f, per_chunk);
-}
-
-TEST(LoadRankFile, TailSpansAreShorter) {
-  Fixture f;
-  MakeFile(f);
-  RankFileReader r = RankFileReader::Open(f.path);
-  LoadOptions o;
-  o.io = IoMode::kBuffered;
-  o.threads = 1;
-  o.span_bytes = 1 << 20;  // the whole file in one span: one copy per non-empty tensor
-  Destinations plain = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier a;
-  const LoadReport ra = LoadRankFile(r, plain.targets, &a, o);
-  EXPECT_EQ(a.copies, 6);
-  // The tail (the last 1 thread × 1 MiB: here the whole file) in spans of one chunk: one
-  // copy per non-empty chunk, as with no joining at all.
-  o.tail_span_bytes = kChunk;
-  Destinations tail = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier b;
-  const LoadReport rb = LoadRankFile(r, tail.targets, &b, o);
-  EXPECT_EQ(b.misuse, "");
-  EXPECT_EQ(b.copies, 15);
-  EXPECT_GT(ra.span_bytes, 10 * kChunk);
-  EXPECT_EQ(rb.span_bytes, kChunk);
-  // Cold loads keep their spans (the tail rule is for files in the page cache).
-  o.io = IoMode::kReadahead;
-  Destinations cold = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier c;
-  const LoadReport rc = LoadRankFile(r, cold.targets, &c, o);
-  EXPECT_TRUE(rc.cold);
-  EXPECT_LT(c.copies, 15);
-  ExpectLanded(f, plain);
-  ExpectLanded(f, tail);
-  ExpectLanded(f, cold);
 }
 
 // Drops the file's pages from the page cache (clean pages of a file we wrote and synced).
