@@ -292,6 +292,16 @@ class ReshardLoad:
             # background thread while the model (here: the targets) is allocated. A load that
             # comes before it has finished waits for it inside the timer.
             _C.prepare(device.index or 0, spec["threads"], wait=False)
+        if spec.get("preload_file"):
+            # Diagnostic: another rank file loaded first, untimed (is a fresh process's first
+            # load slower because of the process or because of the file?).
+            pre = json.loads(_C.read_header(spec["preload_file"]))
+            keep = [torch.empty(max(e["nbytes"], 1), dtype=torch.uint8, device=device) for e in pre["tensors"]]
+            _C.load(spec["preload_file"], [(e["name"], t.data_ptr(), e["nbytes"], device.type == "cuda")
+                                           for e, t in zip(pre["tensors"], keep)],
+                    device=spec.get("cuda_device", 0), threads=spec["threads"], io="auto")
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            del keep
         self.files = [spec["rank_file"]]
         header = json.loads(_C.read_header(spec["rank_file"]))  # shapes for the targets
         self.tensors = {}
@@ -756,7 +766,8 @@ def main(argv=None):
                          "dcp-fsdp2; diagnostics, run only when named here: reshard-t16-prepared-nowarm "
                          "(no warm-up in prepare), reshard-t16-prepared-spin (every core busy for 30 ms "
                          "just before the timer), reshard-t16-prepared-env (with --diag-env), "
-                         "reshard-t16-prepared-6loads (six loads in one process)")
+                         "reshard-t16-prepared-6loads (six loads in one process), "
+                         "reshard-t16-prepared-otherfile (another rank file loaded first, untimed)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
@@ -959,6 +970,14 @@ def run_bench(b: Bench, args, threads) -> int:
                 child(case, f"reshard-t{top}-prepared-env", "reshard", ["warm"], threads=top,
                       verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                       env=dict(kv.split("=", 1) for kv in args.diag_env))
+            # Another rank file loaded first, untimed (rank 1 of the same world size; for
+            # the whole model, the rank file).
+            other = (str(rank_file(out, args.world_size, (args.rank + 1) % args.world_size))
+                     if case == "rank" else cases.get("rank", {}).get("rank_file"))
+            if other:
+                child(case, f"reshard-t{top}-prepared-otherfile", "reshard", ["warm"], threads=top,
+                      verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                      preload_file=other)
             # Six loads in one process: does a fresh process's first load differ from the
             # loads after it, and for how many?
             child(case, f"reshard-t{top}-prepared-6loads", "reshard", ["warm"], threads=top,
@@ -1076,6 +1095,8 @@ def run_bench(b: Bench, args, threads) -> int:
     # children map (for RuntimeKeeper), and, for reshard at the top thread count, compares every
     # tensor with safe_open slices of the source (the correctness check).
     warm_files = src_files + [c["rank_file"] for c in cases.values()]
+    warm_files += sorted({s["spec"]["preload_file"] for s in series
+                          if s["runner"] == "child" and s["spec"].get("preload_file")})
     t = read_files(warm_files)
     log(f"warm-up: files read once ({t:.1f} s); one discarded run of each warm series")
     keeper = None if args.no_keep_runtime else RuntimeKeeper([workdir, b.outdir])
