@@ -523,7 +523,12 @@ def child_main(spec: dict) -> int:
             why = drop_caches()
             if why:
                 raise RuntimeError(why)
-        out["resident_fraction_before"] = round(residency(loader.files), 4)
+        if spec.get("no_probe"):
+            # Diagnostic: no whole-file mincore walk just before the timer (the loader's own
+            # 64-sample probe still runs inside it, and reports what it found).
+            out["resident_fraction_before"] = None
+        else:
+            out["resident_fraction_before"] = round(residency(loader.files), 4)
         out["rss_before_kib"] = _status_kib("VmHWM")
         if spec.get("pre_argv"):  # diagnostic: e.g. every core kept busy just before the timer
             subprocess.run(spec["pre_argv"], check=True, stdout=subprocess.DEVNULL)
@@ -767,7 +772,8 @@ def main(argv=None):
                          "(no warm-up in prepare), reshard-t16-prepared-spin (every core busy for 30 ms "
                          "just before the timer), reshard-t16-prepared-env (with --diag-env), "
                          "reshard-t16-prepared-6loads (six loads in one process), "
-                         "reshard-t16-prepared-otherfile (another rank file loaded first, untimed)")
+                         "reshard-t16-prepared-otherfile (another rank file loaded first, untimed), "
+                         "reshard-t16-prepared-noprobe (no whole-file mincore just before the timer)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
@@ -978,6 +984,9 @@ def run_bench(b: Bench, args, threads) -> int:
                 child(case, f"reshard-t{top}-prepared-otherfile", "reshard", ["warm"], threads=top,
                       verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                       preload_file=other)
+            child(case, f"reshard-t{top}-prepared-noprobe", "reshard", ["warm"], threads=top,
+                  verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                  no_probe=True)
             # Six loads in one process: does a fresh process's first load differ from the
             # loads after it, and for how many?
             child(case, f"reshard-t{top}-prepared-6loads", "reshard", ["warm"], threads=top,
