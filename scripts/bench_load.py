@@ -308,6 +308,11 @@ class ReshardLoad:
         for e in header["tensors"]:
             self.tensors[e["name"]] = torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]),
                                                   device=device)
+        if spec.get("zero_targets"):
+            # Diagnostic: the destinations written once on the device before the timer (is
+            # it fresh device memory that makes a process's first load slower?).
+            for t in self.tensors.values():
+                t.zero_()
         self.targets = [(n, t.data_ptr(), t.numel() * t.element_size(), device.type == "cuda")
                         for n, t in self.tensors.items()]
 
@@ -773,7 +778,8 @@ def main(argv=None):
                          "just before the timer), reshard-t16-prepared-env (with --diag-env), "
                          "reshard-t16-prepared-6loads (six loads in one process), "
                          "reshard-t16-prepared-otherfile (another rank file loaded first, untimed), "
-                         "reshard-t16-prepared-noprobe (no whole-file mincore just before the timer)")
+                         "reshard-t16-prepared-noprobe (no whole-file mincore just before the timer), "
+                         "reshard-t16-prepared-zeroed (destinations zeroed on the device first)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
@@ -984,6 +990,9 @@ def run_bench(b: Bench, args, threads) -> int:
                 child(case, f"reshard-t{top}-prepared-otherfile", "reshard", ["warm"], threads=top,
                       verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                       preload_file=other)
+            child(case, f"reshard-t{top}-prepared-zeroed", "reshard", ["warm"], threads=top,
+                  verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
+                  zero_targets=True)
             child(case, f"reshard-t{top}-prepared-noprobe", "reshard", ["warm"], threads=top,
                   verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                   no_probe=True)

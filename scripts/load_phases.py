@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Where a reshard load's time went, from a bench_load.py JSON: per series, the medians of the
+loader's report fields (ms) for the first load in each fresh process and for each later load
+in the same process (`2nd load`, and `reshard-tN-prepared-6loads`).
+
+  python3 scripts/load_phases.py OUTDIR/bench-load.json
+
+Fields (include/reshard/loader.h, LoadReport): seconds = the whole load; read = reading and
+hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the
+copies still in flight after the reads; first_copy = when the first copy was issued;
+reads_done = when the last thread finished; lane_start = the latest thread start; lane_end = when
+a thread ran out of work (average); issue = issuing copies, per thread.
+"""
+import json
+import statistics
+import sys
+
+KEYS = ["seconds", "read_seconds", "wait_seconds", "sync_seconds", "first_copy_seconds",
+        "reads_done_seconds", "lane_start_seconds", "lane_end_seconds", "issue_seconds"]
+
+
+def main(argv):
+    if len(argv) != 2:
+        raise SystemExit(__doc__)
+    with open(argv[1]) as f:
+        d = json.load(f)
+    runs = [r for r in d["runs"] if r.get("ok") and not r.get("discard") and "loader_report" in r
+            and r.get("mode") == "warm"]
+    print("warm loads, medians in ms (n = processes)")
+    print(f"{'case / series':44s} {'load':>4s} {'n':>2s} " + " ".join(f"{k.replace('_seconds', ''):>10s}" for k in KEYS))
+    for case in sorted({r["case"] for r in runs}):
+        for label in sorted({r["label"] for r in runs if r["case"] == case}):
+            rs = [r for r in runs if r["case"] == case and r["label"] == label]
+            loads = [[r["loader_report"] for r in rs]]
+            for i in range(max(len(r.get("more_loads", [])) for r in rs)):
+                loads.append([r["more_loads"][i]["report"] for r in rs if len(r.get("more_loads", [])) > i])
+            for i, reps in enumerate(loads):
+                vals = [statistics.median(x.get(k, 0.0) for x in reps) * 1e3 for k in KEYS]
+                print(f"{case + ' / ' + label:44s} {i + 1:4d} {len(reps):2d} " + " ".join(f"{v:10.2f}" for v in vals))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
