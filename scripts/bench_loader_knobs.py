@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--spans-mib", default="0,4,8", help="warm span_bytes in MiB (0: one chunk)")
     ap.add_argument("--pieces-kib", default="0,256", help="warm hash_piece_bytes in KiB (0: off)")
     ap.add_argument("--slots", default="2", help="staging slots per thread")
-    ap.add_argument("--lead-in-kib", default="0", help="warm lead_in_bytes in KiB (0: off)")
+    ap.add_argument("--lead-in-kib", default="1024", help="warm lead_in_bytes in KiB (0: off; default 1024, the loader's)")
     ap.add_argument("--cold-threads", default="2,4,8,16")
     ap.add_argument("--cold-spans-mib", default="2,8,16,32")
     ap.add_argument("--no-cold", action="store_true")
@@ -117,7 +117,7 @@ def main():
                    for t, s, p, n, li in itertools.product(ints(args.threads), ints(args.spans_mib),
                                                            ints(args.pieces_kib), ints(args.slots),
                                                            ints(args.lead_in_kib))]
-        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2)
+        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2, lead_in_bytes=0)
                     for t in ints(args.threads)]
         for cfg in configs:
             load(io="buffered", **cfg)  # staging for these knobs, untimed

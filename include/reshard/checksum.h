@@ -31,7 +31,9 @@ class Xxh3Hasher {
 };
 
 /// The instruction set Xxh3 and Xxh3Hasher use: the best this CPU supports ("avx2", "sse2";
-/// "scalar" off x86-64), or RESHARD_XXH3 when it names a supported one (for measuring).
+/// "default" off x86-64: whatever xxhash picks there), or RESHARD_XXH3 when it names a
+/// supported one (for measuring; a name this build does not know throws
+/// std::invalid_argument from the first hash).
 const char* Xxh3Implementation();
 /// Every implementation this CPU supports, best first; Xxh3With hashes with one of them
 /// (throws std::invalid_argument for another name). For tests and benchmarks.

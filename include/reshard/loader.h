@@ -123,7 +123,8 @@ struct LoadReport {
   double reads_done_seconds = 0;
   // Diagnostics of the reader threads: the latest start (the slowest to wake), the average
   // time a thread ran out of work (reads_done_seconds minus this is the end's imbalance),
-  // and the seconds a thread spent issuing copies, averaged.
+  // and the seconds a thread spent issuing copies, averaged (a lead-in's copies are issued
+  // while the span is read, so their time is in read_seconds too).
   double lane_start_seconds = 0;
   double lane_end_seconds = 0;
   double issue_seconds = 0;

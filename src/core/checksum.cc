@@ -5,6 +5,8 @@
 #include <cstring>
 #include <stdexcept>
 #include <new>
+#include <span>
+#include <string>
 #include <vector>
 
 #define XXH_INLINE_ALL
@@ -33,9 +35,10 @@ uint64_t Xxh3Avx2(const void* data, size_t size);
 void Xxh3Avx2Update(void* state, const void* data, size_t size);
 }  // namespace internal
 namespace {
-// Best first.
-const std::vector<Impl>& Impls() {
-  static const std::vector<Impl> impls = {
+// Best first. A plain array (nothing to destroy at exit: a hash from a thread still running
+// then must not read freed memory).
+std::span<const Impl> Impls() {
+  static const Impl impls[] = {
       {"avx2", internal::Xxh3Avx2, internal::Xxh3Avx2Update, __builtin_cpu_supports("avx2") != 0},
       {"sse2", Sse2, Sse2Update, true}};
   return impls;
@@ -43,21 +46,31 @@ const std::vector<Impl>& Impls() {
 }  // namespace
 #else
 namespace {
-const std::vector<Impl>& Impls() {
-  static const std::vector<Impl> impls = {{"scalar", Sse2, Sse2Update, true}};
+std::span<const Impl> Impls() {  // whatever xxhash picks for this target (NEON, SSE2, scalar)
+  static const Impl impls[] = {{"default", Sse2, Sse2Update, true}};
   return impls;
 }
 }  // namespace
 #endif
 
 namespace {
-// The best the CPU supports, or RESHARD_XXH3=<name> (for measuring; a name the CPU does not
-// support, or an unknown one, is ignored).
+// The best the CPU supports, or RESHARD_XXH3=<name> (for measuring). A known name the CPU
+// does not support falls back to the best; an unknown name is an error.
 const Impl& Chosen() {
-  static const Impl& chosen = [&]() -> const Impl& {
+  static const Impl& chosen = []() -> const Impl& {
     const char* want = std::getenv("RESHARD_XXH3");
-    for (const Impl& i : Impls()) {
-      if (want != nullptr && i.supported && std::strcmp(want, i.name) == 0) return i;
+    if (want != nullptr && *want != '\0') {
+      std::string known;
+      for (const Impl& i : Impls()) {
+        if (std::strcmp(want, i.name) == 0 && i.supported) return i;
+        known += std::string(known.empty() ? "" : ", ") + i.name;
+      }
+      bool is_known = false;
+      for (const Impl& i : Impls()) is_known |= std::strcmp(want, i.name) == 0;
+      if (!is_known) {
+        throw std::invalid_argument(std::string("RESHARD_XXH3=\"") + want +
+                                    "\": expected one of " + known);
+      }
     }
     for (const Impl& i : Impls()) {
       if (i.supported) return i;

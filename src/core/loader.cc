@@ -423,7 +423,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what());
         check(e, chunk, stage, len);
         if (lane_first_copy[lane] < 0) lane_first_copy[lane] = since(t0);
+        const auto tc = Clock::now();
         copier->CopyAsync(lane, slot, dst, stage, len);
+        lane_issue[lane] += since(tc);
         slot = (slot + 1) % slots;
       }
     } catch (...) {

@@ -113,26 +113,30 @@ class PinnedBlock {
 class CudaCopier final : public DeviceCopier {
  public:
   CudaCopier(int device, int lanes, int slots, int streams) : device_(device), slots_(slots) {
-    Check(cudaSetDevice(device), "cudaSetDevice");
-    streams_.resize(streams > 0 ? std::min(streams, std::max(1, lanes)) : std::max(1, lanes));
-    for (auto& s : streams_) {
-      Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-    }
-    // Where Warm's copies land: one small block per lane (the only device memory a copier
-    // owns).
-    Check(cudaMalloc(&scratch_, kWarmBytes * static_cast<size_t>(std::max(1, lanes))), "cudaMalloc");
-    lanes_.resize(lanes);
-    for (size_t i = 0; i < lanes_.size(); ++i) {
-      Lane& lane = lanes_[i];
-      lane.stream = streams_[i % streams_.size()];
-      lane.slots.resize(slots);
-      for (auto& s : lane.slots) {
-        Check(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "cudaEventCreate");
+    try {
+      Check(cudaSetDevice(device), "cudaSetDevice");
+      streams_.resize(streams > 0 ? std::min(streams, std::max(1, lanes)) : std::max(1, lanes));
+      for (auto& s : streams_) {
+        Check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
       }
+      lanes_.resize(lanes);
+      for (size_t i = 0; i < lanes_.size(); ++i) {
+        Lane& lane = lanes_[i];
+        lane.stream = streams_[i % streams_.size()];
+        lane.slots.resize(slots);
+        for (auto& s : lane.slots) {
+          Check(cudaEventCreateWithFlags(&s.event, cudaEventDisableTiming), "cudaEventCreate");
+        }
+      }
+    } catch (...) {
+      Release();  // what was made before the failure
+      throw;
     }
   }
 
-  ~CudaCopier() override {
+  ~CudaCopier() override { Release(); }
+
+  void Release() noexcept {
     cudaSetDevice(device_);
     for (cudaStream_t s : streams_) {
       if (s) cudaStreamSynchronize(s);
@@ -140,13 +144,16 @@ class CudaCopier final : public DeviceCopier {
     for (auto& lane : lanes_) {
       for (auto& s : lane.slots) {
         if (s.event) cudaEventDestroy(s.event);
+        s.event = nullptr;
       }
     }
-    for (cudaStream_t s : streams_) {
+    for (cudaStream_t& s : streams_) {
       if (s) cudaStreamDestroy(s);
+      s = nullptr;
     }
     pool_.Free();
     if (scratch_) cudaFree(scratch_);
+    scratch_ = nullptr;
   }
 
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
@@ -157,8 +164,17 @@ class CudaCopier final : public DeviceCopier {
     const void* src = nullptr;
     {
       std::lock_guard<std::mutex> g(pool_mu_);
+      // Where warm-up copies land: kWarmBytes per lane, the only device memory a copier
+      // owns, made by the first Warm. Without it (the device is full) there is no warm-up
+      // copy, and nothing fails: the copy was only to pay a one-time cost early.
+      if (scratch_ == nullptr && !scratch_failed_ &&
+          cudaMalloc(&scratch_, kWarmBytes * lanes_.size()) != cudaSuccess) {
+        cudaGetLastError();
+        scratch_ = nullptr;
+        scratch_failed_ = true;
+      }
       const size_t at = static_cast<size_t>(lane) * slots_ * slot_bytes_;
-      if (slot_bytes_ >= kWarmBytes && at + kWarmBytes <= capacity_) {
+      if (scratch_ != nullptr && slot_bytes_ >= kWarmBytes && at + kWarmBytes <= capacity_) {
         src = static_cast<const char*>(pool_.data()) + at;
       }
     }
@@ -255,7 +271,8 @@ class CudaCopier final : public DeviceCopier {
   static constexpr size_t kWarmBytes = 4096;
   int device_;
   int slots_;
-  void* scratch_ = nullptr;  // kWarmBytes per lane, for Warm
+  void* scratch_ = nullptr;  // kWarmBytes per lane, for Warm (guarded by pool_mu_)
+  bool scratch_failed_ = false;
   std::vector<cudaStream_t> streams_;
   std::vector<Lane> lanes_;
   std::mutex pool_mu_;

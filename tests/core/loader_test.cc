@@ -34,7 +34,10 @@ constexpr uint64_t kChunk = 8192;
 
 // Copies are recorded and carried out at WaitSlot/Synchronize, from the staging buffer as it
 // is then: a loader that reuses a slot before waiting, or writes into staging after
-// enqueueing its copy, lands wrong bytes.
+// enqueueing its copy, lands wrong bytes. Each copy's source bytes are also kept as they were
+// when it was issued, and a copy whose source changed before it landed (issued before its
+// bytes were read) is a misuse; so is a destination byte written twice within one load
+// (between Synchronize calls).
 class HostDeviceCopier final : public DeviceCopier {
  public:
   // A copier has a fixed number of lanes (the module makes one per thread of `threads`) and
@@ -74,7 +77,13 @@ class HostDeviceCopier final : public DeviceCopier {
   }
   void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
     std::lock_guard<std::mutex> g(mu_);
-    pending_[{lane, slot}].push_back({dst, src, n});
+    const auto lo = reinterpret_cast<uintptr_t>(dst), hi = lo + n;
+    for (const auto& [a, b] : written_) {
+      if (lo < b && a < hi) misuse = "a destination byte written twice in one load";
+    }
+    if (n > 0) written_.emplace_back(lo, hi);
+    pending_[{lane, slot}].push_back(
+        {dst, src, n, std::string(static_cast<const char*>(src), n)});
     ++copies;
   }
   void WaitSlot(int lane, int slot) override {
@@ -84,6 +93,7 @@ class HostDeviceCopier final : public DeviceCopier {
   void Synchronize() override {
     std::lock_guard<std::mutex> g(mu_);
     for (auto& [k, p] : pending_) Land(p);
+    written_.clear();
   }
   void BindThread(int) override {}
 
@@ -97,11 +107,18 @@ class HostDeviceCopier final : public DeviceCopier {
     void* dst;
     const void* src;
     size_t n;
+    std::string issued;  // the source bytes when the copy was issued
   };
-  static void Land(std::vector<Copy>& p) {
-    for (const Copy& c : p) std::memcpy(c.dst, c.src, c.n);
+  void Land(std::vector<Copy>& p) {
+    for (const Copy& c : p) {
+      if (std::memcmp(c.src, c.issued.data(), c.n) != 0) {
+        misuse = "staging bytes changed between a copy's issue and its landing";
+      }
+      std::memcpy(c.dst, c.src, c.n);
+    }
     p.clear();
   }
+  std::vector<std::pair<uintptr_t, uintptr_t>> written_;  // destination ranges of this load
   int lanes_, slots_;
   size_t capacity_ = 0, slot_bytes_ = 0;
   std::mutex mu_;
@@ -125,22 +142,23 @@ struct Fixture {
 
 // One rank file (world size 1) of tensors whose sizes put chunk, tensor and span boundaries
 // everywhere: several chunks with a partial tail, exactly whole chunks, tiny, empty, 0-dim.
-void MakeFile(Fixture& f) {
-  const std::vector<std::pair<std::string, std::vector<uint64_t>>> specs = {
-      {"a", {3 * 2048 + 517}},  // f32: 3 chunks + 2068 bytes
-      {"b", {25}},              // 100 bytes
-      {"c", {0}},               // empty
-      {"d", {5 * 2048}},        // exactly 5 chunks
-      {"s", {}},                // 0-dim
-      {"e", {4097}},            // 2 chunks + 4 bytes
-      {"f", {2048}},            // 1 chunk
-  };
+using Specs = std::vector<std::pair<std::string, std::vector<uint64_t>>>;  // f32 tensors
+void MakeFile(Fixture& f, const Specs& specs = {
+                              {"a", {3 * 2048 + 517}},  // f32: 3 chunks + 2068 bytes
+                              {"b", {25}},              // 100 bytes
+                              {"c", {0}},               // empty
+                              {"d", {5 * 2048}},        // exactly 5 chunks
+                              {"s", {}},                // 0-dim
+                              {"e", {4097}},            // 2 chunks + 4 bytes
+                              {"f", {2048}},            // 1 chunk
+                          },
+              uint64_t chunk_size = kChunk) {
   RankFileHeader h;
   h.layout_key = "fsdp2-ws1";
   h.world_size = 1;
   h.rank = 0;
   h.source = SourceFingerprint::FromSaved({1, 1});
-  h.chunk_size = kChunk;
+  h.chunk_size = chunk_size;
   std::vector<SaveSource> sources;
   for (size_t i = 0; i < specs.size(); ++i) {
     TensorEntry e;
@@ -298,6 +316,8 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   const LoadReport rb = LoadRankFile(r, targets, &b, spans);
   // Per chunk: one copy per non-empty chunk (a 4, b 1, d 5, s 1, e 3, f 1). One span: one
   // copy per non-empty tensor.
+  EXPECT_EQ(a.misuse, "");
+  EXPECT_EQ(b.misuse, "");
   EXPECT_EQ(a.copies, 15);
   EXPECT_EQ(b.copies, 6);
   EXPECT_EQ(ra.span_bytes, kChunk);
@@ -318,6 +338,7 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
   Destinations whole = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier a;
   const LoadReport ra = LoadRankFile(r, whole.targets, &a, o);
+  EXPECT_EQ(a.misuse, "");
   EXPECT_EQ(a.copies, 6);
   ExpectLanded(f, whole);
 
@@ -341,9 +362,35 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
   Destinations per_chunk = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier c;
   LoadRankFile(r, per_chunk.targets, &c, o);
+  EXPECT_EQ(c.misuse, "");
   EXPECT_GT(c.copies, 15);            // the first chunk (8 KiB) in parts: 1, 2, 4 KiB, the rest
   EXPECT_LE(c.copies, 15 + 3);
   ExpectLanded(f, per_chunk);
+}
+
+TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
+  // The default options on a file with the default 2 MiB chunks and tensors of several MiB:
+  // every thread's first span (4 MiB) goes out in parts of 1 MiB, 2 MiB, then the rest.
+  Fixture f;
+  MakeFile(f, {{"w", {(5 << 20) / 4 + 123}}, {"v", {(3 << 20) / 4}}, {"t", {1000}}}, 2 << 20);
+  RankFileReader r = RankFileReader::Open(f.path);
+  LoadOptions o;
+  o.io = IoMode::kBuffered;
+  o.threads = 2;
+  ASSERT_EQ(o.lead_in_bytes, 1u << 20);
+  Destinations lead = MakeDestinations(f, [](size_t) { return true; });
+  HostDeviceCopier a;
+  const LoadReport ra = LoadRankFile(r, lead.targets, &a, o);
+  o.lead_in_bytes = 0;
+  Destinations whole = MakeDestinations(f, [](size_t) { return true; });
+  HostDeviceCopier b;
+  LoadRankFile(r, whole.targets, &b, o);
+  EXPECT_EQ(a.misuse, "");
+  EXPECT_EQ(b.misuse, "");
+  EXPECT_GE(a.copies, b.copies + 2);  // at least two parts split off the first spans
+  EXPECT_EQ(ra.span_bytes, 4u << 20);
+  ExpectLanded(f, lead);
+  ExpectLanded(f, whole);
 }
 
 // Drops the file's pages from the page cache (clean pages of a file we wrote and synced).

@@ -634,7 +634,8 @@ Json CmdHash(uint64_t mib, unsigned threads, uint64_t request) {
   const uint64_t total = mib << 20;
   Json j;
   j["mode"] = "hash";
-  j["bytes"] = total;
+  const uint64_t per_thread = std::max<uint64_t>(1, total / threads / request);
+  j["bytes"] = per_thread * threads * request;  // hashed by each implementation
   j["threads"] = threads;
   j["request"] = request;
   j["used_by_loader"] = reshard::Xxh3Implementation();
@@ -645,7 +646,6 @@ Json CmdHash(uint64_t mib, unsigned threads, uint64_t request) {
       std::memset(bufs.back()->data(), static_cast<int>(t + 1), request);
     }
     std::atomic<uint64_t> sink{0};
-    const uint64_t per_thread = std::max<uint64_t>(1, total / threads / request);
     const auto t0 = Clock::now();
     RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
       uint64_t h = 0;
