@@ -1199,6 +1199,12 @@ def run_bench(b: Bench, args, threads) -> int:
     summary = build_summary(b, cases, series, h2d, threads, gpu)
     b.result["summary"] = summary
     text = render_table(b, cases, summary)
+    try:  # where the loads' time went (scripts/load_phases.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from load_phases import phases_table
+        text += "\n\n" + phases_table(b.result | {"runs": b.runs})
+    except Exception as e:  # noqa: BLE001  (the table above stands without it)
+        text += f"\n\n(no phase table: {type(e).__name__}: {e})"
     print(text, flush=True)
     b.txt_path.write_text(text + "\n")
     b.save_json()

@@ -19,15 +19,13 @@ KEYS = ["seconds", "read_seconds", "wait_seconds", "sync_seconds", "first_copy_s
         "reads_done_seconds", "lane_start_seconds", "lane_end_seconds", "issue_seconds"]
 
 
-def main(argv):
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
-    with open(argv[1]) as f:
-        d = json.load(f)
+def phases_table(d) -> str:
+    """The table, from a bench_load result (its JSON, loaded)."""
     runs = [r for r in d["runs"] if r.get("ok") and not r.get("discard") and "loader_report" in r
             and r.get("mode") == "warm"]
-    print("warm loads, medians in ms (n = processes)")
-    print(f"{'case / series':44s} {'load':>4s} {'n':>2s} " + " ".join(f"{k.replace('_seconds', ''):>10s}" for k in KEYS))
+    lines = ["warm loads, medians in ms (n = processes)",
+             f"{'case / series':44s} {'load':>4s} {'n':>2s} " +
+             " ".join(f"{k.replace('_seconds', ''):>10s}" for k in KEYS)]
     for case in sorted({r["case"] for r in runs}):
         for label in sorted({r["label"] for r in runs if r["case"] == case}):
             rs = [r for r in runs if r["case"] == case and r["label"] == label]
@@ -36,7 +34,16 @@ def main(argv):
                 loads.append([r["more_loads"][i]["report"] for r in rs if len(r.get("more_loads", [])) > i])
             for i, reps in enumerate(loads):
                 vals = [statistics.median(x.get(k, 0.0) for x in reps) * 1e3 for k in KEYS]
-                print(f"{case + ' / ' + label:44s} {i + 1:4d} {len(reps):2d} " + " ".join(f"{v:10.2f}" for v in vals))
+                lines.append(f"{case + ' / ' + label:44s} {i + 1:4d} {len(reps):2d} " +
+                             " ".join(f"{v:10.2f}" for v in vals))
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) != 2:
+        raise SystemExit(__doc__)
+    with open(argv[1]) as f:
+        print(phases_table(json.load(f)))
     return 0
 
 
