@@ -254,19 +254,21 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
 
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
-  // Per lane: seconds blocked waiting for a staging slot's copy (the device side is behind),
-  // and seconds spent reading and hashing.
-  std::vector<double> lane_wait(threads, 0.0), lane_read(threads, 0.0);
-  // Per lane: when it issued its first copy to the device (seconds since t0; -1: none).
-  std::vector<double> lane_first_copy(threads, -1.0);
-  // Per lane: when it started (woken), when it ran out of spans, and seconds spent issuing
-  // copies (since t0).
-  std::vector<double> lane_start(threads, 0.0), lane_end(threads, 0.0), lane_issue(threads, 0.0);
+  // What each reader thread did, in seconds (times since t0, durations summed).
+  struct LaneTimes {
+    double start = 0, end = 0;  // when it started (woken) and ran out of spans
+    double first_copy = -1;     // when it issued its first copy to the device (-1: none)
+    double wait = 0;            // blocked on a staging slot whose copy was in flight
+    double read = 0;            // reading (and hashing) raw spans bound for the device
+    double issue = 0;           // issuing copies
+  };
+  std::vector<LaneTimes> lane_times(threads);
   std::mutex error_mu;
   std::exception_ptr error;
 
   auto worker = [&](int lane) {
-    lane_start[lane] = since(t0);
+    LaneTimes& times = lane_times[lane];
+    times.start = since(t0);
     try {
       if (any_device) copier->BindThread(lane);
       AlignedBuffer scratch;
@@ -302,20 +304,25 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         const uint64_t hash = Xxh3(data, len);
         if (hash != e.chunk_xxh3[chunk]) mismatch(e, chunk, hash);
       };
-      // Copies of a span's bytes [copied, upto) (file offsets) from its staging slot: one per
-      // run of chunks of the same tensor (contiguous on both sides).
+      // This lane's next copy, from its current staging slot.
+      auto copy_async = [&](void* dst, const void* src, uint64_t n) {
+        const auto tc = Clock::now();
+        if (times.first_copy < 0) times.first_copy = std::chrono::duration<double>(tc - t0).count();
+        copier->CopyAsync(lane, slot, dst, src, n);
+        times.issue += since(tc);
+      };
+      // The current span's bytes [copied, upto) (file offsets), copied from its staging slot:
+      // one copy per run of chunks of the same tensor (contiguous on both sides). `part`: the
+      // next lead-in part's length.
       bool first_span = true;
       uint64_t copied = 0, part = 0;
       auto copy_upto = [&](const Span& sp, char* stage, uint64_t upto) {
-        if (lane_first_copy[lane] < 0) lane_first_copy[lane] = since(t0);
         const TensorEntry* run = nullptr;
         char* run_dst = nullptr;
         uint64_t run_at = 0, run_end = 0;
         auto flush = [&] {
           if (run != nullptr && run_end > run_at) {
-            const auto tc = Clock::now();
-            copier->CopyAsync(lane, slot, run_dst, stage + (run_at - sp.begin), run_end - run_at);
-            lane_issue[lane] += since(tc);
+            copy_async(run_dst, stage + (run_at - sp.begin), run_end - run_at);
           }
           run = nullptr;
         };
@@ -343,7 +350,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           const auto tw = Clock::now();
           copier->WaitSlot(lane, slot);
           const auto tr = Clock::now();
-          lane_wait[lane] += std::chrono::duration<double>(tr - tw).count();
+          times.wait += std::chrono::duration<double>(tr - tw).count();
           char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
           const uint64_t n = sp.end - sp.begin;
           copied = sp.begin;
@@ -390,7 +397,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
                     stage + (item_at(items[k]) - sp.begin), item_len(items[k]));
             }
           }
-          lane_read[lane] += since(tr);
+          times.read += since(tr);
           copy_upto(sp, stage, sp.end);
           first_span = false;
           slot = (slot + 1) % slots;
@@ -422,10 +429,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         const char* frame = read_frame(e, chunk);
         DecodeZstdFrame(frame, e.frames[chunk].size, stage, len, what());
         check(e, chunk, stage, len);
-        if (lane_first_copy[lane] < 0) lane_first_copy[lane] = since(t0);
-        const auto tc = Clock::now();
-        copier->CopyAsync(lane, slot, dst, stage, len);
-        lane_issue[lane] += since(tc);
+        copy_async(dst, stage, len);
         slot = (slot + 1) % slots;
       }
     } catch (...) {
@@ -433,7 +437,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       std::lock_guard<std::mutex> g(error_mu);
       if (!error) error = std::current_exception();
     }
-    lane_end[lane] = since(t0);
+    times.end = since(t0);
   };
 
   // Read-ahead: walk the spans' byte ranges in file order, coalesced into windows, and ask
@@ -486,14 +490,14 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     report.sync_seconds = since(ts);
   }
   for (unsigned t = 0; t < threads; ++t) {
-    report.wait_seconds += lane_wait[t] / threads;
-    report.read_seconds += lane_read[t] / threads;
-    report.lane_start_seconds = std::max(report.lane_start_seconds, lane_start[t]);
-    report.lane_end_seconds += lane_end[t] / threads;
-    report.issue_seconds += lane_issue[t] / threads;
-    if (lane_first_copy[t] >= 0 &&
-        (report.first_copy_seconds == 0 || lane_first_copy[t] < report.first_copy_seconds)) {
-      report.first_copy_seconds = lane_first_copy[t];
+    const LaneTimes& l = lane_times[t];
+    report.wait_seconds += l.wait / threads;
+    report.read_seconds += l.read / threads;
+    report.lane_start_seconds = std::max(report.lane_start_seconds, l.start);
+    report.lane_end_seconds += l.end / threads;
+    report.issue_seconds += l.issue / threads;
+    if (l.first_copy >= 0 && (report.first_copy_seconds == 0 || l.first_copy < report.first_copy_seconds)) {
+      report.first_copy_seconds = l.first_copy;
     }
   }
   if (error) std::rethrow_exception(error);
