@@ -17,8 +17,9 @@ namespace reshard {
 namespace {
 using HashFn = uint64_t (*)(const void*, size_t);
 using UpdateFn = void (*)(void*, const void*, size_t);  // state: XXH3_state_t
-uint64_t Sse2(const void* data, size_t size) { return XXH3_64bits(data, size); }
-void Sse2Update(void* state, const void* data, size_t size) {
+// XXH3 as this translation unit is compiled (SSE2 on x86-64; NEON or scalar elsewhere).
+uint64_t Baseline(const void* data, size_t size) { return XXH3_64bits(data, size); }
+void BaselineUpdate(void* state, const void* data, size_t size) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state), data, size);
 }
 struct Impl {
@@ -40,14 +41,14 @@ namespace {
 std::span<const Impl> Impls() {
   static const Impl impls[] = {
       {"avx2", internal::Xxh3Avx2, internal::Xxh3Avx2Update, __builtin_cpu_supports("avx2") != 0},
-      {"sse2", Sse2, Sse2Update, true}};
+      {"sse2", Baseline, BaselineUpdate, true}};
   return impls;
 }
 }  // namespace
 #else
 namespace {
 std::span<const Impl> Impls() {  // whatever xxhash picks for this target (NEON, SSE2, scalar)
-  static const Impl impls[] = {{"default", Sse2, Sse2Update, true}};
+  static const Impl impls[] = {{"default", Baseline, BaselineUpdate, true}};
   return impls;
 }
 }  // namespace
@@ -61,12 +62,14 @@ const Impl& Chosen() {
     const char* want = std::getenv("RESHARD_XXH3");
     if (want != nullptr && *want != '\0') {
       std::string known;
+      bool is_known = false;
       for (const Impl& i : Impls()) {
-        if (std::strcmp(want, i.name) == 0 && i.supported) return i;
+        if (std::strcmp(want, i.name) == 0) {
+          if (i.supported) return i;
+          is_known = true;
+        }
         known += std::string(known.empty() ? "" : ", ") + i.name;
       }
-      bool is_known = false;
-      for (const Impl& i : Impls()) is_known |= std::strcmp(want, i.name) == 0;
       if (!is_known) {
         throw std::invalid_argument(std::string("RESHARD_XXH3=\"") + want +
                                     "\": expected one of " + known);

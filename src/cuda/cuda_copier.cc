@@ -136,26 +136,6 @@ class CudaCopier final : public DeviceCopier {
 
   ~CudaCopier() override { Release(); }
 
-  void Release() noexcept {
-    cudaSetDevice(device_);
-    for (cudaStream_t s : streams_) {
-      if (s) cudaStreamSynchronize(s);
-    }
-    for (auto& lane : lanes_) {
-      for (auto& s : lane.slots) {
-        if (s.event) cudaEventDestroy(s.event);
-        s.event = nullptr;
-      }
-    }
-    for (cudaStream_t& s : streams_) {
-      if (s) cudaStreamDestroy(s);
-      s = nullptr;
-    }
-    pool_.Free();
-    if (scratch_) cudaFree(scratch_);
-    scratch_ = nullptr;
-  }
-
   void BindThread(int) override { Check(cudaSetDevice(device_), "cudaSetDevice"); }
 
   void Warm(int lane) override {
@@ -260,6 +240,27 @@ class CudaCopier final : public DeviceCopier {
   }
 
  private:
+  // Everything the copier made (also what a failed constructor had made so far).
+  void Release() noexcept {
+    cudaSetDevice(device_);
+    for (cudaStream_t s : streams_) {
+      if (s) cudaStreamSynchronize(s);
+    }
+    for (auto& lane : lanes_) {
+      for (auto& s : lane.slots) {
+        if (s.event) cudaEventDestroy(s.event);
+        s.event = nullptr;
+      }
+    }
+    for (cudaStream_t& s : streams_) {
+      if (s) cudaStreamDestroy(s);
+      s = nullptr;
+    }
+    pool_.Free();
+    if (scratch_) cudaFree(scratch_);
+    scratch_ = nullptr;
+  }
+
   struct Slot {
     cudaEvent_t event = nullptr;
     bool pending = false;

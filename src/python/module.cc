@@ -30,7 +30,30 @@ namespace py = pybind11;
 
 namespace {
 
-uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max);
+// A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
+// [0, max]), else the loader's default (include/reshard/loader.h).
+uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max) {
+  uint64_t n = fallback;
+  std::string text;
+  if (arg) {
+    n = *arg;
+  } else if (const char* v = std::getenv(env); v != nullptr && *v != '\0') {
+    text = v;
+    bool digits = text.size() <= 19;
+    for (char c : text) digits &= c >= '0' && c <= '9';
+    if (!digits) {
+      throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                           std::string(env) + "=\"" + text + "\": expected a whole number of at most 19 digits");
+    }
+    n = std::stoull(text);
+  }
+  if (n > max) {
+    throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                         std::string(arg ? "" : "environment ") + env + " = " + std::to_string(n) +
+                             ": at most " + std::to_string(max));
+  }
+  return n;
+}
 
 #ifdef RESHARD_HAVE_CUDA
 // Copiers are cached per (device, lanes, slots) so that streams and pinned staging are made
@@ -141,31 +164,6 @@ CopierLease CachedCopier(int device, int lanes, int slots) {
 reshard::HeaderCache& Headers() {
   static auto* cache = new reshard::HeaderCache(64);  // never destroyed, as Copiers
   return *cache;
-}
-
-// A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
-// [0, max]), else the loader's default (include/reshard/loader.h).
-uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max) {
-  uint64_t n = fallback;
-  std::string text;
-  if (arg) {
-    n = *arg;
-  } else if (const char* v = std::getenv(env); v != nullptr && *v != '\0') {
-    text = v;
-    bool digits = text.size() <= 19;
-    for (char c : text) digits &= c >= '0' && c <= '9';
-    if (!digits) {
-      throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                           std::string(env) + "=\"" + text + "\": expected a whole number of at most 19 digits");
-    }
-    n = std::stoull(text);
-  }
-  if (n > max) {
-    throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                         std::string(arg ? "" : "environment ") + env + " = " + std::to_string(n) +
-                             ": at most " + std::to_string(max));
-  }
-  return n;
 }
 
 // Staging slots per reader thread: the argument, else RESHARD_SLOTS, else 2.

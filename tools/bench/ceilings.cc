@@ -635,7 +635,8 @@ Json CmdHash(uint64_t mib, unsigned threads, uint64_t request) {
   Json j;
   j["mode"] = "hash";
   const uint64_t per_thread = std::max<uint64_t>(1, total / threads / request);
-  j["bytes"] = per_thread * threads * request;  // hashed by each implementation
+  const uint64_t hashed = per_thread * threads * request;  // by each implementation
+  j["bytes"] = hashed;
   j["threads"] = threads;
   j["request"] = request;
   j["used_by_loader"] = reshard::Xxh3Implementation();
@@ -653,7 +654,7 @@ Json CmdHash(uint64_t mib, unsigned threads, uint64_t request) {
       sink += h;
     });
     const double seconds = Since(t0);
-    j["gbps"][impl] = Gbps(per_thread * threads * request, seconds);
+    j["gbps"][impl] = Gbps(hashed, seconds);
     j["checksum"][impl] = sink.load();
   }
   return j;
