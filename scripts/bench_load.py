@@ -332,6 +332,8 @@ class ReshardLoad:
             # diagnostic) repeats it, to see whether loads keep getting faster.
             out["more_loads"] = []
             for _ in range(max(1, int(self.spec.get("more_loads", 1)))):
+                if self.spec.get("between_argv"):  # diagnostic: e.g. push the CPU caches out
+                    subprocess.run(self.spec["between_argv"], check=True, stdout=subprocess.DEVNULL)
                 t0 = time.perf_counter()
                 self.run()
                 if self.device.type == "cuda":
@@ -779,7 +781,9 @@ def main(argv=None):
                          "reshard-t16-prepared-6loads (six loads in one process), "
                          "reshard-t16-prepared-otherfile (another rank file loaded first, untimed), "
                          "reshard-t16-prepared-noprobe (no whole-file mincore just before the timer), "
-                         "reshard-t16-prepared-zeroed (destinations zeroed on the device first)")
+                         "reshard-t16-prepared-zeroed (destinations zeroed on the device first), "
+                         "reshard-t16-prepared-pinned (RESHARD_PIN_THREADS=1), "
+                         "reshard-t16-prepared-flushed (CPU caches flushed before every load)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
@@ -1001,7 +1005,19 @@ def run_bench(b: Bench, args, threads) -> int:
             child(case, f"reshard-t{top}-prepared-6loads", "reshard", ["warm"], threads=top,
                   verify=True, io="auto", prepare=True, second_load=True, more_loads=5,
                   diagnostic=True)
+            # Reader threads pinned one to a CPU (does the scheduler stack readers?).
+            child(case, f"reshard-t{top}-prepared-pinned", "reshard", ["warm"], threads=top,
+                  verify=True, io="auto", prepare=True, second_load=True, more_loads=2,
+                  diagnostic=True, env={"RESHARD_PIN_THREADS": "1"})
             if have_tool:
+                # 1 GiB written and read by every core just before each load, the first and
+                # the later ones alike: is a first load slower because the CPU caches hold
+                # none of the file's page-cache bookkeeping yet?
+                flush = [str(ceilings), "flush", "--mib", "1024", "--threads",
+                         str(os.cpu_count() or 1)]
+                child(case, f"reshard-t{top}-prepared-flushed", "reshard", ["warm"], threads=top,
+                      verify=True, io="auto", prepare=True, second_load=True, more_loads=2,
+                      diagnostic=True, pre_argv=flush, between_argv=flush)
                 child(case, f"reshard-t{top}-prepared-spin", "reshard", ["warm"], threads=top,
                       verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                       pre_argv=[str(ceilings), "spin", "--ms", "30", "--threads",

@@ -9,14 +9,19 @@ Fields (include/reshard/loader.h, LoadReport): seconds = the whole load; read = 
 hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the
 copies still in flight after the reads; first_copy = when the first copy was issued;
 reads_done = when the last thread finished; lane_start = the latest thread start; lane_end = when
-a thread ran out of work (average); issue = issuing copies, per thread.
+a thread ran out of work (average); issue = issuing copies, per thread; lane_cpu = CPU time per
+thread (against lane_end - its start: time spent descheduled); preempt = involuntary context
+switches of all reader threads; shared = readers that started on a CPU another reader started on
+(these two are counts, not ms).
 """
 import json
 import statistics
 import sys
 
 KEYS = ["seconds", "read_seconds", "wait_seconds", "sync_seconds", "first_copy_seconds",
-        "reads_done_seconds", "lane_start_seconds", "lane_end_seconds", "issue_seconds"]
+        "reads_done_seconds", "lane_start_seconds", "lane_end_seconds", "issue_seconds",
+        "lane_cpu_seconds"]
+COUNTS = ["preemptions", "lanes_on_shared_cpus"]
 
 
 def phases_table(d) -> str:
@@ -25,7 +30,8 @@ def phases_table(d) -> str:
             and r.get("mode") == "warm"]
     lines = ["warm loads, medians in ms (n = processes)",
              f"{'case / series':44s} {'load':>4s} {'n':>2s} " +
-             " ".join(f"{k.replace('_seconds', ''):>10s}" for k in KEYS)]
+             " ".join(f"{k.replace('_seconds', ''):>10s}" for k in KEYS) + " " +
+             " ".join(f"{k:>8s}" for k in ("preempt", "shared"))]
     for case in sorted({r["case"] for r in runs}):
         for label in sorted({r["label"] for r in runs if r["case"] == case}):
             rs = [r for r in runs if r["case"] == case and r["label"] == label]
@@ -34,8 +40,10 @@ def phases_table(d) -> str:
                 loads.append([r["more_loads"][i]["report"] for r in rs if len(r.get("more_loads", [])) > i])
             for i, reps in enumerate(loads):
                 vals = [statistics.median(x.get(k, 0.0) for x in reps) * 1e3 for k in KEYS]
+                counts = [statistics.median(x.get(k, 0) for x in reps) for k in COUNTS]
                 lines.append(f"{case + ' / ' + label:44s} {i + 1:4d} {len(reps):2d} " +
-                             " ".join(f"{v:10.2f}" for v in vals))
+                             " ".join(f"{v:10.2f}" for v in vals) + " " +
+                             " ".join(f"{c:8.1f}" for c in counts))
     return "\n".join(lines)
 
 

@@ -1,7 +1,11 @@
 #include "reshard/loader.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "reshard/checksum.h"
@@ -43,6 +48,56 @@ struct Job {
 struct Item {
   uint32_t job;
   uint64_t chunk;
+};
+
+// This thread's CPU time in seconds and its involuntary context switches so far.
+struct ThreadUsage {
+  double cpu = 0;
+  long involuntary = 0;
+};
+
+ThreadUsage ThisThreadUsage() {
+  ThreadUsage u;
+  timespec ts{};
+  if (::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) u.cpu = ts.tv_sec + ts.tv_nsec * 1e-9;
+  rusage ru{};
+  if (::getrusage(RUSAGE_THREAD, &ru) == 0) u.involuntary = ru.ru_nivcsw;
+  return u;
+}
+
+// The CPUs the calling thread may run on, in order (empty if they cannot be read).
+std::vector<int> AllowedCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// Pins the calling thread to one CPU for its lifetime and restores its CPU set after.
+class PinnedToCpu {
+ public:
+  explicit PinnedToCpu(int cpu) {
+    CPU_ZERO(&saved_);
+    if (::pthread_getaffinity_np(::pthread_self(), sizeof(saved_), &saved_) != 0) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    pinned_ = ::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) == 0;
+  }
+  ~PinnedToCpu() {
+    if (pinned_) ::pthread_setaffinity_np(::pthread_self(), sizeof(saved_), &saved_);
+  }
+  PinnedToCpu(const PinnedToCpu&) = delete;
+  PinnedToCpu& operator=(const PinnedToCpu&) = delete;
+  bool pinned() const { return pinned_; }
+
+ private:
+  cpu_set_t saved_;
+  bool pinned_ = false;
 };
 
 }  // namespace
@@ -261,14 +316,26 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     double wait = 0;            // blocked on a staging slot whose copy was in flight
     double read = 0;            // reading (and hashing) raw spans bound for the device
     double issue = 0;           // issuing copies
+    double cpu = 0;             // CPU time of the thread from start to end
+    long involuntary = 0;       // involuntary context switches from start to end
+    int start_cpu = -1;         // the CPU it started on
+    bool pinned = false;
   };
   std::vector<LaneTimes> lane_times(threads);
+  const std::vector<int> pin_cpus = options.pin_threads ? AllowedCpus() : std::vector<int>{};
   std::mutex error_mu;
   std::exception_ptr error;
 
   auto worker = [&](int lane) {
     LaneTimes& times = lane_times[lane];
     times.start = since(t0);
+    std::optional<PinnedToCpu> pin;
+    if (!pin_cpus.empty()) {
+      pin.emplace(pin_cpus[static_cast<size_t>(lane) % pin_cpus.size()]);
+      times.pinned = pin->pinned();
+    }
+    const ThreadUsage usage0 = ThisThreadUsage();
+    times.start_cpu = ::sched_getcpu();
     try {
       if (any_device) copier->BindThread(lane);
       AlignedBuffer scratch;
@@ -437,6 +504,9 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       std::lock_guard<std::mutex> g(error_mu);
       if (!error) error = std::current_exception();
     }
+    const ThreadUsage usage1 = ThisThreadUsage();
+    times.cpu = usage1.cpu - usage0.cpu;
+    times.involuntary = usage1.involuntary - usage0.involuntary;
     times.end = since(t0);
   };
 
@@ -496,6 +566,15 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     report.lane_start_seconds = std::max(report.lane_start_seconds, l.start);
     report.lane_end_seconds += l.end / threads;
     report.issue_seconds += l.issue / threads;
+    report.lane_cpu_seconds += l.cpu / threads;
+    report.preemptions += static_cast<uint64_t>(std::max(0L, l.involuntary));
+    report.pinned |= l.pinned;
+    for (unsigned u = 0; u < threads; ++u) {
+      if (u != t && l.start_cpu >= 0 && lane_times[u].start_cpu == l.start_cpu) {
+        ++report.lanes_on_shared_cpus;
+        break;
+      }
+    }
     if (l.first_copy >= 0 && (report.first_copy_seconds == 0 || l.first_copy < report.first_copy_seconds)) {
       report.first_copy_seconds = l.first_copy;
     }
