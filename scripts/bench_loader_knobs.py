@@ -65,6 +65,10 @@ def main():
     ap.add_argument("--warm-ceilings", action="store_true",
                     help="also measure the warm ceilings (reshard_bench_ceilings) --reps times")
     ap.add_argument("--ceilings", default="build/tools/bench/reshard_bench_ceilings")
+    ap.add_argument("--flush-mib", type=int, default=0, metavar="MIB",
+                    help="before each timed warm load, every core writes and reads this many MiB "
+                         "(reshard_bench_ceilings flush): each load then finds the CPU caches as a "
+                         "job's first load does, not holding the file from the load before")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -79,8 +83,11 @@ def main():
             dests.append(t)
             targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
         nbytes = sum(e["nbytes"] for e in header["tensors"])
-        res = {"bytes": nbytes, "warm": [], "cold": []}
-        print(f"== {path}: {nbytes / 1e9:.3f} GB, {len(targets)} tensors", flush=True)
+        res = {"bytes": nbytes, "warm": [], "cold": [], "flush_mib": args.flush_mib,
+               "streams_env": os.environ.get("RESHARD_STREAMS", "")}
+        print(f"== {path}: {nbytes / 1e9:.3f} GB, {len(targets)} tensors"
+              + (f"; CPU caches flushed ({args.flush_mib} MiB) before each warm load" if args.flush_mib else "")
+              + (f"; RESHARD_STREAMS={res['streams_env']}" if res["streams_env"] else ""), flush=True)
 
         # Reference bytes: the file's tensors loaded into host memory (no copier), then put on
         # the GPU; every configuration's last load must equal them (destinations are filled
@@ -101,7 +108,11 @@ def main():
             if bad:
                 raise SystemExit(f"{path}: {what}: tensors differ from the file: {bad[:5]}")
 
-        def load(**kw):
+        flush = [args.ceilings, "flush", "--mib", str(args.flush_mib), "--threads", str(os.cpu_count() or 1)]
+
+        def load(flushed=False, **kw):
+            if flushed and args.flush_mib:
+                subprocess.run(flush, check=True, stdout=subprocess.DEVNULL)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = _C.load(path, targets, device=0, **kw)
@@ -121,9 +132,9 @@ def main():
                     for t in ints(args.threads)]
         for cfg in configs:
             load(io="buffered", **cfg)  # staging for these knobs, untimed
-            g = [load(io="auto", **cfg) for _ in range(args.reps - 1)]
+            g = [load(io="auto", flushed=True, **cfg) for _ in range(args.reps - 1)]
             poison()
-            g.append(load(io="auto", **cfg))
+            g.append(load(io="auto", flushed=True, **cfg))
             check(f"warm {cfg}")
             phases = {k: statistics.median(r.get(k, 0.0) for _, r in g)
                       for k in ("read_seconds", "wait_seconds", "sync_seconds", "open_seconds", "seconds",
