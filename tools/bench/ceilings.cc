@@ -2,10 +2,14 @@
 // loader against, measured with plain POSIX reads and cudart (no reshard loader code, no
 // torch), so that a flaw in the loader cannot hide in its own reference.
 //
-//   read     --file F --threads T --request BYTES [--direct] [--pinned]
+//   read     --file F --threads T --request BYTES [--direct] [--pinned] [--hash-piece BYTES]
+//            [--mmap] [--flush-mib N]
 //            T threads take consecutive requests of F (in file order, from a shared counter)
 //            and pread each into the thread's own buffer (pinned with cudaHostAlloc when
-//            --pinned, else page-aligned malloc). Needs no GPU unless --pinned.
+//            --pinned, else page-aligned malloc). Needs no GPU unless --pinned. With
+//            --hash-piece, in pieces each hashed as read (the loader's way); with --mmap,
+//            memcpy'd from a mapping instead; --flush-mib first pushes the file out of the CPU
+//            caches.
 //   h2d      --bytes N --reps R --threads T --request BYTES
 //            pinned host -> device bandwidth: T threads, each with its own stream, issue
 //            cudaMemcpyAsync of consecutive requests of one pinned buffer; one untimed warm-up.
@@ -267,28 +271,62 @@ void CheckRequest(uint64_t request, bool direct) {
 }
 
 // ---- read --------------------------------------------------------------------------------
+Json CmdFlush(uint64_t mib, unsigned threads);
+
+// hash_piece > 0: each request is read (or copied) in pieces of that many bytes, each hashed
+// (XXH3, streaming over the request) right after it is in the buffer, as the loader does.
+// via_mmap: the file is mapped and each piece memcpy'd from the mapping instead of pread
+// (mapping, page faults and unmapping inside the timer). flush_mib > 0: every thread writes
+// and reads that many MiB in all first, so the pass starts with cold CPU caches.
 Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool direct,
-             bool pinned, int device) {
+             bool pinned, int device, uint64_t hash_piece, bool via_mmap, uint64_t flush_mib) {
   CheckRequest(request, direct);
   if (pinned) RequireCuda(device, "read --pinned");
+  if (via_mmap && direct) throw ToolError("--mmap and --direct exclude each other");
   const double resident = reshard::PageCacheResidency(path);
   std::vector<std::unique_ptr<HostBuffer>> bufs;
   for (unsigned t = 0; t < threads; ++t) bufs.push_back(std::make_unique<HostBuffer>(request, pinned));
+  for (auto& b : bufs) std::memset(b->data(), 0, request);
+  if (flush_mib > 0) CmdFlush(flush_mib, std::max(1u, std::thread::hardware_concurrency()));
 
+  std::atomic<uint64_t> sink{0};
   const auto t0 = Clock::now();
   Fd fd(path, direct);
   const uint64_t size = fd.Size();
   const uint64_t n_req = (size + request - 1) / request;
+  const char* map = nullptr;
+  if (via_mmap && size > 0) {
+    void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.fd(), 0);
+    if (m == MAP_FAILED) throw ToolError(path + ": mmap: " + std::strerror(errno));
+    map = static_cast<const char*>(m);
+  }
   std::atomic<uint64_t> next{0};
   RunThreads(threads, [&](unsigned lane, std::atomic<bool>& failed) {
     char* buf = bufs[lane]->data();
+    reshard::Xxh3Hasher hasher;
+    uint64_t digests = 0;
     while (!failed.load(std::memory_order_relaxed)) {
       const uint64_t i = next.fetch_add(1);
       if (i >= n_req) break;
-      const uint64_t off = i * request;
-      fd.ReadRange(buf, std::min(request, size - off), off, direct);
+      const uint64_t off = i * request, len = std::min(request, size - off);
+      const uint64_t step = hash_piece > 0 ? hash_piece : len;
+      hasher.Reset();
+      for (uint64_t at = 0; at < len; at += step) {
+        const uint64_t m = std::min(step, len - at);
+        if (map != nullptr) {
+          std::memcpy(buf + at, map + off + at, m);
+        } else if (hash_piece > 0 || at > 0) {
+          fd.ReadRange(buf + at, m, off + at, false);
+        } else {
+          fd.ReadRange(buf, len, off, direct);
+        }
+        if (hash_piece > 0) hasher.Update(buf + at, m);
+      }
+      if (hash_piece > 0) digests ^= hasher.Digest();
     }
+    sink ^= digests;
   });
+  if (map != nullptr) ::munmap(const_cast<char*>(map), size);
   const double seconds = Since(t0);
 
   Json j;
@@ -303,6 +341,10 @@ Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool d
   j["pinned"] = pinned;
   j["host_buffer_bytes"] = uint64_t{threads} * AlignUp(request, kAlign);
   j["resident_fraction_before"] = resident;
+  j["hash_piece"] = hash_piece;
+  j["mmap"] = via_mmap;
+  j["flush_mib"] = flush_mib;
+  j["digest_xor"] = sink.load();
   return j;
 }
 
@@ -702,6 +744,14 @@ int main(int argc, char** argv) {
   common(read, true);
   read->add_flag("--direct", direct, "O_DIRECT reads");
   read->add_flag("--pinned", pinned, "buffers pinned with cudaHostAlloc (needs a GPU)");
+  uint64_t read_flush_mib = 0;
+  bool via_mmap = false;
+  std::string hash_piece_text = "0";
+  read->add_option("--hash-piece", hash_piece_text,
+                   "read each request in pieces of this many bytes, XXH3 each right after it is read (0: no hashing)");
+  read->add_flag("--mmap", via_mmap, "memcpy from a mapping of the file instead of pread");
+  read->add_option("--flush-mib", read_flush_mib, "first write and read this many MiB on every core (cold CPU caches)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 20));
   CLI::App* h2d = app.add_subcommand("h2d", "pinned host -> device copy bandwidth");
   common(h2d, false);
   h2d->add_option("--bytes", bytes_text, "bytes copied per repetition (default 1GiB)");
@@ -738,7 +788,9 @@ int main(int argc, char** argv) {
     const uint64_t request = ParseBytes(request_text, "--request");
     Json out;
     if (*read) {
-      out = CmdRead(file, threads, request, direct, pinned, device);
+      out = CmdRead(file, threads, request, direct, pinned, device,
+                    hash_piece_text == "0" ? 0 : ParseBytes(hash_piece_text, "--hash-piece"), via_mmap,
+                    read_flush_mib);
     } else if (*setup) {
       out = CmdSetup(threads, request, reps, device);
     } else if (*flush) {
