@@ -59,7 +59,6 @@ def main():
     ap.add_argument("--pieces-kib", default="0,256", help="warm hash_piece_bytes in KiB (0: off)")
     ap.add_argument("--slots", default="2", help="staging slots per thread")
     ap.add_argument("--lead-in-kib", default="1024", help="warm lead_in_bytes in KiB (0: off; default 1024, the loader's)")
-    ap.add_argument("--lead-out-kib", default="1024", help="warm lead_out_bytes in KiB (0: off; default 1024, the loader's)")
     ap.add_argument("--cold-threads", default="2,4,8,16")
     ap.add_argument("--cold-spans-mib", default="2,8,16,32")
     ap.add_argument("--no-cold", action="store_true")
@@ -125,12 +124,11 @@ def main():
         # ---- warm
         read_file(path)
         configs = [dict(threads=t, span_bytes=s * MiB, hash_piece_bytes=p << 10, verify=True, slots=n,
-                        lead_in_bytes=li << 10, lead_out_bytes=lo << 10)
-                   for t, s, p, n, li, lo in itertools.product(ints(args.threads), ints(args.spans_mib),
-                                                               ints(args.pieces_kib), ints(args.slots),
-                                                               ints(args.lead_in_kib), ints(args.lead_out_kib))]
-        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2, lead_in_bytes=0,
-                         lead_out_bytes=0)
+                        lead_in_bytes=li << 10)
+                   for t, s, p, n, li in itertools.product(ints(args.threads), ints(args.spans_mib),
+                                                           ints(args.pieces_kib), ints(args.slots),
+                                                           ints(args.lead_in_kib))]
+        configs += [dict(threads=t, span_bytes=0, hash_piece_bytes=0, verify=False, slots=2, lead_in_bytes=0)
                     for t in ints(args.threads)]
         for cfg in configs:
             load(io="buffered", **cfg)  # staging for these knobs, untimed
@@ -150,7 +148,6 @@ def main():
             print(f"  warm threads {cfg['threads']:2d} span {cfg['span_bytes'] // MiB:2d} MiB piece "
                   f"{cfg['hash_piece_bytes'] >> 10:4d} KiB "
                   f"slots {cfg['slots']} lead-in {cfg.get('lead_in_bytes', 0) >> 10:4d} KiB "
-                  f"lead-out {cfg.get('lead_out_bytes', 0) >> 10:4d} KiB "
                   f"verify {int(cfg['verify'])}: "
                   f"{rec['median']:6.2f} GB/s [{min(rec['gbps']):.2f}-{max(rec['gbps']):.2f}]"
                   + f"  ms: load {phases['seconds'] * 1e3:.2f} read {phases['read_seconds'] * 1e3:.2f} "

@@ -94,12 +94,6 @@ struct LoadOptions {
   /// ~0.4 ms instead of ~0.9 ms; 0.46 GB rank file +1-8 %, multi-GB files unchanged
   /// (BENCHMARKS.md §7, runs M and N).
   uint64_t lead_in_bytes = 1ull << 20;
-  /// For a file in the page cache: the load's last `threads` spans (what the reader threads
-  /// take last) are copied to the device in parts of this many bytes as they are read, so
-  /// that when the reads end the device has parts left to copy rather than a whole span from
-  /// every thread (0: whole spans). As with the lead-in, a part may be copied before the
-  /// rest of its chunk has been checked; a checksum mismatch still fails the load.
-  uint64_t lead_out_bytes = 1ull << 20;
   /// Pin reader thread i to the i-th CPU the calling thread may run on (modulo their count)
   /// for the load, so that the scheduler never stacks two readers on one CPU; each thread's
   /// own CPU set is restored when it finishes. For a process that has its CPUs to itself

@@ -305,10 +305,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       !cold && options.verify_checksums && options.hash_piece_bytes > 0 ? options.hash_piece_bytes : 0;
   // Lead-in (warm loads): a lane's first span is copied in parts as it is read.
   const uint64_t lead_in = cold ? 0 : options.lead_in_bytes;
-  // Lead-out (warm loads): the last `threads` spans of the load are copied in parts of this
-  // many bytes as they are read, so the copies still queued when the reads end are parts,
-  // not whole spans.
-  const uint64_t lead_out = cold ? 0 : options.lead_out_bytes;
   constexpr uint64_t kLeadPiece = 256ull << 10;  // read size of a lead-in without checksums
 
   std::atomic<size_t> next{0};
@@ -425,12 +421,8 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
           char* stage = static_cast<char*>(copier->Staging(lane, slot, stage_bytes));
           const uint64_t n = sp.end - sp.begin;
           copied = sp.begin;
-          // In parts: a lane's first span (parts growing from lead_in), or one of the load's
-          // last spans (parts of lead_out).
-          const bool grow = lead_in > 0 && first_span;
-          const bool tail = lead_out > 0 && si + threads >= spans.size();
-          part = grow ? lead_in : lead_out;
-          const bool lead = (grow || tail) && !direct;
+          part = lead_in;
+          const bool lead = lead_in > 0 && first_span && !direct;
           if (direct) {
             const size_t got = direct_file.PReadUpTo(stage, AlignUp(n, kDataAlignment), sp.begin);
             if (got < n) {
@@ -442,7 +434,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
             }
           } else if (piece || lead) {
             // Each chunk in pieces, each hashed while it is still in this core's cache. In a
-            // span read in parts (lead-in, lead-out), parts are copied as soon as they are read.
+            // lane's first span with a lead-in, parts are copied as soon as they are read.
             const uint64_t step = piece ? piece : kLeadPiece;
             for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
               const TensorEntry& e = *jobs[items[k].job].entry;
@@ -455,7 +447,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
                 if (piece) hasher.Update(dst + off, m);
                 if (lead && at + off + m - copied >= part && at + off + m < sp.end) {
                   copy_upto(sp, stage, at + off + m);
-                  if (grow) part *= 2;
+                  part *= 2;
                 }
               }
               if (piece) {

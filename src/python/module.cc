@@ -177,8 +177,7 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
                                   std::optional<uint64_t> cold_span_bytes,
                                   std::optional<unsigned> cold_threads,
                                   std::optional<uint64_t> hash_piece_bytes,
-                                  std::optional<uint64_t> lead_in_bytes = std::nullopt,
-                                  std::optional<uint64_t> lead_out_bytes = std::nullopt) {
+                                  std::optional<uint64_t> lead_in_bytes = std::nullopt) {
   constexpr uint64_t kMaxSpan = 1ull << 30;  // a staging slot of 1 GiB is already absurd
   reshard::LoadOptions o;
   o.threads = threads;
@@ -190,7 +189,6 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
            "RESHARD_COLD_THREADS", o.cold_threads, 1024));
   o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
   o.lead_in_bytes = Knob(lead_in_bytes, "RESHARD_LEAD_IN_BYTES", o.lead_in_bytes, kMaxSpan);
-  o.lead_out_bytes = Knob(lead_out_bytes, "RESHARD_LEAD_OUT_BYTES", o.lead_out_bytes, kMaxSpan);
   o.pin_threads = Knob(std::nullopt, "RESHARD_PIN_THREADS", o.pin_threads ? 1 : 0, 1) != 0;
   return o;
 }
@@ -301,7 +299,7 @@ PYBIND11_MODULE(_C, m) {
          int device, unsigned threads, bool verify, const std::string& io,
          std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
          std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
-         std::optional<uint64_t> lead_in_bytes, std::optional<uint64_t> lead_out_bytes) {
+         std::optional<uint64_t> lead_in_bytes) {
         const unsigned slots = Slots(slots_arg);
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
@@ -311,8 +309,7 @@ PYBIND11_MODULE(_C, m) {
           any_device |= on_device;
         }
         reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
-                                              cold_threads, hash_piece_bytes, lead_in_bytes,
-                                              lead_out_bytes);
+                                              cold_threads, hash_piece_bytes, lead_in_bytes);
         o.verify_checksums = verify;
         o.io = ParseIo(io);
         reshard::LoadReport r;
@@ -383,7 +380,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
       py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
       py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
-      py::arg("lead_in_bytes") = py::none(), py::arg("lead_out_bytes") = py::none(),
+      py::arg("lead_in_bytes") = py::none(),
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
 

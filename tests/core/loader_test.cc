@@ -379,7 +379,6 @@ TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
   LoadOptions o;
   o.io = IoMode::kBuffered;
   o.threads = 2;
-  o.lead_out_bytes = 0;  // the lead-in alone (both apply to these few spans)
   ASSERT_EQ(o.lead_in_bytes, 1u << 20);
   Destinations lead = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier a;
@@ -394,43 +393,6 @@ TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
   EXPECT_EQ(ra.span_bytes, 4u << 20);
   ExpectLanded(f, lead);
   ExpectLanded(f, whole);
-}
-
-TEST(LoadRankFile, DefaultLeadOutCopiesTheLastSpansInParts) {
-  // 20 MiB in 4 MiB spans: a (8 MiB) two spans, b (8 MiB) two, c (4 MiB) one. With two
-  // threads the last two spans (b's second, c) are the tail: each goes out in parts of
-  // 1 MiB (the default) as it is read, four copies instead of one.
-  Fixture f;
-  MakeFile(f, {{"a", {(8 << 20) / 4}}, {"b", {(8 << 20) / 4}}, {"c", {(4 << 20) / 4}}}, 2 << 20);
-  RankFileReader r = RankFileReader::Open(f.path);
-  LoadOptions o;
-  o.io = IoMode::kBuffered;
-  o.threads = 2;
-  o.lead_in_bytes = 0;
-  ASSERT_EQ(o.lead_out_bytes, 1u << 20);
-  Destinations parts = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier a;
-  const LoadReport ra = LoadRankFile(r, parts.targets, &a, o);
-  o.lead_out_bytes = 0;
-  Destinations whole = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier b;
-  LoadRankFile(r, whole.targets, &b, o);
-  EXPECT_EQ(a.misuse, "");
-  EXPECT_EQ(b.misuse, "");
-  EXPECT_EQ(ra.span_bytes, 4u << 20);
-  EXPECT_EQ(b.copies, 5);
-  EXPECT_EQ(a.copies, 5 + 2 * 3);
-  ExpectLanded(f, parts);
-  ExpectLanded(f, whole);
-  // Without checksums the parts come from reads of 256 KiB, the same copies.
-  o.lead_out_bytes = 1 << 20;
-  o.verify_checksums = false;
-  Destinations unverified = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier c;
-  LoadRankFile(r, unverified.targets, &c, o);
-  EXPECT_EQ(c.misuse, "");
-  EXPECT_EQ(c.copies, 5 + 2 * 3);
-  ExpectLanded(f, unverified);
 }
 
 // The calling thread's CPU set, as a sorted list.
