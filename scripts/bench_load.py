@@ -540,6 +540,9 @@ def child_main(spec: dict) -> int:
         if spec.get("pre_argv"):  # diagnostic: e.g. every core kept busy just before the timer
             subprocess.run(spec["pre_argv"], check=True, stdout=subprocess.DEVNULL)
 
+        if gpu:  # what the timed run itself allocates on the device, and frees or keeps
+            alloc_before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         loaded = loader.run()
         if gpu:
@@ -560,7 +563,13 @@ def child_main(spec: dict) -> int:
             free1 = torch.cuda.mem_get_info(device)[0]
             peak_alloc = torch.cuda.max_memory_allocated(device)
             peak_res = torch.cuda.max_memory_reserved(device)
+            alloc_after = torch.cuda.memory_allocated(device)
+            # extra_allocated_peak counts the caching allocator's rounding of the weights'
+            # own blocks (e.g. a 43 MiB tensor gets a whole 44 MiB segment); transient_peak is
+            # what the run needed on top of what it started and ended with (staging,
+            # temporaries), whoever allocated the weights.
             out["gpu"] = {"weights_bytes": weights,
+                          "transient_peak": peak_alloc - max(alloc_before, alloc_after),
                           "extra_allocated_peak": peak_alloc - weights,
                           "extra_reserved_peak": peak_res - weights,
                           "extra_meminfo_after": (free0 - free1) - weights}
@@ -782,7 +791,6 @@ def main(argv=None):
                          "reshard-t16-prepared-otherfile (another rank file loaded first, untimed), "
                          "reshard-t16-prepared-noprobe (no whole-file mincore just before the timer), "
                          "reshard-t16-prepared-zeroed (destinations zeroed on the device first), "
-                         "reshard-t16-prepared-pinned (RESHARD_PIN_THREADS=1), "
                          "reshard-t16-prepared-flushed (CPU caches flushed before every load)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
     ap.add_argument("--budget-s", type=float, default=None,
@@ -1005,10 +1013,6 @@ def run_bench(b: Bench, args, threads) -> int:
             child(case, f"reshard-t{top}-prepared-6loads", "reshard", ["warm"], threads=top,
                   verify=True, io="auto", prepare=True, second_load=True, more_loads=5,
                   diagnostic=True)
-            # Reader threads pinned one to a CPU (does the scheduler stack readers?).
-            child(case, f"reshard-t{top}-prepared-pinned", "reshard", ["warm"], threads=top,
-                  verify=True, io="auto", prepare=True, second_load=True, more_loads=2,
-                  diagnostic=True, env={"RESHARD_PIN_THREADS": "1"})
             if have_tool:
                 # 1 GiB written and read by every core just before each load, the first and
                 # the later ones alike: is a first load slower because the CPU caches hold
@@ -1263,6 +1267,7 @@ def build_summary(b, cases, series, h2d, threads, gpu):
                 gx = [r["gpu"] for r in runs if r.get("gpu")]
                 if gx:
                     g["gpu_extra_allocated_mib"] = max(x["extra_allocated_peak"] for x in gx) / 2**20
+                    g["gpu_transient_mib"] = max(x.get("transient_peak", 0) for x in gx) / 2**20
                     g["gpu_extra_reserved_mib"] = max(x["extra_reserved_peak"] for x in gx) / 2**20
                     g["gpu_extra_meminfo_mib"] = max(x["extra_meminfo_after"] for x in gx) / 2**20
                 pins = [r.get("pinned_bytes") or r.get("host_buffer_bytes") or 0 for r in runs]
@@ -1350,7 +1355,7 @@ def render_table(b, cases, summ) -> str:
         lines.append(f"== {c['title']}: {c['tensor_bytes'] / 1e9:.3f} GB, {c['tensors']} tensors "
                      f"({os.path.basename(c['rank_file'])}) ==")
         lines.append(f"{'path':26s} {'cold GB/s [min-max]':>22s} {'warm GB/s [min-max]':>22s} "
-                     f"{'rss MiB':>8s} {'rss+ MiB':>8s} {'gpu+ MiB':>9s} {'pinned MiB':>10s} {'2nd load':>8s} {'check':>6s}")
+                     f"{'rss MiB':>8s} {'rss+ MiB':>8s} {'gpu+ MiB':>9s} {'gpu tmp':>8s} {'pinned MiB':>10s} {'2nd load':>8s} {'check':>6s}")
         for label, row in summ["cases"][case].items():
             if not (row.get("cold") or row.get("warm")):
                 continue
@@ -1358,6 +1363,7 @@ def render_table(b, cases, summ) -> str:
             rss = max([row.get(m, {}).get("rss_peak_mib", 0) or 0 for m in ("cold", "warm")])
             grow = max([row.get(m, {}).get("rss_growth_mib", 0) or 0 for m in ("cold", "warm")])
             gpux = max([row.get(m, {}).get("gpu_extra_allocated_mib", -1e18) for m in ("cold", "warm")])
+            gtmp = max([row.get(m, {}).get("gpu_transient_mib", -1e18) for m in ("cold", "warm")])
             pin = g.get("pinned_mib")
             sec = (row.get("warm") or {}).get("second_load_gbps_median")
             chk = [row.get(m, {}).get("checks_ok") for m in ("cold", "warm") if m in row]
@@ -1365,6 +1371,7 @@ def render_table(b, cases, summ) -> str:
                 f"{label:26s} {fmt(row.get('cold')):>22s} {fmt(row.get('warm')):>22s} "
                 f"{(f'{rss:8.0f}' if rss else '-'):>8s} {(f'{grow:8.0f}' if rss else '-'):>8s} "
                 f"{(f'{gpux:9.1f}' if gpux > -1e17 else '-'):>9s} "
+                f"{(f'{gtmp:8.1f}' if gtmp > -1e17 else '-'):>8s} "
                 f"{(f'{pin:10.0f}' if pin else '-'):>10s} {(f'{sec:8.2f}' if sec else '-'):>8s} "
                 f"{('ok' if all(chk) else 'FAIL') if chk else '-':>6s}")
         r = summ["ratios"][case]
@@ -1381,7 +1388,9 @@ def render_table(b, cases, summ) -> str:
     for n in b.notes:
         lines.append("note: " + n)
     lines.append("(GB = 1e9 bytes landed; rss = the child's peak RSS through the load (VmHWM), rss+ = "
-                 "its growth during the timed load; gpu+ = peak torch allocation beyond the weights; "
+                 "its growth during the timed load; gpu+ = peak torch allocation beyond the weights (the "
+                 "caching allocator's rounding of the weights' own blocks included); gpu tmp = peak torch "
+                 "allocation during the timed load beyond what it started and ended with; "
                  "pinned = pinned host bytes (reshard staging, ceiling buffers); 2nd load = GB/s of a "
                  "second warm load in the same process (no one-time set-up); [min-max] over reps)")
     return "\n".join(lines)

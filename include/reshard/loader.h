@@ -94,11 +94,6 @@ struct LoadOptions {
   /// ~0.4 ms instead of ~0.9 ms; 0.46 GB rank file +1-8 %, multi-GB files unchanged
   /// (BENCHMARKS.md §7, runs M and N).
   uint64_t lead_in_bytes = 1ull << 20;
-  /// Pin reader thread i to the i-th CPU the calling thread may run on (modulo their count)
-  /// for the load, so that the scheduler never stacks two readers on one CPU; each thread's
-  /// own CPU set is restored when it finishes. For a process that has its CPUs to itself
-  /// (e.g. bound by its launcher); ranks sharing CPUs would pin onto the same ones.
-  bool pin_threads = false;
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;
@@ -139,7 +134,6 @@ struct LoadReport {
   double lane_cpu_seconds = 0;
   uint64_t preemptions = 0;
   unsigned lanes_on_shared_cpus = 0;
-  bool pinned = false;  // LoadOptions::pin_threads took effect
   bool direct_io = false;
   bool readahead = false;
   double resident_fraction = 0;  // page-cache residency measured for kAuto

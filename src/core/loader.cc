@@ -1,7 +1,6 @@
 #include "reshard/loader.h"
 
 #include <fcntl.h>
-#include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -17,7 +16,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <thread>
 
 #include "reshard/checksum.h"
@@ -65,40 +63,7 @@ ThreadUsage ThisThreadUsage() {
   return u;
 }
 
-// The CPUs the calling thread may run on, in order (empty if they cannot be read).
-std::vector<int> AllowedCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  std::vector<int> cpus;
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &set)) cpus.push_back(c);
-  }
-  return cpus;
-}
 
-// Pins the calling thread to one CPU for its lifetime and restores its CPU set after.
-class PinnedToCpu {
- public:
-  explicit PinnedToCpu(int cpu) {
-    CPU_ZERO(&saved_);
-    if (::pthread_getaffinity_np(::pthread_self(), sizeof(saved_), &saved_) != 0) return;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    pinned_ = ::pthread_setaffinity_np(::pthread_self(), sizeof(one), &one) == 0;
-  }
-  ~PinnedToCpu() {
-    if (pinned_) ::pthread_setaffinity_np(::pthread_self(), sizeof(saved_), &saved_);
-  }
-  PinnedToCpu(const PinnedToCpu&) = delete;
-  PinnedToCpu& operator=(const PinnedToCpu&) = delete;
-  bool pinned() const { return pinned_; }
-
- private:
-  cpu_set_t saved_;
-  bool pinned_ = false;
-};
 
 }  // namespace
 
@@ -319,21 +284,14 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     double cpu = 0;             // CPU time of the thread from start to end
     long involuntary = 0;       // involuntary context switches from start to end
     int start_cpu = -1;         // the CPU it started on
-    bool pinned = false;
   };
   std::vector<LaneTimes> lane_times(threads);
-  const std::vector<int> pin_cpus = options.pin_threads ? AllowedCpus() : std::vector<int>{};
   std::mutex error_mu;
   std::exception_ptr error;
 
   auto worker = [&](int lane) {
     LaneTimes& times = lane_times[lane];
     times.start = since(t0);
-    std::optional<PinnedToCpu> pin;
-    if (!pin_cpus.empty()) {
-      pin.emplace(pin_cpus[static_cast<size_t>(lane) % pin_cpus.size()]);
-      times.pinned = pin->pinned();
-    }
     const ThreadUsage usage0 = ThisThreadUsage();
     times.start_cpu = ::sched_getcpu();
     try {
@@ -568,7 +526,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     report.issue_seconds += l.issue / threads;
     report.lane_cpu_seconds += l.cpu / threads;
     report.preemptions += static_cast<uint64_t>(std::max(0L, l.involuntary));
-    report.pinned |= l.pinned;
     for (unsigned u = 0; u < threads; ++u) {
       if (u != t && l.start_cpu >= 0 && lane_times[u].start_cpu == l.start_cpu) {
         ++report.lanes_on_shared_cpus;

@@ -189,7 +189,6 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
            "RESHARD_COLD_THREADS", o.cold_threads, 1024));
   o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
   o.lead_in_bytes = Knob(lead_in_bytes, "RESHARD_LEAD_IN_BYTES", o.lead_in_bytes, kMaxSpan);
-  o.pin_threads = Knob(std::nullopt, "RESHARD_PIN_THREADS", o.pin_threads ? 1 : 0, 1) != 0;
   return o;
 }
 
@@ -364,7 +363,6 @@ PYBIND11_MODULE(_C, m) {
         d["lane_cpu_seconds"] = r.lane_cpu_seconds;
         d["preemptions"] = r.preemptions;
         d["lanes_on_shared_cpus"] = r.lanes_on_shared_cpus;
-        d["pinned"] = r.pinned;
         d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
         d["header_cache_hits"] = Headers().hits();  // in this process, so far
         d["span_bytes"] = r.span_bytes;
