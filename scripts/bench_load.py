@@ -774,6 +774,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per series (default 3; 1 with --quick/--cpu-smoke)")
     ap.add_argument("--rank", type=int, default=0, help="rank of world size --world-size measured (default 0)")
     ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--cases", default="rank,whole",
+                    help="what is measured: rank (rank --rank of --world-size), whole (the world-size-1 "
+                         "file) or both (default); leaving whole out skips its conversion")
     ap.add_argument("--threads", default="8,16", help="reshard loader threads, comma separated (default 8,16)")
     ap.add_argument("--dcp-threads", type=int, default=1, help="HuggingFaceStorageReader thread_count (default 1, its default)")
     ap.add_argument("--workdir", default=str(REPO / ".work" / "bench-load"))
@@ -923,7 +926,13 @@ def run_bench(b: Bench, args, threads) -> int:
     ck = make_checkpoint(src, args.size_gb, kv_heads=KV_HEADS, file_gb=max(0.25, args.size_gb / 4), log=log)
     b.result["checkpoint"] = {"dir": str(src), **ck}
     out = workdir / f"out-{args.size_gb:g}gb"
-    b.result["convert"] = convert(str(reshard), src, out, sorted({args.world_size, 1}, reverse=True), ck, log)
+    want = {x.strip() for x in args.cases.split(",") if x.strip()}
+    if not want or want - {"rank", "whole"}:
+        raise SystemExit(f"bench_load: --cases {args.cases!r}: expected rank, whole or both (comma separated)")
+    if args.world_size == 1 and "whole" not in want:
+        raise SystemExit("bench_load: --world-size 1 has only the whole case; add it to --cases")
+    sizes = ({args.world_size} if "rank" in want else set()) | ({1} if "whole" in want else set())
+    b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log)
     src_files = sorted(str(p) for p in src.glob("*.safetensors"))
     cases = {
         "rank": {"title": f"rank {args.rank} of world size {args.world_size}",
@@ -932,8 +941,10 @@ def run_bench(b: Bench, args, threads) -> int:
         "whole": {"title": "whole model (world size 1)", "rank_file": str(rank_file(out, 1, 0)),
                   "ws": 1, "rank": 0},
     }
-    if args.world_size == 1:
+    if args.world_size == 1 or "rank" not in want:
         del cases["rank"]
+    if "whole" not in want:  # e.g. a many-GB model measured on its rank files only
+        del cases["whole"]
     for c in cases.values():
         c["file_bytes"] = os.path.getsize(c["rank_file"])
         try:
