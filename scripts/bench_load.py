@@ -7,7 +7,7 @@ One run, following the fair method of docs/peers-and-performance.md:
    several safetensors files, with model.safetensors.index.json and a transformers config.json
    (LlamaForCausalLM: vocab 32000, hidden 4096, intermediate 11008, 32 heads, 8 KV heads);
 2. `reshard convert`s it for world size 8 and 1 into one OUT;
-3. for two cases -- "rank": rank --rank of world size 8, "whole": the world-size-1 file (the
+3. for two cases (--cases) -- "rank": rank --rank of world size 8, "whole": the world-size-1 file (the
    whole model) -- measures, cold (page cache dropped before each run) and warm (files read
    once first, the first timed run of each series discarded), --reps repetitions each:
    * ceilings (tools/bench, reshard_bench_ceilings): sequential read of the rank file cold
@@ -564,10 +564,13 @@ def child_main(spec: dict) -> int:
             peak_alloc = torch.cuda.max_memory_allocated(device)
             peak_res = torch.cuda.max_memory_reserved(device)
             alloc_after = torch.cuda.memory_allocated(device)
-            # extra_allocated_peak counts the caching allocator's rounding of the weights'
-            # own blocks (e.g. a 43 MiB tensor gets a whole 44 MiB segment); transient_peak is
-            # what the run needed on top of what it started and ended with (staging,
-            # temporaries), whoever allocated the weights.
+            # Torch's caching allocator only (not cudaMalloc or pinned host memory; reshard's
+            # staging is pinned host memory made by prepare). extra_allocated_peak counts the
+            # allocator's rounding of the weights' own blocks (e.g. a 43 MiB tensor gets a
+            # whole 44 MiB segment); transient_peak is what the run allocated on top of what
+            # it started and ended with (temporaries), whoever allocated the weights. The peak
+            # is reset just before the timer (before --cases, at the loader's set-up: a
+            # diagnostic's untimed preload counted too).
             out["gpu"] = {"weights_bytes": weights,
                           "transient_peak": peak_alloc - max(alloc_before, alloc_after),
                           "extra_allocated_peak": peak_alloc - weights,
@@ -1025,9 +1028,9 @@ def run_bench(b: Bench, args, threads) -> int:
                   verify=True, io="auto", prepare=True, second_load=True, more_loads=5,
                   diagnostic=True)
             if have_tool:
-                # 1 GiB written and read by every core just before each load, the first and
-                # the later ones alike: is a first load slower because the CPU caches hold
-                # none of the file's page-cache bookkeeping yet?
+                # 1 GiB in all written and read by one thread per core (another process)
+                # just before each load, the first and the later ones alike: is a first load
+                # slower because of what the CPU caches hold?
                 flush = [str(ceilings), "flush", "--mib", "1024", "--threads",
                          str(os.cpu_count() or 1)]
                 child(case, f"reshard-t{top}-prepared-flushed", "reshard", ["warm"], threads=top,
@@ -1215,7 +1218,9 @@ def run_bench(b: Bench, args, threads) -> int:
     # ---- pinned H2D ---------------------------------------------------------------------------
     h2d = []
     if gpu and have_tool and (not args.only or "ceil-h2d" in args.only):
-        nbytes_h2d = min(2 << 30, max(c["file_bytes"] for c in cases.values()))
+        # 2 GiB whatever the cases (what every run before --cases measured): the ceiling does
+        # not move with the files measured.
+        nbytes_h2d = 2 << 30
         for t, req in ((16, "2MiB"), (4, "64MiB"), (1, "256MiB")):
             s = {"id": f"h2d/t{t}-{req}", "case": "all", "label": f"ceil-h2d-t{t}-{req}",
                  "group": "ceiling", "runner": "tool", "argv_by_mode": {"warm": [

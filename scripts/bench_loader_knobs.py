@@ -66,9 +66,10 @@ def main():
                     help="also measure the warm ceilings (reshard_bench_ceilings) --reps times")
     ap.add_argument("--ceilings", default="build/tools/bench/reshard_bench_ceilings")
     ap.add_argument("--flush-mib", type=int, default=0, metavar="MIB",
-                    help="before each timed warm load, every core writes and reads this many MiB "
-                         "(reshard_bench_ceilings flush): each load then finds the CPU caches as a "
-                         "job's first load does, not holding the file from the load before")
+                    help="before each timed warm load, one thread per core writes and reads this "
+                         "many MiB in all (reshard_bench_ceilings flush, another process), so that "
+                         "no load finds the file or the staging in the CPU caches from the load "
+                         "before (the warm ceilings are measured without it)")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -181,7 +182,9 @@ def main():
                 rec["vs_pipeline"] = rec["median"] / med["pipeline"]
             best = max(res["warm"], key=lambda r: r["median"] if r["verify"] else 0)
             print(f"  best with checksums: {best['median']:.2f} GB/s = {best['vs_lower_ceiling']:.2f}x lower "
-                  f"ceiling, {best['vs_pipeline']:.2f}x pipeline ({best['threads']} threads, span "
+                  f"ceiling, {best['vs_pipeline']:.2f}x pipeline"
+                  + (" (loads after a flush, ceilings without)" if args.flush_mib else "")
+                  + f" ({best['threads']} threads, span "
                   f"{best['span_bytes'] // MiB} MiB, slots {best['slots']})", flush=True)
 
         # ---- cold

@@ -9,10 +9,11 @@ Fields (include/reshard/loader.h, LoadReport): seconds = the whole load; read = 
 hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the
 copies still in flight after the reads; first_copy = when the first copy was issued;
 reads_done = when the last thread finished; lane_start = the latest thread start; lane_end = when
-a thread ran out of work (average); issue = issuing copies, per thread; lane_cpu = CPU time per
-thread (against lane_end - its start: time spent descheduled); preempt = involuntary context
-switches of all reader threads; shared = readers that started on a CPU another reader started on
-(these two are counts, not ms).
+a thread ran out of work (average); issue = issuing copies, per thread; lane_wall = a thread's
+time from its start to its end, lane_cpu = the CPU time it used in it (the difference: time not on
+a CPU, descheduled or blocked), both averaged; preempt = involuntary context switches of all
+reader threads; shared = readers that started on a CPU another reader started on (these two are
+counts, not ms).
 """
 import json
 import statistics
@@ -20,7 +21,7 @@ import sys
 
 KEYS = ["seconds", "read_seconds", "wait_seconds", "sync_seconds", "first_copy_seconds",
         "reads_done_seconds", "lane_start_seconds", "lane_end_seconds", "issue_seconds",
-        "lane_cpu_seconds"]
+        "lane_wall_seconds", "lane_cpu_seconds"]
 COUNTS = ["preemptions", "lanes_on_shared_cpus"]
 
 

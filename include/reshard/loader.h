@@ -128,9 +128,11 @@ struct LoadReport {
   double lane_start_seconds = 0;
   double lane_end_seconds = 0;
   double issue_seconds = 0;
-  // Scheduling of the reader threads: CPU time per thread (averaged; against the wall
-  // time from lane start to lane end it shows time spent descheduled), involuntary context
-  // switches of all of them, and how many started on a CPU another reader also started on.
+  // Scheduling of the reader threads, averaged over them: the time from a thread's start
+  // to its end, and the CPU time it used in it (the difference: time it was not on a CPU,
+  // descheduled or blocked, e.g. in a read from disk); the involuntary context switches of
+  // all of them, and how many started on a CPU another reader also started on.
+  double lane_wall_seconds = 0;
   double lane_cpu_seconds = 0;
   uint64_t preemptions = 0;
   unsigned lanes_on_shared_cpus = 0;

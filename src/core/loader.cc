@@ -63,8 +63,6 @@ ThreadUsage ThisThreadUsage() {
   return u;
 }
 
-
-
 }  // namespace
 
 double DeviceCopier::Reserve(size_t, int) { return 0; }
@@ -525,6 +523,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     report.lane_end_seconds += l.end / threads;
     report.issue_seconds += l.issue / threads;
     report.lane_cpu_seconds += l.cpu / threads;
+    report.lane_wall_seconds += (l.end - l.start) / threads;
     report.preemptions += static_cast<uint64_t>(std::max(0L, l.involuntary));
     for (unsigned u = 0; u < threads; ++u) {
       if (u != t && l.start_cpu >= 0 && lane_times[u].start_cpu == l.start_cpu) {

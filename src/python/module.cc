@@ -360,6 +360,7 @@ PYBIND11_MODULE(_C, m) {
         d["lane_start_seconds"] = r.lane_start_seconds;
         d["lane_end_seconds"] = r.lane_end_seconds;
         d["issue_seconds"] = r.issue_seconds;
+        d["lane_wall_seconds"] = r.lane_wall_seconds;
         d["lane_cpu_seconds"] = r.lane_cpu_seconds;
         d["preemptions"] = r.preemptions;
         d["lanes_on_shared_cpus"] = r.lanes_on_shared_cpus;

@@ -5,7 +5,12 @@
 // corrupted chunk must stop the load naming the tensor and chunk.
 #include <algorithm>
 #include <cstdint>
+#include <thread>
+#include <functional>
+#include <chrono>
 #include <fcntl.h>
+#include <sched.h>
+#include <time.h>
 #include <unistd.h>
 #include <cstring>
 #include <map>
@@ -95,8 +100,11 @@ class HostDeviceCopier final : public DeviceCopier {
     for (auto& [k, p] : pending_) Land(p);
     written_.clear();
   }
-  void BindThread(int) override {}
+  void BindThread(int lane) override {
+    if (on_bind) on_bind(lane);
+  }
 
+  std::function<void(int)> on_bind;  // runs on each reader thread as it starts (tests)
   std::string misuse;
   int copies = 0;
   int reserves = 0;
@@ -393,7 +401,41 @@ TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
   ExpectLanded(f, whole);
 }
 
-TEST(LoadRankFile, ReportsTheReaderThreadsCpuTime) {
+// Keeps the calling thread on CPU `cpu` alone until destroyed (threads it starts inherit that).
+class OnOneCpu {
+ public:
+  explicit OnOneCpu(int cpu) {
+    CPU_ZERO(&saved_);
+    ok_ = ::sched_getaffinity(0, sizeof(saved_), &saved_) == 0;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    ok_ = ok_ && ::sched_setaffinity(0, sizeof(one), &one) == 0;
+  }
+  ~OnOneCpu() {
+    if (ok_) ::sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  cpu_set_t saved_;
+  bool ok_ = false;
+};
+
+// Busy until this thread has used `seconds` of CPU time (however long that takes on a
+// loaded machine).
+void Spin(double seconds) {
+  auto cpu = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+  };
+  const double end = cpu() + seconds;
+  volatile uint64_t x = 0;
+  while (cpu() < end) x = x + 1;
+}
+
+TEST(LoadRankFile, ReportsHowTheReaderThreadsWereScheduled) {
   Fixture f;
   MakeFile(f);
   RankFileReader r = RankFileReader::Open(f.path);
@@ -401,16 +443,54 @@ TEST(LoadRankFile, ReportsTheReaderThreadsCpuTime) {
   o.io = IoMode::kBuffered;
   o.threads = 3;
   o.span_bytes = 0;  // one chunk a span: work for every thread
-  Destinations dest = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier copier;
-  const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
-  EXPECT_EQ(copier.misuse, "");
-  ExpectLanded(f, dest);
-  ASSERT_EQ(rep.threads, 3u);
-  // Measured (a thread that read chunks used CPU time), and no thread ran longer than the load.
-  EXPECT_GT(rep.lane_cpu_seconds, 0);
-  EXPECT_LE(rep.lane_cpu_seconds, rep.seconds * 1.05 + 1e-3);
-  EXPECT_LE(rep.lanes_on_shared_cpus, rep.threads);
+  {
+    // Lane 0 burns 60 ms of CPU, lanes 1 and 2 sleep 60 ms: each thread's own CPU time
+    // averages to ~20 ms (a process-wide clock would give every lane ~60 ms, a sum 60 ms),
+    // while each thread was running for at least 60 ms.
+    Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+    HostDeviceCopier copier;
+    copier.on_bind = [](int lane) {
+      if (lane == 0) {
+        Spin(0.06);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(60));
+      }
+    };
+    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    EXPECT_EQ(copier.misuse, "");
+    ExpectLanded(f, dest);
+    ASSERT_EQ(rep.threads, 3u);
+    EXPECT_GE(rep.lane_wall_seconds, 0.055);
+    EXPECT_GT(rep.lane_cpu_seconds, 0.012);
+    EXPECT_LT(rep.lane_cpu_seconds, 0.04);
+    EXPECT_LE(rep.lane_wall_seconds, rep.seconds);
+  }
+  {
+    // All three on one CPU, each burning 30 ms: they share it (and take turns: the
+    // scheduler switches them out involuntarily), and each still used ~30 ms of CPU.
+    OnOneCpu one(0);
+    ASSERT_TRUE(one.ok());
+    Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+    HostDeviceCopier copier;
+    copier.on_bind = [](int) { Spin(0.03); };
+    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    EXPECT_EQ(copier.misuse, "");
+    ExpectLanded(f, dest);
+    ASSERT_EQ(rep.threads, 3u);
+    EXPECT_EQ(rep.lanes_on_shared_cpus, 3u);
+    EXPECT_GT(rep.preemptions, 0u);
+    EXPECT_LT(rep.lane_cpu_seconds, 0.06);
+    EXPECT_GT(rep.lane_wall_seconds, rep.lane_cpu_seconds + 0.015);
+  }
+  {
+    // One thread: no other reader to share a CPU with.
+    o.threads = 1;
+    Destinations dest = MakeDestinations(f, [](size_t) { return true; });
+    HostDeviceCopier copier;
+    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    ExpectLanded(f, dest);
+    EXPECT_EQ(rep.lanes_on_shared_cpus, 0u);
+  }
 }
 
 // Drops the file's pages from the page cache (clean pages of a file we wrote and synced).

@@ -23,7 +23,7 @@
 //            asked for, pages touched by T threads) + cudaHostRegister; T streams and 2T
 //            events; T threads started with cudaSetDevice; a first copy on each new stream.
 //   flush    --mib N --threads T
-//            writes then reads N MiB: run before a warm ceiling, it starts as cold in the
+//            writes then reads N MiB in all, split over T threads: run before a warm ceiling, it starts as cold in the
 //            CPU caches as a loader in a fresh Python process (bench_load --flush-cpu-caches).
 //   hash     --mib N --threads T --request BYTES
 //            XXH3 throughput of every implementation this CPU supports: T threads each hash
@@ -276,13 +276,16 @@ Json CmdFlush(uint64_t mib, unsigned threads);
 // hash_piece > 0: each request is read (or copied) in pieces of that many bytes, each hashed
 // (XXH3, streaming over the request) right after it is in the buffer, as the loader does.
 // via_mmap: the file is mapped and each piece memcpy'd from the mapping instead of pread
-// (mapping, page faults and unmapping inside the timer). flush_mib > 0: every thread writes
-// and reads that many MiB in all first, so the pass starts with cold CPU caches.
+// (mapping, page faults and unmapping inside the timer). flush_mib > 0: one thread per core
+// writes and reads that many MiB in all first, so the pass starts with cold CPU caches. The
+// buffers are touched before the timer (since f65c163; before, a non-pinned buffer's first
+// page faults were timed).
 Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool direct,
              bool pinned, int device, uint64_t hash_piece, bool via_mmap, uint64_t flush_mib) {
   CheckRequest(request, direct);
   if (pinned) RequireCuda(device, "read --pinned");
   if (via_mmap && direct) throw ToolError("--mmap and --direct exclude each other");
+  if (hash_piece > 0 && direct) throw ToolError("--hash-piece and --direct exclude each other");
   const double resident = reshard::PageCacheResidency(path);
   std::vector<std::unique_ptr<HostBuffer>> bufs;
   for (unsigned t = 0; t < threads; ++t) bufs.push_back(std::make_unique<HostBuffer>(request, pinned));
@@ -750,7 +753,7 @@ int main(int argc, char** argv) {
   read->add_option("--hash-piece", hash_piece_text,
                    "read each request in pieces of this many bytes, XXH3 each right after it is read (0: no hashing)");
   read->add_flag("--mmap", via_mmap, "memcpy from a mapping of the file instead of pread");
-  read->add_option("--flush-mib", read_flush_mib, "first write and read this many MiB on every core (cold CPU caches)")
+  read->add_option("--flush-mib", read_flush_mib, "first write and read this many MiB in all, one thread per core (cold CPU caches)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 20));
   CLI::App* h2d = app.add_subcommand("h2d", "pinned host -> device copy bandwidth");
   common(h2d, false);
