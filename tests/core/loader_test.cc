@@ -401,16 +401,20 @@ TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
   ExpectLanded(f, whole);
 }
 
-// Keeps the calling thread on CPU `cpu` alone until destroyed (threads it starts inherit that).
+// Keeps the calling thread on one of its CPUs alone until destroyed (threads it starts
+// inherit that).
 class OnOneCpu {
  public:
-  explicit OnOneCpu(int cpu) {
+  OnOneCpu() {
     CPU_ZERO(&saved_);
-    ok_ = ::sched_getaffinity(0, sizeof(saved_), &saved_) == 0;
+    if (::sched_getaffinity(0, sizeof(saved_), &saved_) != 0) return;
+    int cpu = 0;
+    while (cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &saved_)) ++cpu;
+    if (cpu == CPU_SETSIZE) return;
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(cpu, &one);
-    ok_ = ok_ && ::sched_setaffinity(0, sizeof(one), &one) == 0;
+    ok_ = ::sched_setaffinity(0, sizeof(one), &one) == 0;
   }
   ~OnOneCpu() {
     if (ok_) ::sched_setaffinity(0, sizeof(saved_), &saved_);
@@ -468,7 +472,7 @@ TEST(LoadRankFile, ReportsHowTheReaderThreadsWereScheduled) {
   {
     // All three on one CPU, each burning 30 ms: they share it (and take turns: the
     // scheduler switches them out involuntarily), and each still used ~30 ms of CPU.
-    OnOneCpu one(0);
+    OnOneCpu one;
     ASSERT_TRUE(one.ok());
     Destinations dest = MakeDestinations(f, [](size_t) { return true; });
     HostDeviceCopier copier;
