@@ -520,7 +520,6 @@ def child_main(spec: dict) -> int:
         t_setup = time.perf_counter()
         if gpu:
             free0 = torch.cuda.mem_get_info(device)[0]
-            torch.cuda.reset_peak_memory_stats(device)
         loader = KINDS[spec["kind"]](spec, device)
         if gpu:
             torch.cuda.synchronize()
@@ -569,8 +568,8 @@ def child_main(spec: dict) -> int:
             # allocator's rounding of the weights' own blocks (e.g. a 43 MiB tensor gets a
             # whole 44 MiB segment); transient_peak is what the run allocated on top of what
             # it started and ended with (temporaries), whoever allocated the weights. The peak
-            # is reset just before the timer (before --cases, at the loader's set-up: a
-            # diagnostic's untimed preload counted too).
+            # is reset just before the timer (runs before 2026-11-30 run S reset it before the
+            # loader's set-up, so a diagnostic's untimed preload counted too).
             out["gpu"] = {"weights_bytes": weights,
                           "transient_peak": peak_alloc - max(alloc_before, alloc_after),
                           "extra_allocated_peak": peak_alloc - weights,

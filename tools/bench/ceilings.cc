@@ -270,9 +270,34 @@ void CheckRequest(uint64_t request, bool direct) {
   }
 }
 
-// ---- read --------------------------------------------------------------------------------
-Json CmdFlush(uint64_t mib, unsigned threads);
+// ---- flush -------------------------------------------------------------------------------
+// Writes then reads `mib` MiB with T threads, pushing whatever a previous run left in the CPU
+// caches (e.g. the page cache's metadata for the file just read) out of them, so that a tool
+// run that follows starts as cold as a Python child after its interpreter start-up.
 
+Json CmdFlush(uint64_t mib, unsigned threads) {
+  const uint64_t bytes = mib << 20;
+  std::vector<char> buf(bytes);
+  std::atomic<uint64_t> sum{0};
+  const auto t0 = Clock::now();
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
+    const uint64_t per = (bytes + threads - 1) / threads;
+    const uint64_t begin = std::min<uint64_t>(bytes, lane * per), end = std::min<uint64_t>(bytes, begin + per);
+    std::memset(buf.data() + begin, static_cast<int>(lane + 1), end - begin);
+    uint64_t s = 0;
+    for (uint64_t i = begin; i < end; i += 64) s += static_cast<unsigned char>(buf[i]);
+    sum += s;
+  });
+  Json j;
+  j["mode"] = "flush";
+  j["bytes"] = bytes;
+  j["seconds"] = Since(t0);
+  j["threads"] = threads;
+  j["checksum"] = sum.load();
+  return j;
+}
+
+// ---- read --------------------------------------------------------------------------------
 // hash_piece > 0: each request is read (or copied) in pieces of that many bytes, each hashed
 // (XXH3, streaming over the request) right after it is in the buffer, as the loader does.
 // via_mmap: the file is mapped and each piece memcpy'd from the mapping instead of pread
@@ -318,10 +343,8 @@ Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool d
         const uint64_t m = std::min(step, len - at);
         if (map != nullptr) {
           std::memcpy(buf + at, map + off + at, m);
-        } else if (hash_piece > 0 || at > 0) {
-          fd.ReadRange(buf + at, m, off + at, false);
-        } else {
-          fd.ReadRange(buf, len, off, direct);
+        } else {  // --direct comes without pieces: one aligned read of the whole request
+          fd.ReadRange(buf + at, m, off + at, direct);
         }
         if (hash_piece > 0) hasher.Update(buf + at, m);
       }
@@ -645,32 +668,6 @@ Json CmdSetup(unsigned threads, uint64_t request, unsigned reps, int device) {
     cudaFreeHost(host);
     record("first_copy_per_new_stream", secs);
   }
-  return j;
-}
-
-// ---- flush -------------------------------------------------------------------------------
-// Writes then reads `mib` MiB with T threads, pushing whatever a previous run left in the CPU
-// caches (e.g. the page cache's metadata for the file just read) out of them, so that a tool
-// run that follows starts as cold as a Python child after its interpreter start-up.
-Json CmdFlush(uint64_t mib, unsigned threads) {
-  const uint64_t bytes = mib << 20;
-  std::vector<char> buf(bytes);
-  std::atomic<uint64_t> sum{0};
-  const auto t0 = Clock::now();
-  RunThreads(threads, [&](unsigned lane, std::atomic<bool>&) {
-    const uint64_t per = (bytes + threads - 1) / threads;
-    const uint64_t begin = std::min<uint64_t>(bytes, lane * per), end = std::min<uint64_t>(bytes, begin + per);
-    std::memset(buf.data() + begin, static_cast<int>(lane + 1), end - begin);
-    uint64_t s = 0;
-    for (uint64_t i = begin; i < end; i += 64) s += static_cast<unsigned char>(buf[i]);
-    sum += s;
-  });
-  Json j;
-  j["mode"] = "flush";
-  j["bytes"] = bytes;
-  j["seconds"] = Since(t0);
-  j["threads"] = threads;
-  j["checksum"] = sum.load();
   return j;
 }
 
