@@ -19,8 +19,9 @@ One run, following the fair method of docs/peers-and-performance.md:
      `_C.prepare` was started (not waited for) before the targets were allocated, as
      reshard.empty_model does in a job (a load that comes first waits for it, in the timer);
    * peers on the same bytes: safe_open row slices of rank r's part + .cuda() (rank case);
-     safetensors load_file(device="cuda") and DCP HuggingFaceStorageReader into an FSDP2
-     LlamaForCausalLM on one rank (whole case);
+     safetensors load_file(device="cuda") (whole case); DCP HuggingFaceStorageReader into an
+     FSDP2 LlamaForCausalLM (both cases: rank r of a fake process group of world size 8 with
+     no_dist=True, or the whole model on a one-process group);
 4. checks reshard's bytes against safe_open slices (a sample in every run, all tensors once);
 5. prints a table, writes JSON, a text report, a log and a PNG chart into --outdir.
 
@@ -409,8 +410,13 @@ class LoadFile:
 
 class DcpFsdp2:
     """torch.distributed.checkpoint.load with HuggingFaceStorageReader into an FSDP2
-    LlamaForCausalLM on a single-process process group (built on meta, fully_shard per layer
-    and at the root, to_empty on the device)."""
+    LlamaForCausalLM (built on meta, fully_shard per layer and at the root, to_empty on the
+    device). World size 1 (the whole case): a real single-process process group. Rank r of a
+    larger world size (the rank case): this one process is rank r of a "fake" process group
+    (torch's FakeStore, as torch's own FSDP tests use), so the model holds exactly rank r's
+    FSDP2 shards, and dcp.load(no_dist=True) plans and reads only those (the reader reads
+    each with safe_open's get_slice): what one rank of a real job does, less the collectives
+    that exchange plans, which a real job pays on top."""
 
     def __init__(self, spec, device):
         import torch
@@ -427,21 +433,28 @@ class DcpFsdp2:
         self.src = Path(spec["src"])
         self.files = sorted(str(p) for p in self.src.glob("*.safetensors"))
         gpu = device.type == "cuda"
-        self.backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
+        self.ws, self.rank = int(spec.get("ws", 1)), int(spec.get("rank", 0))
         self.backend_note = None
-        try:
-            self._init_pg(self.backend, device)
-        except Exception as e:  # noqa: BLE001  (NCCL refused: no collective runs on GPU data)
-            if not gpu:
-                raise
-            self.backend_note = f"NCCL process group failed ({type(e).__name__}: {e}); used gloo"
+        if self.ws > 1:
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            self.backend = "fake"
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.ws)
+        else:
+            self.backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
             try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-            self.backend = "gloo"
-            self._init_pg(self.backend, None)
-        mesh = init_device_mesh(device.type, (1,))
+                self._init_pg(self.backend, device)
+            except Exception as e:  # noqa: BLE001  (NCCL refused: no collective runs on GPU data)
+                if not gpu:
+                    raise
+                self.backend_note = f"NCCL process group failed ({type(e).__name__}: {e}); used gloo"
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+                self.backend = "gloo"
+                self._init_pg(self.backend, None)
+        mesh = init_device_mesh(device.type, (self.ws,))
         config = AutoConfig.from_pretrained(str(self.src))
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
@@ -467,11 +480,12 @@ class DcpFsdp2:
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
         reader = HuggingFaceStorageReader(str(self.src), thread_count=self.spec["dcp_threads"])
-        self.dcp.load(self.state_dict, storage_reader=reader)
+        self.dcp.load(self.state_dict, storage_reader=reader, no_dist=self.ws > 1)
         return self.state_dict
 
     def extra(self):
-        out = {"dcp_thread_count": self.spec["dcp_threads"], "process_group": self.backend}
+        out = {"dcp_thread_count": self.spec["dcp_threads"], "process_group": self.backend,
+               "world_size": self.ws, "rank": self.rank}
         if self.backend_note:
             out["note"] = self.backend_note
         return out
@@ -809,9 +823,10 @@ def main(argv=None):
                     help="no GPU: generation, convert, host loads with _C.load(on_device=False), "
                          "safe_open slices, load_file and DCP on CPU, and the read ceiling")
     ap.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
-    ap.add_argument("--diag-env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment of the diagnostic series reshard-tN-prepared-env (repeatable), "
-                         "e.g. RESHARD_LEAD_IN_BYTES=524288")
+    ap.add_argument("--diag-env", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="environment of a diagnostic series; each use is one more series: "
+                         "reshard-tN-prepared-env, -env2, -env3, ..., e.g. --diag-env RESHARD_STREAMS=1 "
+                         "--diag-env RESHARD_STREAMS=4")
     ap.add_argument("--flush-cpu-caches", type=int, default=0, metavar="MIB",
                     help="before every warm run, write and read MIB MiB in another process "
                          "(reshard_bench_ceilings flush): a ceiling tool then starts as cold in "
@@ -819,6 +834,10 @@ def main(argv=None):
                          "inheriting the page cache's metadata the previous run left there "
                          "(default 0: off)")
     args = ap.parse_args(argv)
+    for group in args.diag_env:
+        for kv in group.split(","):
+            if kv and ("=" not in kv or not kv.split("=", 1)[0]):
+                ap.error(f"--diag-env {group!r}: {kv!r} is not KEY=VALUE")
 
     small = args.quick or args.cpu_smoke
     if args.size_gb is None:
@@ -1003,10 +1022,13 @@ def run_bench(b: Bench, args, threads) -> int:
             child(case, f"reshard-t{top}-prepared-nowarm", "reshard", ["warm"], threads=top,
                   verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                   env={"RESHARD_WARMUP": "0"})
-            if args.diag_env:  # the same with knobs from the environment (--diag-env)
-                child(case, f"reshard-t{top}-prepared-env", "reshard", ["warm"], threads=top,
-                      verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
-                      env=dict(kv.split("=", 1) for kv in args.diag_env))
+            # The same with knobs from the environment: one series per --diag-env, named
+            # -env, -env2, -env3, ...
+            for n, group in enumerate(args.diag_env, start=1):
+                env = dict(kv.split("=", 1) for kv in group.split(",") if kv)
+                child(case, f"reshard-t{top}-prepared-env{n if n > 1 else ''}", "reshard", ["warm"],
+                      threads=top, verify=True, io="auto", prepare=True, second_load=True,
+                      diagnostic=True, env=env)
             # Another rank file loaded first, untimed (rank 1 of the same world size; for
             # the whole model, the rank file).
             other = (str(rank_file(out, args.world_size, (args.rank + 1) % args.world_size))
@@ -1043,7 +1065,7 @@ def run_bench(b: Bench, args, threads) -> int:
             child(case, "safe_open-slices", "slices", ["cold", "warm"])
         else:
             child(case, "load_file", "load_file", ["cold", "warm"])
-            child(case, "dcp-fsdp2", "dcp", ["cold", "warm"], dcp_threads=args.dcp_threads)
+        child(case, "dcp-fsdp2", "dcp", ["cold", "warm"], dcp_threads=args.dcp_threads)
     for s in series:
         if s["label"] == "ceil-pipeline":
             f = cases[s["case"]]["rank_file"]
