@@ -1025,10 +1025,10 @@ def run_bench(b: Bench, args, threads) -> int:
             # The same with knobs from the environment: one series per --diag-env, named
             # -env, -env2, -env3, ...
             for n, group in enumerate(args.diag_env, start=1):
-                env = dict(kv.split("=", 1) for kv in group.split(",") if kv)
+                knobs = dict(kv.split("=", 1) for kv in group.split(",") if kv)
                 child(case, f"reshard-t{top}-prepared-env{n if n > 1 else ''}", "reshard", ["warm"],
                       threads=top, verify=True, io="auto", prepare=True, second_load=True,
-                      diagnostic=True, env=env)
+                      diagnostic=True, env=knobs)
             # Another rank file loaded first, untimed (rank 1 of the same world size; for
             # the whole model, the rank file).
             other = (str(rank_file(out, args.world_size, (args.rank + 1) % args.world_size))
