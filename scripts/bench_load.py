@@ -1359,9 +1359,11 @@ def build_summary(b, cases, series, h2d, threads, gpu):
         else:
             r["cold_vs_load_file"] = ratio(rc, med(case, "load_file", "cold"))
             r["warm_vs_load_file"] = ratio(rw, med(case, "load_file", "warm"))
-            r["cold_vs_dcp"] = ratio(rc, med(case, "dcp-fsdp2", "cold"))
-            r["warm_vs_dcp"] = ratio(rw, med(case, "dcp-fsdp2", "warm"))
+        r["cold_vs_dcp"] = ratio(rc, med(case, "dcp-fsdp2", "cold"))
+        r["warm_vs_dcp"] = ratio(rw, med(case, "dcp-fsdp2", "warm"))
         top = max(threads)
+        r["warm_prepared_vs_dcp"] = ratio(med(case, f"reshard-t{top}-prepared", "warm"),
+                                          med(case, "dcp-fsdp2", "warm"))
         for mode in ("cold", "warm"):
             r[f"{mode}_prepared_vs_unprepared"] = ratio(med(case, f"reshard-t{top}-prepared", mode),
                                                         med(case, f"reshard-t{top}", mode))

@@ -13,9 +13,13 @@
 //   h2d      --bytes N --reps R --threads T --request BYTES
 //            pinned host -> device bandwidth: T threads, each with its own stream, issue
 //            cudaMemcpyAsync of consecutive requests of one pinned buffer; one untimed warm-up.
-//   pipeline --file F --threads T --request BYTES [--direct]
+//   pipeline --file F --threads T --request BYTES [--direct] [--group G --ring K --streams S]
 //            the "plain C++ loop": T threads, each pread -> its own 2 pinned buffers ->
 //            cudaMemcpyAsync on its own stream into one device buffer the size of the file.
+//            With --group G: one pinned ring of K blocks of G requests each; the threads read
+//            requests (in file order) into the ring, and whoever reads the last request of a
+//            block copies the whole block (G x BYTES) on stream (block mod S): fewer, larger
+//            copies from the same kind of reads.
 //   setup    --threads T --request BYTES
 //            the one-time costs a first load pays (each timed alone, fresh allocations,
 //            median of --reps): pinned staging of T x 2 x BYTES by one cudaHostAlloc, by T
@@ -444,6 +448,114 @@ Json CmdH2d(uint64_t bytes, unsigned reps, unsigned threads, uint64_t request, i
 }
 
 // ---- pipeline ----------------------------------------------------------------------------
+// The device bytes against the file: 64 KiB at 17 places spread evenly from the first byte
+// to the last.
+void SpotCheck(const std::string& path, const char* dev, uint64_t size) {
+  const uint64_t probe_len = std::min<uint64_t>(size, 64 * 1024);
+  if (probe_len == 0) return;
+  Fd check(path, false);
+  std::vector<char> want(probe_len), got(probe_len);
+  for (uint64_t k = 0; k <= 16; ++k) {
+    const uint64_t at = (size - probe_len) / 16 * k + (k == 16 ? (size - probe_len) % 16 : 0);
+    check.ReadRange(want.data(), probe_len, at, false);
+    CudaCheck(cudaMemcpy(got.data(), dev + at, probe_len, cudaMemcpyDeviceToHost), "cudaMemcpy (check)");
+    if (std::memcmp(want.data(), got.data(), probe_len) != 0) {
+      throw ToolError("pipeline: device bytes differ from the file at offset " + std::to_string(at));
+    }
+  }
+}
+
+Json CmdPipelineGrouped(const std::string& path, unsigned threads, uint64_t request, unsigned group,
+                        unsigned ring, unsigned streams, int device) {
+  CheckRequest(request, false);
+  RequireCuda(device, "pipeline");
+  if (group == 0 || ring < 2 || streams == 0) throw ToolError("pipeline: --group >= 1, --ring >= 2, --streams >= 1");
+  const double resident = reshard::PageCacheResidency(path);
+  uint64_t size = 0;
+  {
+    Fd probe(path, false);
+    size = probe.Size();
+  }
+  const uint64_t block = uint64_t{group} * request;
+  DeviceBuffer dev(AlignUp(std::max<uint64_t>(size, 1), kAlign));
+  HostBuffer pool(uint64_t{ring} * block, /*pinned=*/true);
+  std::vector<cudaStream_t> ss(streams);
+  for (auto& st : ss) CudaCheck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  // Per ring slot: the block whose copy was issued last from it (slot k starts as if block
+  // k - ring had been), an event recorded after that copy, and the requests read so far.
+  struct Slot {
+    std::atomic<int64_t> issued{0};
+    std::atomic<unsigned> done{0};
+    cudaEvent_t ev = nullptr;
+  };
+  std::vector<Slot> slots(ring);
+  for (unsigned k = 0; k < ring; ++k) {
+    slots[k].issued = static_cast<int64_t>(k) - static_cast<int64_t>(ring);
+    CudaCheck(cudaEventCreateWithFlags(&slots[k].ev, cudaEventDisableTiming), "cudaEventCreate");
+  }
+
+  const auto t0 = Clock::now();
+  Fd fd(path, false);
+  const uint64_t n_req = (size + request - 1) / request;
+  std::atomic<uint64_t> next{0};
+  RunThreads(threads, [&](unsigned, std::atomic<bool>& failed) {
+    CudaCheck(cudaSetDevice(device), "cudaSetDevice");
+    while (!failed.load(std::memory_order_relaxed)) {
+      const uint64_t i = next.fetch_add(1);
+      if (i >= n_req) break;
+      const uint64_t b = i / group;
+      Slot& slot = slots[b % ring];
+      // The slot's previous block must have left for the device before it is overwritten.
+      const int64_t prev = static_cast<int64_t>(b) - static_cast<int64_t>(ring);
+      while (slot.issued.load(std::memory_order_acquire) < prev) {
+        if (failed.load(std::memory_order_relaxed)) return;
+        std::this_thread::yield();
+      }
+      if (prev >= 0) CudaCheck(cudaEventSynchronize(slot.ev), "cudaEventSynchronize");
+      const uint64_t off = i * request;
+      const uint64_t len = std::min(request, size - off);
+      char* stage = pool.data() + (b % ring) * block + (i % group) * request;
+      fd.ReadRange(stage, len, off, false);
+      const uint64_t first = b * group;
+      const unsigned in_block = static_cast<unsigned>(std::min<uint64_t>(group, n_req - first));
+      if (slot.done.fetch_add(1, std::memory_order_acq_rel) + 1 == in_block) {
+        slot.done.store(0, std::memory_order_relaxed);
+        const uint64_t at = first * request;
+        const uint64_t n = std::min(block, size - at);
+        cudaStream_t st = ss[b % streams];
+        CudaCheck(cudaMemcpyAsync(dev.data() + at, pool.data() + (b % ring) * block, n,
+                                  cudaMemcpyHostToDevice, st),
+                  "cudaMemcpyAsync");
+        CudaCheck(cudaEventRecord(slot.ev, st), "cudaEventRecord");
+        slot.issued.store(static_cast<int64_t>(b), std::memory_order_release);
+      }
+    }
+  });
+  for (auto& st : ss) CudaCheck(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+  const double seconds = Since(t0);
+  SpotCheck(path, dev.data(), size);
+  for (auto& sl : slots) cudaEventDestroy(sl.ev);
+  for (auto& st : ss) cudaStreamDestroy(st);
+
+  Json j;
+  j["mode"] = "pipeline";
+  j["file"] = path;
+  j["bytes"] = size;
+  j["seconds"] = seconds;
+  j["gbps"] = Gbps(size, seconds);
+  j["threads"] = threads;
+  j["request"] = request;
+  j["group"] = group;
+  j["ring"] = ring;
+  j["streams"] = streams;
+  j["copy_bytes"] = block;
+  j["direct"] = false;
+  j["pinned"] = true;
+  j["host_buffer_bytes"] = uint64_t{ring} * block;
+  j["resident_fraction_before"] = resident;
+  return j;
+}
+
 Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bool direct,
                  int device) {
   CheckRequest(request, direct);
@@ -501,20 +613,7 @@ Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bo
   });
   const double seconds = Since(t0);
 
-  // Spot check against the file: first, middle and last 64 KiB.
-  const uint64_t probe_len = std::min<uint64_t>(size, 64 * 1024);
-  if (probe_len > 0) {
-    Fd check(path, false);
-    std::vector<char> want(probe_len), got(probe_len);
-    for (uint64_t at : {uint64_t{0}, (size - probe_len) / 2, size - probe_len}) {
-      check.ReadRange(want.data(), probe_len, at, false);
-      CudaCheck(cudaMemcpy(got.data(), dev.data() + at, probe_len, cudaMemcpyDeviceToHost),
-                "cudaMemcpy (check)");
-      if (std::memcmp(want.data(), got.data(), probe_len) != 0) {
-        throw ToolError("pipeline: device bytes differ from the file at offset " + std::to_string(at));
-      }
-    }
-  }
+  SpotCheck(path, dev.data(), size);
   for (auto& l : lanes) {
     for (auto& e : l.ev) cudaEventDestroy(e);
     cudaStreamDestroy(l.stream);
@@ -778,6 +877,11 @@ int main(int argc, char** argv) {
       "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
   common(pipe, true);
   pipe->add_flag("--direct", direct, "O_DIRECT reads");
+  unsigned group = 0, ring = 4, pipe_streams = 4;
+  pipe->add_option("--group", group, "requests per copy, read into one pinned ring (0: per-thread buffers)")
+      ->check(CLI::Range(0u, 4096u));
+  pipe->add_option("--ring", ring, "blocks in the ring with --group (default 4)")->check(CLI::Range(2u, 4096u));
+  pipe->add_option("--streams", pipe_streams, "streams with --group (default 4)")->check(CLI::Range(1u, 1024u));
 
   try {
     app.parse(argc, argv);
@@ -801,6 +905,9 @@ int main(int argc, char** argv) {
       out = CmdSpin(spin_ms, threads);
     } else if (*h2d) {
       out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
+    } else if (group > 0) {
+      if (direct) throw ToolError("pipeline: --group reads through the page cache; leave out --direct");
+      out = CmdPipelineGrouped(file, threads, request, group, ring, pipe_streams, device);
     } else {
       out = CmdPipeline(file, threads, request, direct, device);
     }
