@@ -96,15 +96,46 @@ def test_plain_module_on_cuda_matches_from_pretrained(llama_bf16, tmp_path):
     convert(llama_bf16, out, 1)
     model = reshard.empty_model(str(out))
     model.to_empty(device="cuda")
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     report = reshard.load(model, str(out))
+    torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, "load allocated GPU memory beyond the weights"
+    # Nor for a while: torch's high-water mark during the load is where it started.
+    assert torch.cuda.max_memory_allocated() == before, (
+        f"load held {torch.cuda.max_memory_allocated() - before} bytes of GPU memory for a while")
     ref = AutoModelForCausalLM.from_pretrained(str(llama_bf16), dtype=torch.bfloat16).cuda()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), n
     for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         assert torch.equal(b, c), n
     assert report.bytes > 0
+
+
+def test_converting_load_on_cuda_holds_no_gpu_temporaries(llama_bf16, tmp_path):
+    """A live dtype other than the file's (fp32 parameters, bf16 file) goes through host
+    batches and Tensor.copy_: the values equal from_pretrained's .float(), and torch's device
+    allocation neither grows nor peaks during the load."""
+    _require_cuda()
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 1)
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cuda")
+    model.float()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    reshard.load(model, str(out))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.max_memory_allocated() == before, (
+        f"load held {torch.cuda.max_memory_allocated() - before} bytes of GPU memory for a while")
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_bf16), dtype=torch.bfloat16).float()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p.cpu(), q), n
 
 
 def test_trainer_on_cuda_one_process(llama_bf16, tmp_path):
