@@ -20,7 +20,7 @@ One run, following the fair method of docs/peers-and-performance.md:
      reshard.empty_model does in a job (a load that comes first waits for it, in the timer);
    * peers on the same bytes: safe_open row slices of rank r's part + .cuda() (rank case);
      safetensors load_file(device="cuda") (whole case); DCP HuggingFaceStorageReader into an
-     FSDP2 LlamaForCausalLM (both cases: rank r of a fake process group of world size 8 with
+     FSDP2 LlamaForCausalLM (both cases: rank r of a fake process group of --world-size with
      no_dist=True, or the whole model on a one-process group);
 4. checks reshard's bytes against safe_open slices (a sample in every run, all tensors once);
 5. prints a table, writes JSON, a text report, a log and a PNG chart into --outdir.
@@ -416,7 +416,8 @@ class DcpFsdp2:
     (torch's FakeStore, as torch's own FSDP tests use), so the model holds exactly rank r's
     FSDP2 shards, and dcp.load(no_dist=True) plans and reads only those (the reader reads
     each with safe_open's get_slice): what one rank of a real job does, less the collectives
-    that exchange plans, which a real job pays on top."""
+    that exchange the plans and the closing all_gather that waits for the slowest rank,
+    which a real job pays on top."""
 
     def __init__(self, spec, device):
         import torch

@@ -112,11 +112,17 @@ def main() -> int:
             if a[0] == "pipeline":
                 argv += ["--file", str(f)]
             p = subprocess.run(argv, capture_output=True, text=True)
-            if p.returncode != 0:
-                failures[name] = p.stderr.strip()[-300:]
+            lines = p.stdout.strip().splitlines()
+            if p.returncode != 0 or not lines:
+                failures[name] = (p.stderr.strip() or f"exit {p.returncode}, no output")[-300:]
                 print(f"FAILED {name}: {failures[name]}", flush=True)
                 continue
-            j = json.loads(p.stdout.strip().splitlines()[-1])
+            j = json.loads(lines[-1])
+            cached = j.get("resident_fraction_before")
+            if cached is not None and cached < 0.99:  # a warm ceiling needs the file cached
+                failures[name] = f"round {rnd}: only {cached:.2f} of the file was in the page cache"
+                print(f"FAILED {name}: {failures[name]}", flush=True)
+                continue
             if rnd > 0:
                 res[name].append(j["gbps"])
     ceiling = statistics.median(res[CEILING]) if res[CEILING] else None

@@ -878,10 +878,15 @@ int main(int argc, char** argv) {
   common(pipe, true);
   pipe->add_flag("--direct", direct, "O_DIRECT reads");
   unsigned group = 0, ring = 4, pipe_streams = 4;
-  pipe->add_option("--group", group, "requests per copy, read into one pinned ring (0: per-thread buffers)")
-      ->check(CLI::Range(0u, 4096u));
-  pipe->add_option("--ring", ring, "blocks in the ring with --group (default 4)")->check(CLI::Range(2u, 4096u));
-  pipe->add_option("--streams", pipe_streams, "streams with --group (default 4)")->check(CLI::Range(1u, 1024u));
+  CLI::Option* group_opt =
+      pipe->add_option("--group", group, "requests per copy, read into one pinned ring (without it: per-thread buffers)")
+          ->check(CLI::Range(1u, 4096u));
+  pipe->add_option("--ring", ring, "blocks in the ring with --group (default 4)")
+      ->check(CLI::Range(2u, 4096u))
+      ->needs(group_opt);
+  pipe->add_option("--streams", pipe_streams, "streams with --group (default 4)")
+      ->check(CLI::Range(1u, 1024u))
+      ->needs(group_opt);
 
   try {
     app.parse(argc, argv);
