@@ -266,6 +266,25 @@ void RunThreads(unsigned threads, Fn fn) {
 
 double Gbps(uint64_t bytes, double seconds) { return seconds > 0 ? bytes / seconds / 1e9 : 0.0; }
 
+// The fields every file-reading mode reports.
+Json FileResult(const char* mode, const std::string& path, uint64_t size, double seconds,
+                unsigned threads, uint64_t request, bool direct, bool pinned,
+                uint64_t host_buffer_bytes, double resident) {
+  Json j;
+  j["mode"] = mode;
+  j["file"] = path;
+  j["bytes"] = size;
+  j["seconds"] = seconds;
+  j["gbps"] = Gbps(size, seconds);
+  j["threads"] = threads;
+  j["request"] = request;
+  j["direct"] = direct;
+  j["pinned"] = pinned;
+  j["host_buffer_bytes"] = host_buffer_bytes;
+  j["resident_fraction_before"] = resident;
+  return j;
+}
+
 void CheckRequest(uint64_t request, bool direct) {
   if (request == 0) throw ToolError("--request must be positive");
   if (direct && request % kAlign != 0) {
@@ -359,18 +378,8 @@ Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool d
   if (map != nullptr) ::munmap(const_cast<char*>(map), size);
   const double seconds = Since(t0);
 
-  Json j;
-  j["mode"] = "read";
-  j["file"] = path;
-  j["bytes"] = size;
-  j["seconds"] = seconds;
-  j["gbps"] = Gbps(size, seconds);
-  j["threads"] = threads;
-  j["request"] = request;
-  j["direct"] = direct;
-  j["pinned"] = pinned;
-  j["host_buffer_bytes"] = uint64_t{threads} * AlignUp(request, kAlign);
-  j["resident_fraction_before"] = resident;
+  Json j = FileResult("read", path, size, seconds, threads, request, direct, pinned,
+                      uint64_t{threads} * AlignUp(request, kAlign), resident);
   j["hash_piece"] = hash_piece;
   j["mmap"] = via_mmap;
   j["flush_mib"] = flush_mib;
@@ -537,22 +546,12 @@ Json CmdPipelineGrouped(const std::string& path, unsigned threads, uint64_t requ
   for (auto& sl : slots) cudaEventDestroy(sl.ev);
   for (auto& st : ss) cudaStreamDestroy(st);
 
-  Json j;
-  j["mode"] = "pipeline";
-  j["file"] = path;
-  j["bytes"] = size;
-  j["seconds"] = seconds;
-  j["gbps"] = Gbps(size, seconds);
-  j["threads"] = threads;
-  j["request"] = request;
+  Json j = FileResult("pipeline", path, size, seconds, threads, request, /*direct=*/false,
+                      /*pinned=*/true, uint64_t{ring} * block, resident);
   j["group"] = group;
   j["ring"] = ring;
   j["streams"] = streams;
   j["copy_bytes"] = block;
-  j["direct"] = false;
-  j["pinned"] = true;
-  j["host_buffer_bytes"] = uint64_t{ring} * block;
-  j["resident_fraction_before"] = resident;
   return j;
 }
 
@@ -619,19 +618,8 @@ Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bo
     cudaStreamDestroy(l.stream);
   }
 
-  Json j;
-  j["mode"] = "pipeline";
-  j["file"] = path;
-  j["bytes"] = size;
-  j["seconds"] = seconds;
-  j["gbps"] = Gbps(size, seconds);
-  j["threads"] = threads;
-  j["request"] = request;
-  j["direct"] = direct;
-  j["pinned"] = true;
-  j["host_buffer_bytes"] = uint64_t{threads} * 2 * AlignUp(request, kAlign);
-  j["resident_fraction_before"] = resident;
-  return j;
+  return FileResult("pipeline", path, size, seconds, threads, request, direct, /*pinned=*/true,
+                    uint64_t{threads} * 2 * AlignUp(request, kAlign), resident);
 }
 
 // ---- setup -------------------------------------------------------------------------------
