@@ -478,7 +478,6 @@ Json CmdPipelineGrouped(const std::string& path, unsigned threads, uint64_t requ
                         unsigned ring, unsigned streams, int device) {
   CheckRequest(request, false);
   RequireCuda(device, "pipeline");
-  if (group == 0 || ring < 2 || streams == 0) throw ToolError("pipeline: --group >= 1, --ring >= 2, --streams >= 1");
   const double resident = reshard::PageCacheResidency(path);
   uint64_t size = 0;
   {
@@ -875,6 +874,7 @@ int main(int argc, char** argv) {
   pipe->add_option("--streams", pipe_streams, "streams with --group (default 4)")
       ->check(CLI::Range(1u, 1024u))
       ->needs(group_opt);
+  group_opt->excludes("--direct");  // the ring is read through the page cache
 
   try {
     app.parse(argc, argv);
@@ -899,7 +899,6 @@ int main(int argc, char** argv) {
     } else if (*h2d) {
       out = CmdH2d(ParseBytes(bytes_text, "--bytes"), reps, threads, request, device);
     } else if (group > 0) {
-      if (direct) throw ToolError("pipeline: --group reads through the page cache; leave out --direct");
       out = CmdPipelineGrouped(file, threads, request, group, ring, pipe_streams, device);
     } else {
       out = CmdPipeline(file, threads, request, direct, device);
