@@ -49,34 +49,6 @@ class DeviceCopier {
   /// pay inside a load (e.g. a small copy on the lane's stream, each slot's event recorded
   /// and waited for). The default does nothing.
   virtual void Warm(int lane);
-
-  // ---- Shared blocks (LoadOptions::ring_bytes) -------------------------------------------
-  // A ring of pinned blocks that every reader thread writes into; whichever thread completes
-  // a block issues its copies. Unlike lanes, these may be driven from any thread: the loader
-  // guarantees that one thread at a time issues a block's copies, and that a block is written
-  // only after WaitBlock says its previous copies are done.
-
-  /// Whether this copier has shared blocks. The default: no (the loader uses lanes only).
-  virtual bool HasBlocks() const;
-  /// Makes sure `blocks` blocks of `bytes` each exist (pinned, 4096-aligned, each with its
-  /// own completion event); returns the seconds spent allocating them (0 when they were
-  /// there already). Shares the staging of Reserve: the last Reserve or ReserveBlocks carves
-  /// it. Not while copies are in flight.
-  virtual double ReserveBlocks(size_t bytes, int blocks);
-  /// The staging of `block`, valid until the next Reserve or ReserveBlocks.
-  virtual void* Block(int block);
-  /// One copy out of a block: `n` bytes from `src` (inside the block) to device memory `dst`.
-  struct BlockCopy {
-    void* dst;
-    const void* src;
-    size_t n;
-  };
-  /// Enqueues `copies` (sources inside `block`) and marks the block busy until they are all
-  /// done. Any thread; one thread per block at a time.
-  virtual void CopyBlockAsync(int block, std::span<const BlockCopy> copies);
-  /// Blocks until the copies last issued from `block` are done (at once when none were).
-  /// Any thread, several at once.
-  virtual void WaitBlock(int block);
 };
 
 struct LoadTarget {
@@ -122,16 +94,6 @@ struct LoadOptions {
   /// ~0.4 ms instead of ~0.9 ms; 0.46 GB rank file +1-8 %, multi-GB files unchanged
   /// (BENCHMARKS.md §7, runs M and N).
   uint64_t lead_in_bytes = 1ull << 20;
-  /// For a file in the page cache, when every device-bound tensor is stored raw and the
-  /// copier has shared blocks: the reader threads read chunks into one ring of this many
-  /// pinned bytes, cut into blocks of block_bytes, instead of each into its own slots; the
-  /// thread that completes a block copies it with one copy per tensor in it. Blocks are cut
-  /// at tensor boundaries where a tensor fits in one, so the copies are whole tensor shards
-  /// (up to block_bytes). 0: per-thread spans (span_bytes). 64 MiB of 16 MiB blocks: in the
-  /// ceilings tool, 16 MiB copies out of a 64 MiB ring beat the per-thread 4 MiB loop in all
-  /// 7 interleaved pairings of run W, and a 128 MiB ring was always worse (BENCHMARKS.md §7).
-  uint64_t ring_bytes = 64ull << 20;
-  uint64_t block_bytes = 16ull << 20;
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;
@@ -145,10 +107,7 @@ struct LoadReport {
   uint64_t staging_bytes = 0;  // pinned staging allocated
   double staging_alloc_seconds = 0;  // of `seconds`: allocating staging (0 when it was reused)
   unsigned threads = 0;
-  uint64_t span_bytes = 0;     // largest span a thread read at once (ring: largest block)
-  uint64_t ring_bytes = 0;     // shared ring of blocks used (0: per-thread spans)
-  uint64_t blocks = 0;         // ring blocks filled and copied
-  uint64_t copies = 0;         // copies to the device issued
+  uint64_t span_bytes = 0;     // largest span a thread read at once
   bool pooled = false;         // the reader threads came from LoadOptions::pool
   bool cold = false;           // read as a file on disk (cold_threads / cold_span_bytes)
   double residency_seconds = 0;  // of `seconds`: probing the page cache (kAuto)
@@ -187,18 +146,9 @@ struct LoadReport {
 uint64_t SpanLimit(const LoadOptions& options, bool cold);
 unsigned LaneCount(const LoadOptions& options, bool cold);
 
-/// The ring a warm load with these options uses for files with chunks of `chunk_size`
-/// bytes when the copier has blocks: block bytes and block count ({0, 0}: no ring).
-struct RingShape {
-  uint64_t block_bytes = 0;
-  int blocks = 0;
-};
-RingShape RingFor(const LoadOptions& options, uint64_t chunk_size);
-
-/// Staging bytes per (lane, slot) for a copier of `options.threads` lanes and
-/// `options.slots_per_thread` slots such that both a warm and a cold load of files with
-/// chunks of `chunk_size` bytes find it large enough (Reserve(PreparedSlotBytes(o, cs),
-/// o.threads), then ReserveBlocks for RingFor(o, cs), before either load allocates nothing).
+/// Staging bytes per (lane, slot) for a copier of `options.threads` lanes such that both a
+/// warm and a cold load of files with chunks of `chunk_size` bytes find it large enough
+/// (Reserve(PreparedSlotBytes(o, cs), o.threads) before either load allocates nothing).
 uint64_t PreparedSlotBytes(const LoadOptions& options, uint64_t chunk_size);
 
 /// Fraction of the file's pages in the page cache (mincore over a sample of pages).

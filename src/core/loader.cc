@@ -69,30 +69,6 @@ double DeviceCopier::Reserve(size_t, int) { return 0; }
 
 void DeviceCopier::Warm(int) {}
 
-bool DeviceCopier::HasBlocks() const { return false; }
-
-double DeviceCopier::ReserveBlocks(size_t, int) {
-  Fail(ErrorCode::kUnsupported, "this device copier has no shared blocks");
-}
-
-void* DeviceCopier::Block(int) { Fail(ErrorCode::kUnsupported, "this device copier has no shared blocks"); }
-
-void DeviceCopier::CopyBlockAsync(int, std::span<const BlockCopy>) {
-  Fail(ErrorCode::kUnsupported, "this device copier has no shared blocks");
-}
-
-void DeviceCopier::WaitBlock(int) { Fail(ErrorCode::kUnsupported, "this device copier has no shared blocks"); }
-
-RingShape RingFor(const LoadOptions& o, uint64_t chunk_size) {
-  if (o.ring_bytes == 0 || o.block_bytes == 0) return {};
-  const uint64_t block = AlignUp(o.block_bytes, kDataAlignment);
-  const uint64_t blocks = o.ring_bytes / block;
-  // A chunk is read (and hashed) by one thread into one block; and with fewer than two
-  // blocks the reads would wait for every copy.
-  if (chunk_size > block || blocks < 2) return {};
-  return {block, static_cast<int>(std::min<uint64_t>(blocks, 1u << 16))};
-}
-
 uint64_t SpanLimit(const LoadOptions& o, bool cold) {
   return cold && o.cold_span_bytes ? o.cold_span_bytes : o.span_bytes;
 }
@@ -108,16 +84,8 @@ uint64_t PreparedSlotBytes(const LoadOptions& o, uint64_t chunk_size) {
     return AlignUp(std::max(SpanLimit(o, cold), chunk_size), kDataAlignment);
   };
   const unsigned lanes = LaneCount(o, false);
-  const RingShape ring = RingFor(o, chunk_size);
-  uint64_t need = uint64_t{LaneCount(o, true)} * slot(true);    // a cold load's lanes
-  if (ring.blocks == 0) need = std::max(need, uint64_t{lanes} * slot(false));  // a warm one's
-  uint64_t per = AlignUp((need + lanes - 1) / lanes, kDataAlignment);
-  if (ring.blocks > 0) {  // a warm load's ring, in the same staging
-    const uint64_t lane_slots = uint64_t{lanes} * std::max(1u, o.slots_per_thread);
-    const uint64_t total = ring.block_bytes * static_cast<uint64_t>(ring.blocks);
-    per = std::max(per, AlignUp((total + lane_slots - 1) / lane_slots, kDataAlignment));
-  }
-  return per;
+  const uint64_t need = std::max(uint64_t{lanes} * slot(false), uint64_t{LaneCount(o, true)} * slot(true));
+  return AlignUp((need + lanes - 1) / lanes, kDataAlignment);
 }
 
 void DeviceCopier::CopyToHostAsync(int, int, void*, const void*, size_t) {
@@ -235,23 +203,12 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   report.cold = cold;
   const File& buffered = file.file();
 
-  // The shared ring: for a warm load whose device-bound tensors are all stored raw, with a
-  // copier that has shared blocks (LoadOptions::ring_bytes).
-  RingShape ring{};
-  if (!cold && any_device && copier->HasBlocks()) {
-    ring = RingFor(options, cs);
-    for (const Job& j : jobs) {
-      if (j.target->on_device && j.entry->nbytes > 0 && j.entry->codec != Codec::kRaw) ring = {};
-    }
-  }
-
   // Spans: what one reader thread takes at once. Consecutive raw chunks bound for the
   // device whose bytes are adjacent in the file (tensors start at multiples of 4096, so
   // adjacent tensors leave gaps under 4096 bytes) join one span while it stays within
   // span_limit bytes (0: no joining); a chunk longer than the limit is a span of its own, as
   // is every chunk that is not raw or not bound for the device.
-  // With the ring every chunk is a span of its own: blocks (below) join them.
-  const uint64_t span_limit = ring.blocks > 0 ? 0 : SpanLimit(options, cold);
+  const uint64_t span_limit = SpanLimit(options, cold);
   struct Span {
     size_t first = 0, count = 0;  // items [first, first + count)
     uint64_t begin = 0, end = 0;  // stored bytes in the file
@@ -283,42 +240,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     spans.push_back({i, 1, at, at + len, device_raw});
   }
 
-  // Ring blocks: consecutive raw device-bound chunks adjacent in the file, at most
-  // ring.block_bytes from the first byte of the first to the last of the last. A tensor that
-  // fits in a block but not in the rest of the current one starts a new block, so that its
-  // shard leaves in one copy; a longer one is cut into whole blocks.
-  struct RingBlock {
-    size_t first = 0, count = 0;  // spans [first, first + count)
-    uint64_t begin = 0, end = 0;  // stored bytes in the file
-  };
-  std::vector<RingBlock> blocks;
-  std::vector<uint32_t> block_of(ring.blocks > 0 ? spans.size() : 0);
-  if (ring.blocks > 0) {
-    for (size_t si = 0; si < spans.size(); ++si) {
-      const Span& sp = spans[si];
-      if (!sp.device_raw) continue;
-      const Item& it = items[sp.first];
-      const TensorEntry& e = *jobs[it.job].entry;
-      bool join = false;
-      if (!blocks.empty()) {
-        const RingBlock& last = blocks.back();
-        join = last.first + last.count == si && sp.begin >= last.end &&
-               sp.begin - last.end < kDataAlignment && sp.end - last.begin <= ring.block_bytes;
-        if (join && it.chunk == 0 && e.nbytes <= ring.block_bytes &&
-            sp.begin + e.nbytes - last.begin > ring.block_bytes) {
-          join = false;
-        }
-      }
-      if (join) {
-        blocks.back().count += 1;
-        blocks.back().end = sp.end;
-      } else {
-        blocks.push_back({si, 1, sp.begin, sp.end});
-      }
-      block_of[si] = static_cast<uint32_t>(blocks.size() - 1);
-    }
-  }
-
   // Cold loads use at most `threads` too: a copier has one lane per thread of `threads`.
   const unsigned want_threads = LaneCount(options, cold);
   const unsigned threads = static_cast<unsigned>(
@@ -329,7 +250,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   // (a header may say 16 GiB chunks: slots follow the data, not the header's chunk size).
   uint64_t stage_bytes = kDataAlignment;
   for (const Span& sp : spans) {
-    if (ring.blocks > 0) break;  // staged in the ring
     const TensorEntry& e = *jobs[items[sp.first].job].entry;
     if (sp.device_raw) {
       stage_bytes = std::max(stage_bytes, AlignUp(sp.end - sp.begin, kDataAlignment));
@@ -338,26 +258,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
       stage_bytes = std::max(stage_bytes, std::min(cs, AlignUp(e.nbytes, kDataAlignment)));
     }
   }
-  // Ring state: per block, the spans still to read; per ring position, the last block whose
-  // copies were issued from it (position k starts as if block k - K had been).
-  const int ring_k = ring.blocks;
-  std::vector<char*> ring_base;
-  std::unique_ptr<std::atomic<uint32_t>[]> remaining;
-  std::unique_ptr<std::atomic<int64_t>[]> issued;
-  if (ring_k > 0) {
-    report.ring_bytes = ring.block_bytes * static_cast<uint64_t>(ring_k);
-    report.staging_bytes = report.ring_bytes;
-    report.blocks = blocks.size();
-    report.staging_alloc_seconds = copier->ReserveBlocks(ring.block_bytes, ring_k);
-    for (int k = 0; k < ring_k; ++k) ring_base.push_back(static_cast<char*>(copier->Block(k)));
-    remaining.reset(new std::atomic<uint32_t>[std::max<size_t>(1, blocks.size())]);
-    for (size_t b = 0; b < blocks.size(); ++b) {
-      remaining[b].store(static_cast<uint32_t>(blocks[b].count), std::memory_order_relaxed);
-      report.span_bytes = std::max(report.span_bytes, blocks[b].end - blocks[b].begin);
-    }
-    issued.reset(new std::atomic<int64_t>[ring_k]);
-    for (int k = 0; k < ring_k; ++k) issued[k].store(k - ring_k, std::memory_order_relaxed);
-  } else if (any_device) {
+  if (any_device) {
     report.staging_bytes = uint64_t{threads} * slots * stage_bytes;
     // Before the workers start: one allocation for every lane (a cached copier that has it
     // already, e.g. from reshard.prepare or an earlier load, returns at once).
@@ -366,7 +267,7 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
   const uint64_t piece =
       !cold && options.verify_checksums && options.hash_piece_bytes > 0 ? options.hash_piece_bytes : 0;
   // Lead-in (warm loads): a lane's first span is copied in parts as it is read.
-  const uint64_t lead_in = cold || ring_k > 0 ? 0 : options.lead_in_bytes;
+  const uint64_t lead_in = cold ? 0 : options.lead_in_bytes;
   constexpr uint64_t kLeadPiece = 256ull << 10;  // read size of a lead-in without checksums
 
   std::atomic<size_t> next{0};
@@ -378,7 +279,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     double wait = 0;            // blocked on a staging slot whose copy was in flight
     double read = 0;            // reading (and hashing) raw spans bound for the device
     double issue = 0;           // issuing copies
-    uint64_t copies = 0;        // copies issued
     double cpu = 0;             // CPU time of the thread from start to end
     long involuntary = 0;       // involuntary context switches from start to end
     int start_cpu = -1;         // the CPU it started on
@@ -433,7 +333,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         if (times.first_copy < 0) times.first_copy = std::chrono::duration<double>(tc - t0).count();
         copier->CopyAsync(lane, slot, dst, src, n);
         times.issue += since(tc);
-        ++times.copies;
       };
       // The current span's bytes [copied, upto) (file offsets), copied from its staging slot:
       // one copy per run of chunks of the same tensor (contiguous on both sides). `part`: the
@@ -466,94 +365,10 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
         flush();
         copied = upto;
       };
-      // A span of a file in the page cache into `stage`, checked: each chunk in pieces, each
-      // hashed while it is still in this core's cache (or read whole, then hashed). In a
-      // lane's first span with a lead-in, parts are copied as soon as they are read.
-      auto read_cached = [&](const Span& sp, char* stage, bool lead) {
-        if (piece || lead) {
-          const uint64_t step = piece ? piece : kLeadPiece;
-          for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
-            const TensorEntry& e = *jobs[items[k].job].entry;
-            const uint64_t at = item_at(items[k]), len = item_len(items[k]);
-            char* dst = stage + (at - sp.begin);
-            hasher.Reset();
-            for (uint64_t off = 0; off < len; off += step) {
-              const uint64_t m = std::min(step, len - off);
-              buffered.PReadExact(dst + off, m, at + off);
-              if (piece) hasher.Update(dst + off, m);
-              if (lead && at + off + m - copied >= part && at + off + m < sp.end) {
-                copy_upto(sp, stage, at + off + m);
-                part *= 2;
-              }
-            }
-            if (piece) {
-              const uint64_t hash = hasher.Digest();
-              if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
-            }
-          }
-        } else {
-          buffered.PReadExact(stage, sp.end - sp.begin, sp.begin);
-        }
-        if (piece) return;  // pieces were hashed as they were read
-        for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
-          check(*jobs[items[k].job].entry, items[k].chunk, stage + (item_at(items[k]) - sp.begin),
-                item_len(items[k]));
-        }
-      };
-      // Ring: waits until ring position k may take block b (the copies of block b - K from it
-      // are done); false when the load failed meanwhile.
-      auto wait_ring = [&](uint32_t b, int k) {
-        const int64_t prev = static_cast<int64_t>(b) - ring_k;
-        while (issued[k].load(std::memory_order_acquire) < prev) {
-          if (failed.load(std::memory_order_relaxed)) return false;
-          std::this_thread::yield();
-        }
-        if (prev >= 0) copier->WaitBlock(k);
-        return true;
-      };
-      // Ring: the copies of block b (read in full) from position k, one per run of bytes
-      // contiguous in both the staging and the destination.
-      std::vector<DeviceCopier::BlockCopy> block_copies;
-      auto issue_block = [&](uint32_t b, int k) {
-        const RingBlock& blk = blocks[b];
-        block_copies.clear();
-        for (size_t s2 = blk.first; s2 < blk.first + blk.count; ++s2) {
-          const Item& it = items[spans[s2].first];
-          char* dst = static_cast<char*>(jobs[it.job].target->ptr) + ChunkBegin(cs, it.chunk);
-          const char* src = ring_base[k] + (spans[s2].begin - blk.begin);
-          const uint64_t n = spans[s2].end - spans[s2].begin;
-          if (!block_copies.empty()) {
-            DeviceCopier::BlockCopy& c = block_copies.back();
-            if (static_cast<char*>(c.dst) + c.n == dst && static_cast<const char*>(c.src) + c.n == src) {
-              c.n += n;
-              continue;
-            }
-          }
-          block_copies.push_back({dst, src, n});
-        }
-        const auto tc = Clock::now();
-        if (times.first_copy < 0) times.first_copy = std::chrono::duration<double>(tc - t0).count();
-        copier->CopyBlockAsync(k, block_copies);
-        issued[k].store(b, std::memory_order_release);
-        times.issue += since(tc);
-        times.copies += block_copies.size();
-      };
       while (!failed.load(std::memory_order_relaxed)) {
         const size_t si = next.fetch_add(1);
         if (si >= spans.size()) break;
         const Span& sp = spans[si];
-        if (sp.device_raw && ring_k > 0) {
-          const uint32_t b = block_of[si];
-          const int k = static_cast<int>(b % static_cast<uint32_t>(ring_k));
-          const auto tw = Clock::now();
-          if (!wait_ring(b, k)) break;
-          const auto tr = Clock::now();
-          times.wait += std::chrono::duration<double>(tr - tw).count();
-          read_cached(sp, ring_base[k] + (sp.begin - blocks[b].begin), /*lead=*/false);
-          times.read += since(tr);
-          if (remaining[b].fetch_sub(1, std::memory_order_acq_rel) == 1) issue_block(b, k);
-          continue;
-        }
         if (sp.device_raw) {
           const auto tw = Clock::now();
           copier->WaitSlot(lane, slot);
@@ -573,12 +388,37 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
                        std::to_string(it.chunk) + ": truncated file (read " + std::to_string(got) +
                        " of " + std::to_string(n) + " bytes)");
             }
+          } else if (piece || lead) {
+            // Each chunk in pieces, each hashed while it is still in this core's cache. In a
+            // lane's first span with a lead-in, parts are copied as soon as they are read.
+            const uint64_t step = piece ? piece : kLeadPiece;
+            for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
+              const TensorEntry& e = *jobs[items[k].job].entry;
+              const uint64_t at = item_at(items[k]), len = item_len(items[k]);
+              char* dst = stage + (at - sp.begin);
+              hasher.Reset();
+              for (uint64_t off = 0; off < len; off += step) {
+                const uint64_t m = std::min(step, len - off);
+                buffered.PReadExact(dst + off, m, at + off);
+                if (piece) hasher.Update(dst + off, m);
+                if (lead && at + off + m - copied >= part && at + off + m < sp.end) {
+                  copy_upto(sp, stage, at + off + m);
+                  part *= 2;
+                }
+              }
+              if (piece) {
+                const uint64_t hash = hasher.Digest();
+                if (hash != e.chunk_xxh3[items[k].chunk]) mismatch(e, items[k].chunk, hash);
+              }
+            }
+          } else {
+            buffered.PReadExact(stage, n, sp.begin);
+          }
+          if (!piece) {  // pieces were hashed as they were read
             for (size_t k = sp.first; k < sp.first + sp.count; ++k) {
               check(*jobs[items[k].job].entry, items[k].chunk,
                     stage + (item_at(items[k]) - sp.begin), item_len(items[k]));
             }
-          } else {
-            read_cached(sp, stage, lead);
           }
           times.read += since(tr);
           copy_upto(sp, stage, sp.end);
@@ -682,7 +522,6 @@ LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> 
     report.lane_start_seconds = std::max(report.lane_start_seconds, l.start);
     report.lane_end_seconds += l.end / threads;
     report.issue_seconds += l.issue / threads;
-    report.copies += l.copies;
     report.lane_cpu_seconds += l.cpu / threads;
     report.lane_wall_seconds += (l.end - l.start) / threads;
     report.preemptions += static_cast<uint64_t>(std::max(0L, l.involuntary));

@@ -176,55 +176,23 @@ class CudaCopier final : public DeviceCopier {
     // reuses it.
     std::lock_guard<std::mutex> g(pool_mu_);
     lanes = std::clamp(lanes, 1, static_cast<int>(lanes_.size()));
-    const double seconds = GrowLocked(bytes * static_cast<size_t>(lanes) * static_cast<size_t>(slots_));
-    slot_bytes_ = bytes;
-    return seconds;
-  }
-
-  bool HasBlocks() const override { return true; }
-
-  double ReserveBlocks(size_t bytes, int blocks) override {
-    // Blocks carve the same pinned staging as the lanes: block k at k·bytes.
-    std::lock_guard<std::mutex> g(pool_mu_);
-    if (blocks < 1) Fail(ErrorCode::kInvalidArgument, "ReserveBlocks: no blocks");
+    const size_t need = bytes * static_cast<size_t>(lanes) * static_cast<size_t>(slots_);
+    if (need <= capacity_) {
+      slot_bytes_ = bytes;
+      return 0;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     Check(cudaSetDevice(device_), "cudaSetDevice");
-    bool made = GrowLocked(bytes * static_cast<size_t>(blocks)) > 0;
-    block_bytes_ = bytes;
-    // Block k's copies go to stream k mod streams; each new block event is recorded and
-    // waited for once now, not in a load. Returns the seconds of all this (0: nothing made).
-    while (block_events_.size() < static_cast<size_t>(blocks)) {
-      cudaEvent_t ev = nullptr;
-      Check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-      block_events_.push_back(ev);
-      made = true;
-      Check(cudaEventRecord(ev, BlockStream(static_cast<int>(block_events_.size() - 1))), "cudaEventRecord");
-      Check(cudaEventSynchronize(ev), "cudaEventSynchronize");
+    if (pool_.data() != nullptr) {
+      Synchronize();
+      pool_.Free();
+      capacity_ = 0;
+      slot_bytes_ = 0;
     }
-    return made ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() : 0;
-  }
-
-  void* Block(int block) override {
-    std::lock_guard<std::mutex> g(pool_mu_);
-    const size_t at = static_cast<size_t>(block) * block_bytes_;
-    if (block >= 0 && static_cast<size_t>(block) < block_events_.size() && at + block_bytes_ <= capacity_) {
-      return static_cast<char*>(pool_.data()) + at;
-    }
-    Fail(ErrorCode::kInvalidArgument, "staging block " + std::to_string(block) + " asked for without ReserveBlocks");
-  }
-
-  void CopyBlockAsync(int block, std::span<const BlockCopy> copies) override {
-    cudaStream_t stream = BlockStream(block);
-    for (const BlockCopy& c : copies) {
-      Check(cudaMemcpyAsync(c.dst, c.src, c.n, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-    }
-    Check(cudaEventRecord(block_events_.at(block), stream), "cudaEventRecord");
-  }
-
-  void WaitBlock(int block) override {
-    // An event is only re-recorded by the one thread that issues the block's next copies,
-    // after every waiter of the previous ones is past this call (the loader's ring order).
-    Check(cudaEventSynchronize(block_events_.at(block)), "cudaEventSynchronize");
+    pool_.Allocate(need, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
+    capacity_ = need;
+    slot_bytes_ = bytes;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
   void* Staging(int lane, int slot, size_t bytes) override {
@@ -258,22 +226,6 @@ class CudaCopier final : public DeviceCopier {
     }
   }
 
-  // Makes the pinned staging at least `need` bytes (keeping the current carving's sizes);
-  // returns the seconds spent allocating. Caller holds pool_mu_.
-  double GrowLocked(size_t need) {
-    if (need <= capacity_) return 0;
-    const auto t0 = std::chrono::steady_clock::now();
-    Check(cudaSetDevice(device_), "cudaSetDevice");
-    if (pool_.data() != nullptr) {
-      Synchronize();
-      pool_.Free();
-      capacity_ = 0;
-    }
-    pool_.Allocate(need, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
-    capacity_ = need;
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
   void Synchronize() override {
     Check(cudaSetDevice(device_), "cudaSetDevice");
     cudaError_t first = cudaSuccess;
@@ -300,8 +252,6 @@ class CudaCopier final : public DeviceCopier {
         s.event = nullptr;
       }
     }
-    for (cudaEvent_t ev : block_events_) cudaEventDestroy(ev);
-    block_events_.clear();
     for (cudaStream_t& s : streams_) {
       if (s) cudaStreamDestroy(s);
       s = nullptr;
@@ -319,8 +269,6 @@ class CudaCopier final : public DeviceCopier {
     cudaStream_t stream = nullptr;  // one of streams_
     std::vector<Slot> slots;
   };
-  cudaStream_t BlockStream(int block) const { return streams_[static_cast<size_t>(block) % streams_.size()]; }
-
   static constexpr size_t kWarmBytes = 4096;
   int device_;
   int slots_;
@@ -332,8 +280,6 @@ class CudaCopier final : public DeviceCopier {
   PinnedBlock pool_;         // pinned staging for all lanes and slots
   size_t capacity_ = 0;      // bytes in pool_
   size_t slot_bytes_ = 0;    // the current carving: (lane, slot) at (lane·slots + slot)·slot_bytes_
-  size_t block_bytes_ = 0;   // or: block k at k·block_bytes_
-  std::vector<cudaEvent_t> block_events_;  // one per block made by ReserveBlocks
 };
 
 }  // namespace

@@ -104,7 +104,7 @@ class Copiers {
 
   // Creates the copier and reserves `slot_bytes` of staging per lane and slot on another
   // thread; returns at once. Errors are kept and raised by wait_prepared().
-  void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes, reshard::RingShape ring) {
+  void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
     std::lock_guard<std::mutex> g(prep_mu_);
     ForgetParentPreparesLocked();
     // RESHARD_WARMUP=0 (for measuring): no warm-up of the lanes.
@@ -112,7 +112,6 @@ class Copiers {
     pending_.push_back(std::async(std::launch::async, [=, this] {
       CopierLease lease = Acquire(device, lanes, slots);
       lease.copier->Reserve(slot_bytes, lanes);
-      if (ring.blocks > 0) lease.copier->ReserveBlocks(ring.block_bytes, ring.blocks);
       // Each lane's one-time costs paid now, on the pool thread that will drive it in loads.
       if (warm) {
         lease.pool->Run(static_cast<unsigned>(lanes), [&](unsigned lane) {
@@ -178,9 +177,7 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
                                   std::optional<uint64_t> cold_span_bytes,
                                   std::optional<unsigned> cold_threads,
                                   std::optional<uint64_t> hash_piece_bytes,
-                                  std::optional<uint64_t> lead_in_bytes = std::nullopt,
-                                  std::optional<uint64_t> ring_bytes = std::nullopt,
-                                  std::optional<uint64_t> block_bytes = std::nullopt) {
+                                  std::optional<uint64_t> lead_in_bytes = std::nullopt) {
   constexpr uint64_t kMaxSpan = 1ull << 30;  // a staging slot of 1 GiB is already absurd
   reshard::LoadOptions o;
   o.threads = threads;
@@ -192,8 +189,6 @@ reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
            "RESHARD_COLD_THREADS", o.cold_threads, 1024));
   o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
   o.lead_in_bytes = Knob(lead_in_bytes, "RESHARD_LEAD_IN_BYTES", o.lead_in_bytes, kMaxSpan);
-  o.ring_bytes = Knob(ring_bytes, "RESHARD_RING_BYTES", o.ring_bytes, 16 * kMaxSpan);
-  o.block_bytes = Knob(block_bytes, "RESHARD_BLOCK_BYTES", o.block_bytes, kMaxSpan);
   return o;
 }
 
@@ -303,8 +298,7 @@ PYBIND11_MODULE(_C, m) {
          int device, unsigned threads, bool verify, const std::string& io,
          std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
          std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
-         std::optional<uint64_t> lead_in_bytes, std::optional<uint64_t> ring_bytes,
-         std::optional<uint64_t> block_bytes) {
+         std::optional<uint64_t> lead_in_bytes) {
         const unsigned slots = Slots(slots_arg);
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
@@ -313,8 +307,8 @@ PYBIND11_MODULE(_C, m) {
           t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
           any_device |= on_device;
         }
-        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes, cold_threads,
-                                              hash_piece_bytes, lead_in_bytes, ring_bytes, block_bytes);
+        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
+                                              cold_threads, hash_piece_bytes, lead_in_bytes);
         o.verify_checksums = verify;
         o.io = ParseIo(io);
         reshard::LoadReport r;
@@ -373,9 +367,6 @@ PYBIND11_MODULE(_C, m) {
         d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
         d["header_cache_hits"] = Headers().hits();  // in this process, so far
         d["span_bytes"] = r.span_bytes;
-        d["ring_bytes"] = r.ring_bytes;
-        d["blocks"] = r.blocks;
-        d["copies"] = r.copies;
         d["pooled"] = r.pooled;
         d["cold"] = r.cold;
         d["threads"] = r.threads;
@@ -388,8 +379,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
       py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
       py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
-      py::arg("lead_in_bytes") = py::none(), py::arg("ring_bytes") = py::none(),
-      py::arg("block_bytes") = py::none(),
+      py::arg("lead_in_bytes") = py::none(),
       "Loads tensors of one rank file into raw destinations: targets are "
       "(name, pointer, nbytes, on_device) tuples.");
 
@@ -410,8 +400,7 @@ PYBIND11_MODULE(_C, m) {
             TunedOptions(threads, slots, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
         Copiers::Get().PrepareAsync(
             device, static_cast<int>(threads), static_cast<int>(slots),
-            slot_bytes.value_or(reshard::PreparedSlotBytes(o, reshard::kDefaultChunkSize)),
-            reshard::RingFor(o, reshard::kDefaultChunkSize));
+            slot_bytes.value_or(reshard::PreparedSlotBytes(o, reshard::kDefaultChunkSize)));
         if (wait) {
           py::gil_scoped_release release;
           Copiers::Get().WaitPrepared();

@@ -210,8 +210,7 @@ def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece
             targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
         report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=3, io=io,
                                  span_bytes=span, hash_piece_bytes=piece, cold_threads=2,
-                                 cold_span_bytes=span or (3 << 20), lead_in_bytes=lead, ring_bytes=0)
-        assert report["ring_bytes"] == 0
+                                 cold_span_bytes=span or (3 << 20), lead_in_bytes=lead)
         assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
         assert report["span_bytes"] <= max(8192, span or (3 << 20) if io == "direct" else span or 8192)
         if io == "direct":  # O_DIRECT was used wherever the file system allows it
@@ -223,35 +222,6 @@ def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece
             assert report["direct_io"] == possible, report
         for name, t in dests.items():
             assert torch.equal(t.cpu().view(torch.uint8), src[name].contiguous().view(torch.uint8)), (io, name)
-
-
-@pytest.mark.parametrize("ring,block,threads,piece", [(2 * 8192, 8192, 3, None), (12 * 8192, 3 * 8192, 8, 1000),
-                                                      (None, None, 16, 0), (None, None, 1, None)])
-def test_ring_lands_every_byte(llama_bf16, tmp_path, ring, block, threads, piece):
-    """A warm load through the shared ring (None: the default 64 MiB of 16 MiB blocks): reader
-    threads fill pinned blocks, whoever completes one copies it, one copy per run of tensors;
-    the least ring there is (two blocks of one chunk), tensors cut across blocks, the whole
-    model in one block. Every tensor equals the source, and the staging is the ring."""
-    _require_cuda()
-    out = tmp_path / "out"
-    convert(llama_bf16, out, 1, "--chunk-size", "8192")
-    src = _source_tensors(str(llama_bf16))
-    path = str(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
-    header = json.loads(reshard._C.read_header(path))
-    dests, targets = {}, []
-    for e in header["tensors"]:
-        t = torch.full(e["local_shape"], float("nan"), dtype=src[e["name"]].dtype, device="cuda")
-        dests[e["name"]] = t
-        targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
-    report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=threads, io="buffered",
-                             ring_bytes=ring, block_bytes=block, hash_piece_bytes=piece)
-    want_ring = ring if ring is not None else 64 << 20
-    assert report["ring_bytes"] == want_ring and report["staging_bytes"] == want_ring, report
-    assert 0 < report["span_bytes"] <= (block or 16 << 20), report
-    assert report["blocks"] >= 1 and report["copies"] >= report["blocks"], report
-    assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
-    for name, t in dests.items():
-        assert torch.equal(t.cpu().view(torch.uint8), src[name].contiguous().view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("threads,cold", [(None, False), (4, True), (8, True)])
