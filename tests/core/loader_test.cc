@@ -3,21 +3,22 @@
 // strategy (per chunk, spans of adjacent chunks, pieces hashed as read, read-ahead, O_DIRECT
 // where the file system allows it) with 1 and several threads must land every byte; a
 // corrupted chunk must stop the load naming the tensor and chunk.
-#include <algorithm>
-#include <cstdint>
-#include <thread>
-#include <functional>
-#include <chrono>
 #include <fcntl.h>
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
-#include <cstdlib>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>

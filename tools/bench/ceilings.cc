@@ -27,8 +27,9 @@
 //            asked for, pages touched by T threads) + cudaHostRegister; T streams and 2T
 //            events; T threads started with cudaSetDevice; a first copy on each new stream.
 //   flush    --mib N --threads T
-//            writes then reads N MiB in all, split over T threads: run before a warm ceiling, it starts as cold in the
-//            CPU caches as a loader in a fresh Python process (bench_load --flush-cpu-caches).
+//            writes then reads N MiB in all, split over T threads: run before a warm
+//            ceiling, it starts as cold in the CPU caches as a loader in a fresh Python process
+//            (bench_load --flush-cpu-caches).
 //   hash     --mib N --threads T --request BYTES
 //            XXH3 throughput of every implementation this CPU supports: T threads each hash
 //            its own buffer of BYTES (cache-resident when small) until N MiB are hashed in all.
@@ -479,11 +480,7 @@ Json CmdPipelineGrouped(const std::string& path, unsigned threads, uint64_t requ
   CheckRequest(request, false);
   RequireCuda(device, "pipeline");
   const double resident = reshard::PageCacheResidency(path);
-  uint64_t size = 0;
-  {
-    Fd probe(path, false);
-    size = probe.Size();
-  }
+  const uint64_t size = Fd(path, false).Size();
   const uint64_t block = uint64_t{group} * request;
   DeviceBuffer dev(AlignUp(std::max<uint64_t>(size, 1), kAlign));
   HostBuffer pool(uint64_t{ring} * block, /*pinned=*/true);
@@ -559,11 +556,7 @@ Json CmdPipeline(const std::string& path, unsigned threads, uint64_t request, bo
   CheckRequest(request, direct);
   RequireCuda(device, "pipeline");
   const double resident = reshard::PageCacheResidency(path);
-  uint64_t size = 0;
-  {
-    Fd probe(path, false);
-    size = probe.Size();
-  }
+  const uint64_t size = Fd(path, false).Size();
   // Everything allocated before the timer: 2 pinned buffers and a stream per thread, and the
   // device destination (aligned up: O_DIRECT may read past the end into the last block).
   DeviceBuffer dev(AlignUp(std::max<uint64_t>(size, 1), kAlign));
