@@ -230,12 +230,17 @@ def _file_key(name: str, keys, prefix: str) -> Optional[str]:
 
 
 def _fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
-    """Non-persistent buffers of a freshly constructed copy of `model` (Hugging Face models
-    only), built with parameters on the meta device."""
+    """Non-persistent buffers (and persistent ones that a checkpoint may lack) as
+    from_pretrained has them for this model: the stash reshard.empty_model made, else those of
+    a fresh copy of a Hugging Face model built as from_pretrained builds it (see
+    _init_buffers_as_from_pretrained), in the dtype of its floating-point parameters."""
     stash = getattr(model, "_reshard_buffers", None)
     if stash is not None:
         return stash
     model = getattr(model, "_fsdp_wrapped_module", model)
+    stash = getattr(model, "_reshard_buffers", None)
+    if stash is not None:
+        return stash
     try:
         from transformers import PreTrainedModel
     except ImportError:
@@ -244,11 +249,45 @@ def _fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
                 if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")), None)
     if cls is None or not hasattr(model, "config"):
         return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = getattr(model, "_reshard_build_dtype", None) or (dtypes.pop() if len(dtypes) == 1 else None)
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        fresh = cls(model.config)
-    return _non_persistent_buffers(fresh)
+        fresh = cls._from_config(model.config, dtype=dtype) if dtype is not None else cls(model.config)
+    _init_buffers_as_from_pretrained(fresh)
+    return _buffer_values(fresh)
+
+
+def _init_buffers_as_from_pretrained(model: nn.Module) -> None:
+    """Recomputes the buffers of a just-built model (parameters on meta) the way from_pretrained
+    leaves them: from_pretrained builds under its dtype (torch's default dtype set to it, so a
+    buffer computed in the constructor may be computed in bf16/fp16), then, after leaving that
+    context, runs the model's own initialize_weights() on everything the checkpoint did not
+    provide, which recomputes buffers such as GPT-J's `embed_positions` or a rotary
+    `inv_freq` in the caller's default dtype (fp32). Here every parameter is marked
+    initialised (transformers' init functions skip those), the modules' flags are cleared,
+    and initialize_weights() runs, so that only buffers are written. Models without
+    initialize_weights keep their constructor's values."""
+    init_fn = getattr(model, "initialize_weights", None)
+    if init_fn is None:
+        return
+    params = [p for p in model.parameters()]
+    module_flags = [(m, m.__dict__.get("_is_hf_initialized")) for m in model.modules()]
+    for p in params:
+        p._is_hf_initialized = True
+    for m, _ in module_flags:
+        m.__dict__.pop("_is_hf_initialized", None)
+    try:
+        with torch.no_grad():
+            init_fn()
+    finally:
+        for p in params:
+            p.__dict__.pop("_is_hf_initialized", None)
+        for m, flag in module_flags:
+            m.__dict__.pop("_is_hf_initialized", None)
+            if flag is not None:
+                m._is_hf_initialized = flag
 
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -270,9 +309,40 @@ def _persistent_buffer_names(model: nn.Module) -> set:
     return names
 
 
-def _non_persistent_buffers(model: nn.Module) -> Dict[str, torch.Tensor]:
-    persistent = _persistent_buffer_names(model)
-    return {n: b.detach().clone() for n, b in model.named_buffers() if n not in persistent}
+def _buffer_values(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Copies of every buffer (persistent or not) by clean name: non-persistent ones are
+    restored from here after to_empty; persistent ones from here only when the rank file
+    lacks them (as from_pretrained initialises a missing key)."""
+    return {_clean_name(n): b.detach().clone() for n, b in model.named_buffers()
+            if b is not None and not b.is_meta}
+
+
+def _weights_dtype(out: str) -> Optional[torch.dtype]:
+    """from_pretrained(dtype="auto") on a config without a dtype takes the first floating
+    tensor's dtype of the checkpoint's first file; here the dtype of the first floating tensor
+    (by name) of rank 0 of a layout that keeps the source's dtypes. None when OUT has none."""
+    try:
+        with open(os.path.join(out, "reshard.json")) as f:
+            layouts = json.load(f).get("layouts", {})
+    except (OSError, ValueError):
+        return None
+    for key in sorted(layouts):
+        entry = layouts[key]
+        if entry.get("dtype", "keep") != "keep" or not entry.get("ranks"):
+            continue
+        try:
+            header = json.loads(_C.read_header(os.path.join(out, entry.get("dir", key),
+                                                           entry["ranks"][0]["file"])))
+        except (ReshardError, KeyError, OSError, ValueError):
+            continue
+        for t in sorted(header["tensors"], key=lambda t: t["name"]):
+            try:
+                d = torch_dtype(t["dtype"])
+            except ValueError:
+                continue
+            if d.is_floating_point:
+                return d
+    return None
 
 
 def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
@@ -288,7 +358,8 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
         if model_class is None:
             model_class = transformers.AutoModelForCausalLM
     if dtype == "auto":
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or \
+            _weights_dtype(out) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     with init_empty_weights(include_buffers=False):
@@ -299,7 +370,9 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     # transformers v5 ties weights in from_pretrained, not in from_config.
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    model._reshard_buffers = _non_persistent_buffers(model)
+    _init_buffers_as_from_pretrained(model)
+    model._reshard_buffers = _buffer_values(model)
+    model._reshard_build_dtype = dtype
     _prepare_quietly()  # the copy engine's set-up overlaps fully_shard / to_empty
     return model
 
@@ -340,8 +413,9 @@ def _move_and_report(model, path, key, world_size, coord, entries, direct, conve
 
 
 def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
-    """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones are
-    restored from a fresh model (their names)."""
+    """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones (and
+    persistent ones the file lacks) are restored as from_pretrained computes them (their
+    names; _fresh_buffers)."""
     persistent = _persistent_buffer_names(model)
     buffer_targets = []
     needs_fresh = []
@@ -356,10 +430,11 @@ def _buffer_targets(model: nn.Module, entries: dict, prefix: str, path: str, use
                     f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
                     "rank (not supported yet for world size > 1)")
             buffer_targets.append((key_in_file, b))
-        elif name not in persistent:
-            needs_fresh.append(name)
         else:
-            raise ReshardError(f"persistent buffer {name} is not in {path}")
+            # Non-persistent buffers are never in a checkpoint; a persistent one that the
+            # checkpoint lacks is initialised by from_pretrained (a missing key): both come
+            # from the values reshard.empty_model computed as from_pretrained does.
+            needs_fresh.append(name)
     return buffer_targets, needs_fresh
 
 
@@ -370,9 +445,9 @@ def _restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: b
         missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
         if missing_fresh and strict_buffers:
             raise ReshardError(
-                f"cannot restore non-persistent buffers {missing_fresh} (to_empty left them "
-                "uninitialised): build the model with reshard.empty_model(OUT), or restore them "
-                "yourself and pass strict_buffers=False")
+                f"cannot restore buffers {missing_fresh} (not in the rank file, and to_empty left "
+                "them uninitialised): build the model with reshard.empty_model(OUT), or restore "
+                "them yourself and pass strict_buffers=False")
         with torch.no_grad():
             for name, b in model.named_buffers():
                 name = _clean_name(name)

@@ -87,9 +87,7 @@ def current_rss_bytes() -> int:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of `t` (on CPU), for bit-for-bit comparisons (NaN == NaN, -0.0 != 0.0)."""
-    t = t.detach().contiguous().cpu()
-    if t.numel() == 0:
-        return t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t
+    t = t.detach().contiguous().cpu().reshape(-1)  # 0-dim tensors cannot be viewed as bytes
     return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
@@ -252,11 +250,22 @@ def check_weights(model: nn.Module, src: str, model_class=None, log=print) -> in
     return _check_weights(model, src, cls, log, fsdp1=False)
 
 
+def _build_dtype(model: nn.Module):
+    for m in (model, getattr(model, "_fsdp_wrapped_module", None)):
+        dtype = getattr(m, "_reshard_build_dtype", None) if m is not None else None
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return None
+
+
 def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
     from .api import _clean_name
 
     _quiet_transformers()
-    ref = cls.from_pretrained(src, dtype="auto")
+    # The reference is built in the dtype the live model was built in (reshard.empty_model
+    # records it): buffers computed at construction depend on it; parameters are compared
+    # after Tensor.to(live dtype) either way.
+    ref = cls.from_pretrained(src, dtype=_build_dtype(model) or "auto")
     ref_params = dict(ref.named_parameters())
     named = [(_clean_name(n), p) for n, p in model.named_parameters()]
     names = [n for n, _ in named]

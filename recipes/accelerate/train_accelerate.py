@@ -169,7 +169,8 @@ def main(argv=None) -> int:
               "local_param_bytes": local_param_bytes(model),
               "optimizer_params": len({id(p) for g in optimizer.param_groups for p in g["params"]}),
               "load": {"file": report.file, "bytes": report.bytes, "seconds": report.seconds,
-                       "gbps": report.gbps, "converted_tensors": report.converted_tensors},
+                       "gbps": report.gbps, "converted_tensors": report.converted_tensors,
+                       "buffers_restored": report.buffers_restored},
               "rss": {"before_load": rss_before, "peak_after_load": peak_after}}
     if args.check_weights:
         result["params_checked"] = check_weights(model, args.check_weights, cls, accelerator.print)

@@ -26,8 +26,8 @@ from typing import Dict, List
 
 import torch
 
-ARCHS = ("llama", "qwen2", "gpt2", "bert", "mixed")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ARCHS = ("llama", "qwen2", "gpt2", "bert", "gptj", "codegen", "mixed")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _config_and_class(arch: str):
@@ -85,6 +85,15 @@ def _config_and_class(arch: str):
             pad_token_id=0,
         )
         return cfg, tr.BertForMaskedLM
+    if arch in ("gptj", "codegen"):
+        # Non-persistent rotary table `attn.embed_positions` (max_positions x rotary_dim, fp32),
+        # computed by the model's _init_weights in from_pretrained: 256 positions are enough
+        # for a table computed in bf16/fp16 to differ (0.36 at position 255 in bf16).
+        kw = dict(vocab_size=37, n_positions=256, n_embd=24, n_layer=2, n_head=4, rotary_dim=4,
+                  n_inner=33, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        if arch == "gptj":
+            return tr.GPTJConfig(**kw), tr.GPTJForCausalLM
+        return tr.CodeGenConfig(n_ctx=256, **kw), tr.CodeGenForCausalLM
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 

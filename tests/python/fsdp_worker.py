@@ -21,8 +21,8 @@ import reshard
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8) if t.numel() else t
+    t = t.detach().contiguous().cpu().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
 def main():
@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--hsdp", type=int, default=0, help="replicate degree (2-D mesh)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--min-drop", type=float, default=0.05, help="the loss must fall by more than this")
     ap.add_argument("--expect-error", default="", help="substring of an expected ReshardError")
     ap.add_argument("--out-override-ws", type=int, default=0)
     args = ap.parse_args()
@@ -105,13 +106,15 @@ def main():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.05, f"loss did not fall: {losses}"
+    if args.steps:
+        assert losses[-1] < losses[0] - args.min_drop, f"loss did not fall: {losses}"
 
     with open(os.path.join(args.result, f"rank-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "file": report.file, "bytes": report.bytes,
                    "params_checked": n_checked, "losses": losses,
                    "buffers_restored": report.buffers_restored}, f)
-    print(f"rank {rank}: OK {report.file} {report.bytes} bytes, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    trained = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
+    print(f"rank {rank}: OK {report.file} {report.bytes} bytes{trained}")
     dist.destroy_process_group()
 
 
