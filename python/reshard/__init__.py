@@ -10,11 +10,24 @@
 OUT is what `reshard convert SRC -o OUT --world-size N` wrote, or what
 `reshard.save(model, OUT, optimizer=opt, step=s)` wrote from a training job (then
 `reshard.load_optimizer(opt, model, OUT)` restores the optimizer too).
+
+Modules by role: engine (the copy engine: prepare, moving bytes), load (FSDP2 and plain
+models), load_fsdp1 (FullyShardedDataParallel), save, optimizer, model (empty_model,
+buffers), check (check_weights), layout (the on-disk rules, from the C++ core), errors,
+model_manifest (`python -m reshard.model_manifest`), examples.train (`python -m
+reshard.train`).
 """
 
-from ._C import ReshardError, build_info  # noqa: F401
-from .api import (LoadReport, empty_model, find_rank_file, fsdp1_param_init_fn, load,  # noqa: F401
-                  prepare)
-from .save import SaveReport, load_optimizer, save  # noqa: F401
+from ._C import build_info  # noqa: F401
+from .check import check_weights  # noqa: F401
+from .engine import LoadReport, prepare  # noqa: F401
+from .errors import (BusyError, CorruptFileError, InvalidArgumentError,  # noqa: F401
+                     LayoutMismatchError, NotFoundError, ReshardError, ReshardIOError,
+                     UnsupportedError)
+from .load import find_rank_file, load  # noqa: F401
+from .load_fsdp1 import fsdp1_param_init_fn  # noqa: F401
+from .model import empty_model  # noqa: F401
+from .optimizer import load_optimizer  # noqa: F401
+from .save import SaveReport, save  # noqa: F401
 
 __version__ = build_info()["version"]

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.train import (DEFAULT_CORPUS, Batches, check_weights, current_rss_bytes, load_documents,
+from reshard.examples.train import (DEFAULT_CORPUS, Batches, check_weights, current_rss_bytes, load_documents,
                            local_param_bytes, make_encoder, peak_rss_bytes, reference_class,
                            token_stream)
 

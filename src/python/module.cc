@@ -16,8 +16,10 @@
 
 #include <unistd.h>
 
+#include "reshard/checksum.h"
 #include "reshard/error.h"
 #include "reshard/loader.h"
+#include "reshard/manifest.h"
 #include "reshard/rank_file.h"
 #include "reshard/rank_file_format.h"
 #include "reshard/rank_writer.h"
@@ -203,12 +205,6 @@ reshard::IoMode ParseIo(const std::string& io) {
 
 // The FSDP1 fields of a layout, from Python: (wrap classes, use_orig_params, param_dtype).
 using Fsdp1Arg = std::tuple<std::vector<std::string>, bool, std::string>;
-// One flat object (formats/rank-file.md, FSDP1 layouts): (unit, numel, aligned_numel,
-// params as (fqn, key, shape, offset), shared).
-using FlatParamArg = std::tuple<std::string, std::string, std::vector<uint64_t>, uint64_t>;
-using FlatArg = std::tuple<std::string, uint64_t, uint64_t, std::vector<FlatParamArg>,
-                           std::vector<std::string>>;
-
 // The layout a save writes: FSDP2 without `fsdp1`, else FSDP1 with its fields; dtype policy
 // "keep" (saved bytes are the live ones). Normalized as `reshard convert` normalizes it.
 reshard::LayoutSpec SavedLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1) {
@@ -223,31 +219,150 @@ reshard::LayoutSpec SavedLayout(uint32_t world_size, const std::optional<Fsdp1Ar
   return spec;
 }
 
-std::shared_ptr<const reshard::FlatInfo> MakeFlat(const std::string& entry, const FlatArg& arg) {
-  auto flat = std::make_shared<reshard::FlatInfo>();
-  const auto& [unit, numel, aligned_numel, params, shared] = arg;
-  flat->unit = unit;
-  flat->numel = numel;
-  flat->aligned_numel = aligned_numel;
-  flat->shared = shared;
-  for (const auto& [fqn, key, shape, offset] : params) {
-    reshard::FlatParamInfo p;
-    p.fqn = fqn;
-    p.key = key;
-    p.shape = shape;
-    p.offset = offset;
-    p.numel = 1;
-    for (uint64_t d : shape) p.numel = reshard::CheckedMul(p.numel, d, "tensor \"" + entry + "\": " + fqn);
-    flat->params.push_back(std::move(p));
+// ---- loading: one opened rank file, raw targets --------------------------------------------
+
+// An opened, validated rank file (preamble and header checked, the header parsed once) that
+// Python holds across the checks of a load and the load itself: one open, one parse.
+struct RankFileHandle {
+  std::shared_ptr<const reshard::RankFileReader> reader;
+  const reshard::RankFileHeader& header() const { return reader->header(); }
+};
+
+RankFileHandle OpenRankFile(const std::string& path) {
+  py::gil_scoped_release release;
+  return {std::make_shared<const reshard::RankFileReader>(
+      reshard::RankFileReader::Open(path, &Headers()))};
+}
+
+// The essentials of a load, as reshard.load reports them; the loader's diagnostics stay in
+// _testing.load_raw (for benchmarks).
+struct LoadStats {
+  uint64_t bytes = 0;
+  uint64_t stored_bytes = 0;
+  uint64_t tensors = 0;
+  double seconds = 0;  // from the call (copier lease included) to the last copy's completion
+  uint64_t staging_bytes = 0;
+  double staging_alloc_seconds = 0;
+  unsigned threads = 0;
+  bool pooled = false;
+  bool cold = false;
+  bool direct_io = false;
+};
+
+// Loads `targets` from `reader` (GIL released by the caller): the copier (CUDA targets) is
+// this process's cached one of (device, threads, slots), whose lease is held throughout.
+reshard::LoadReport RunLoad(const reshard::RankFileReader& reader,
+                            const std::vector<reshard::LoadTarget>& targets, int device,
+                            unsigned threads, unsigned slots, reshard::LoadOptions o,
+                            double* copier_wait) {
+  bool any_device = false;
+  for (const auto& t : targets) any_device |= t.on_device;
+  reshard::DeviceCopier* copier = nullptr;
+#ifdef RESHARD_HAVE_CUDA
+  CopierLease lease;
+#endif
+  *copier_wait = 0;
+  if (any_device) {
+#ifdef RESHARD_HAVE_CUDA
+    const unsigned lanes = std::max<unsigned>(1, threads);
+    const auto t0 = std::chrono::steady_clock::now();
+    lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
+    copier = lease.copier;
+    o.pool = lease.pool;
+    // Waiting for a prepare still running (or another load) is part of this load.
+    *copier_wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+#else
+    (void)device, (void)threads, (void)slots;
+    throw reshard::Error(reshard::ErrorCode::kUnsupported,
+                         "this reshard build has no CUDA support; rebuild with a CUDA "
+                         "toolkit to load onto a GPU");
+#endif
   }
-  return flat;
+  reshard::LoadReport r = reshard::LoadRankFile(reader, targets, copier, o);
+  r.seconds += *copier_wait;
+  return r;
+}
+
+py::object ShardOf(const reshard::TensorEntry& e) {
+  if (!e.sharded) return py::none();
+  return py::make_tuple(e.rows.start, e.rows.end);
+}
+
+// ---- saving ---------------------------------------------------------------------------------
+
+// One tensor of a save: the rank file entry (name, dtype, global shape, this rank's rows or
+// whole, an FSDP1 flat object) and where its bytes are.
+struct SaveTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<uint64_t> global_shape;
+  std::optional<std::pair<uint64_t, uint64_t>> rows;  // dim-0 rows [start, end); none: whole
+  uintptr_t ptr = 0;
+  uint64_t nbytes = 0;
+  bool on_device = false;
+  std::shared_ptr<const reshard::FlatInfo> flat;       // FSDP1 flat shard
+};
+
+double g_save_pause_seconds = 0;  // _testing.set_save_pause: sleep before each tensor
+
+// The code of a reshard::Error as reshard.errors names it (ReshardError.code).
+const char* ErrorCodeKey(reshard::ErrorCode code) {
+  switch (code) {
+    case reshard::ErrorCode::kInvalidArgument: return "invalid_argument";
+    case reshard::ErrorCode::kNotFound: return "not_found";
+    case reshard::ErrorCode::kDataLoss: return "data_loss";
+    case reshard::ErrorCode::kMismatch: return "mismatch";
+    case reshard::ErrorCode::kUnsupported: return "unsupported";
+    case reshard::ErrorCode::kIo: return "io";
+    case reshard::ErrorCode::kBusy: return "busy";
+  }
+  return "error";
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "reshard native module";
-  py::register_exception<reshard::Error>(m, "ReshardError", PyExc_RuntimeError);
+  // Every reshard::Error reaches Python as the reshard.errors class of its code (one
+  // translator; the classes are pure Python so that code without the extension raises them too).
+  static py::object* errors = new py::object(py::module_::import("reshard.errors"));  // kept for
+  py::register_exception_translator([](std::exception_ptr p) {                      // the process
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const reshard::Error& e) {
+      py::object cls = errors->attr("error_class")(ErrorCodeKey(e.code()));
+      py::object exc = cls(py::str(e.what()));
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+  m.attr("ReshardError") = errors->attr("ReshardError");
+
+  m.def("rank_file_name", &reshard::RankFileName, py::arg("rank"), py::arg("world_size"),
+        "rank-RRRRR-of-WWWWW.reshard (formats/rank-file.md).");
+  m.def(
+      "chunk_rows",
+      [](uint64_t n, uint64_t world_size, uint64_t rank) {
+        if (world_size == 0 || rank >= world_size) {
+          throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                               "chunk_rows: rank " + std::to_string(rank) + " outside world size " +
+                                   std::to_string(world_size));
+        }
+        const reshard::RowRange r = reshard::ChunkRows(n, world_size, rank);
+        return std::make_pair(r.start, r.end);
+      },
+      py::arg("n"), py::arg("world_size"), py::arg("rank"),
+      "The FSDP2 chunk rule: (start, end) rows of n that shard `rank` of `world_size` holds.");
+  m.def("flat_entry_name", &reshard::FlatEntryName, py::arg("unit"),
+        "The rank-file entry of an FSDP1 unit's FlatParameter.");
+  m.def(
+      "read_manifest",
+      [](const std::string& out) -> std::optional<std::string> {
+        std::optional<reshard::Manifest> manifest = reshard::ReadManifest(out);
+        if (!manifest) return std::nullopt;
+        return reshard::SerializeManifest(*manifest);
+      },
+      py::arg("out"),
+      "OUT/reshard.json parsed and checked by the core, as JSON text; None when absent.");
 
   m.def("build_info", [] {  // the same facts as `reshard --version` (reshard::GetBuildInfo)
     const reshard::BuildInfo b = reshard::GetBuildInfo();
@@ -280,108 +395,166 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
 
-  m.def(
-      "read_header",
-      [](const std::string& path) {
-        reshard::RankFileReader r = reshard::RankFileReader::Open(path, &Headers());
-        return reshard::SerializeHeader(r.header());
-      },
-      py::arg("path"),
-      "Validates a rank file's preamble and header and returns the header as JSON text.");
+  // ---- rank files: opened once, tensors described, loaded into raw targets ------------------
+  py::class_<reshard::FlatParamInfo>(m, "FlatParam",
+                                     "One original parameter inside an FSDP1 FlatParameter.")
+      .def(py::init([](std::string fqn, std::string key, std::vector<uint64_t> shape, uint64_t offset) {
+             reshard::FlatParamInfo p;
+             p.numel = 1;
+             for (uint64_t d : shape) p.numel = reshard::CheckedMul(p.numel, d, "FlatParam " + fqn);
+             p.fqn = std::move(fqn);
+             p.key = std::move(key);
+             p.shape = std::move(shape);
+             p.offset = offset;
+             return p;
+           }),
+           py::arg("fqn"), py::arg("key"), py::arg("shape"), py::arg("offset"))
+      .def_readonly("fqn", &reshard::FlatParamInfo::fqn)
+      .def_readonly("key", &reshard::FlatParamInfo::key)
+      .def_readonly("shape", &reshard::FlatParamInfo::shape)
+      .def_readonly("numel", &reshard::FlatParamInfo::numel)
+      .def_readonly("offset", &reshard::FlatParamInfo::offset)
+      .def("__repr__", [](const reshard::FlatParamInfo& p) {
+        return "FlatParam(" + p.fqn + " at " + std::to_string(p.offset) + ")";
+      });
+  py::class_<reshard::FlatInfo, std::shared_ptr<reshard::FlatInfo>>(
+      m, "FlatInfo", "The unsharded FlatParameter of one FSDP1 unit (formats/rank-file.md).")
+      .def(py::init([](std::string unit, uint64_t numel, uint64_t aligned_numel,
+                       std::vector<reshard::FlatParamInfo> params, std::vector<std::string> shared) {
+             auto f = std::make_shared<reshard::FlatInfo>();
+             f->unit = std::move(unit);
+             f->numel = numel;
+             f->aligned_numel = aligned_numel;
+             f->params = std::move(params);
+             f->shared = std::move(shared);
+             return f;
+           }),
+           py::arg("unit"), py::arg("numel"), py::arg("aligned_numel"), py::arg("params"),
+           py::arg("shared"))
+      .def_readonly("unit", &reshard::FlatInfo::unit)
+      .def_readonly("numel", &reshard::FlatInfo::numel)
+      .def_readonly("aligned_numel", &reshard::FlatInfo::aligned_numel)
+      .def_readonly("params", &reshard::FlatInfo::params)
+      .def_readonly("shared", &reshard::FlatInfo::shared);
+
+  py::class_<reshard::TensorEntry>(m, "TensorInfo", "One tensor of a rank file.")
+      .def_readonly("name", &reshard::TensorEntry::name)
+      .def_property_readonly("dtype", [](const reshard::TensorEntry& e) {
+        return std::string(reshard::Name(e.dtype));
+      })
+      .def_readonly("global_shape", &reshard::TensorEntry::global_shape)
+      .def_readonly("local_shape", &reshard::TensorEntry::local_shape)
+      .def_property_readonly("shard", &ShardOf, "(start, end) rows of dim 0, None when whole")
+      .def_readonly("nbytes", &reshard::TensorEntry::nbytes)
+      .def_readonly("stored_size", &reshard::TensorEntry::stored_size)
+      .def_property_readonly("codec", [](const reshard::TensorEntry& e) {
+        return std::string(reshard::CodecName(e.codec));
+      })
+      .def_property_readonly("flat", [](const reshard::TensorEntry& e) -> py::object {
+        if (!e.flat) return py::none();
+        return py::cast(std::const_pointer_cast<reshard::FlatInfo>(e.flat));
+      })
+      .def("__repr__", [](const reshard::TensorEntry& e) {
+        return "TensorInfo(" + e.name + ", " + std::string(reshard::Name(e.dtype)) + ", " +
+               std::to_string(e.nbytes) + " bytes)";
+      });
+
+  py::class_<reshard::LoadTarget>(m, "LoadTarget",
+                                  "A tensor of the file and its destination: nbytes at ptr.")
+      .def(py::init([](std::string name, uintptr_t ptr, uint64_t nbytes, bool on_device) {
+             return reshard::LoadTarget{std::move(name), reinterpret_cast<void*>(ptr), nbytes,
+                                        on_device};
+           }),
+           py::arg("name"), py::arg("ptr"), py::arg("nbytes"), py::arg("on_device") = false)
+      .def_readonly("name", &reshard::LoadTarget::name)
+      .def_readonly("nbytes", &reshard::LoadTarget::nbytes)
+      .def_readonly("on_device", &reshard::LoadTarget::on_device);
+
+  py::class_<LoadStats>(m, "LoadStats", "What one load moved, and how long it took.")
+      .def_readonly("bytes", &LoadStats::bytes)
+      .def_readonly("stored_bytes", &LoadStats::stored_bytes)
+      .def_readonly("tensors", &LoadStats::tensors)
+      .def_readonly("seconds", &LoadStats::seconds)
+      .def_property_readonly("gbps", [](const LoadStats& s) {
+        return s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0.0;
+      })
+      .def_readonly("staging_bytes", &LoadStats::staging_bytes)
+      .def_readonly("staging_alloc_seconds", &LoadStats::staging_alloc_seconds)
+      .def_readonly("threads", &LoadStats::threads)
+      .def_readonly("pooled", &LoadStats::pooled)
+      .def_readonly("cold", &LoadStats::cold)
+      .def_readonly("direct_io", &LoadStats::direct_io);
+
+  py::class_<RankFileHandle>(m, "RankFile",
+                             "An opened rank file: preamble and header checked, header parsed once.")
+      .def_static("open", &OpenRankFile, py::arg("path"),
+                  "Opens and validates a rank file (formats/rank-file.md invariants 1-7).")
+      .def_property_readonly("path", [](const RankFileHandle& f) { return f.reader->path(); })
+      .def_property_readonly("file_size", [](const RankFileHandle& f) { return f.reader->file_size(); })
+      .def_property_readonly("rank", [](const RankFileHandle& f) { return f.header().rank; })
+      .def_property_readonly("world_size", [](const RankFileHandle& f) { return f.header().world_size; })
+      .def_property_readonly("layout_key", [](const RankFileHandle& f) { return f.header().layout_key; })
+      .def_property_readonly("kind", [](const RankFileHandle& f) { return f.header().Layout().KindName(); })
+      .def_property_readonly("dtype_policy", [](const RankFileHandle& f) { return f.header().dtype_policy; })
+      .def_property_readonly("chunk_size", [](const RankFileHandle& f) { return f.header().chunk_size; })
+      .def_property_readonly("source_fingerprint", [](const RankFileHandle& f) {
+        return reshard::Hex16(f.header().source.fingerprint);
+      })
+      .def_property_readonly(
+          "saved",
+          [](const RankFileHandle& f) -> py::object {
+            const auto& s = f.header().source.saved;
+            if (!s) return py::none();
+            return py::make_tuple(reshard::Hex16(s->id), s->step ? py::cast(*s->step) : py::none());
+          },
+          "(save id as 16 hex digits, step or None) for a checkpoint saved from training, else None")
+      .def_property_readonly(
+          "tensors",
+          [](py::object self) {
+            const RankFileHandle& f = self.cast<const RankFileHandle&>();
+            py::list out;
+            for (const auto& t : f.header().tensors) {
+              out.append(py::cast(&t, py::return_value_policy::reference_internal, self));
+            }
+            return out;
+          },
+          "The tensors in file order")
+      .def("header_json", [](const RankFileHandle& f) { return reshard::SerializeHeader(f.header()); })
+      .def(
+          "load",
+          [](const RankFileHandle& f, const std::vector<reshard::LoadTarget>& targets, int device,
+             unsigned threads, bool verify, const std::string& io) {
+            const unsigned slots = Slots(std::nullopt);
+            reshard::LoadOptions o = TunedOptions(threads, slots, std::nullopt, std::nullopt,
+                                                  std::nullopt, std::nullopt);
+            o.verify_checksums = verify;
+            o.io = ParseIo(io);
+            reshard::LoadReport r;
+            double copier_wait = 0;
+            {
+              py::gil_scoped_release release;
+              r = RunLoad(*f.reader, targets, device, threads, slots, o, &copier_wait);
+            }
+            LoadStats s;
+            s.bytes = r.bytes;
+            s.stored_bytes = r.stored_bytes;
+            s.tensors = r.tensors;
+            s.seconds = r.seconds;
+            s.staging_bytes = r.staging_bytes;
+            s.staging_alloc_seconds = r.staging_alloc_seconds;
+            s.threads = r.threads;
+            s.pooled = r.pooled;
+            s.cold = r.cold;
+            s.direct_io = r.direct_io;
+            return s;
+          },
+          py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
+          py::arg("verify") = true, py::arg("io") = "auto",
+          "Loads targets (LoadTarget: a subset of the file's tensors, each named once) with the "
+          "pipelined loader; CUDA targets through this process's copy engine for `device`. "
+          "The knobs of formats' measurements come from RESHARD_* environment variables.");
 
   m.def("page_cache_residency", &reshard::PageCacheResidency, py::arg("path"));
-
-  m.def(
-      "load",
-      [](const std::string& path,
-         const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
-         int device, unsigned threads, bool verify, const std::string& io,
-         std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
-         std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
-         std::optional<uint64_t> lead_in_bytes) {
-        const unsigned slots = Slots(slots_arg);
-        std::vector<reshard::LoadTarget> t;
-        t.reserve(targets.size());
-        bool any_device = false;
-        for (const auto& [name, ptr, nbytes, on_device] : targets) {
-          t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
-          any_device |= on_device;
-        }
-        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
-                                              cold_threads, hash_piece_bytes, lead_in_bytes);
-        o.verify_checksums = verify;
-        o.io = ParseIo(io);
-        reshard::LoadReport r;
-        double copier_wait = 0, open_seconds = 0;
-        {
-          py::gil_scoped_release release;
-          const auto t_open = std::chrono::steady_clock::now();
-          reshard::RankFileReader reader = reshard::RankFileReader::Open(path, &Headers());
-          open_seconds =
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_open).count();
-          reshard::DeviceCopier* copier = nullptr;
-#ifdef RESHARD_HAVE_CUDA
-          CopierLease lease;
-#endif
-          if (any_device) {
-#ifdef RESHARD_HAVE_CUDA
-            const unsigned lanes = std::max<unsigned>(1, threads);
-            const auto t0 = std::chrono::steady_clock::now();
-            lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
-            copier = lease.copier;
-            o.pool = lease.pool;
-            // Waiting for a prepare still running (or another load) is part of this load.
-            copier_wait =
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-#else
-            throw reshard::Error(reshard::ErrorCode::kUnsupported,
-                                 "this reshard build has no CUDA support; rebuild with a CUDA "
-                                 "toolkit to load onto a GPU");
-#endif
-          }
-          r = reshard::LoadRankFile(reader, t, copier, o);
-          r.seconds += copier_wait;
-        }
-        py::dict d;
-        d["bytes"] = r.bytes;
-        d["stored_bytes"] = r.stored_bytes;
-        d["tensors"] = r.tensors;
-        d["seconds"] = r.seconds;
-        d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
-        d["staging_bytes"] = r.staging_bytes;
-        d["staging_alloc_seconds"] = r.staging_alloc_seconds;
-        d["copier_wait_seconds"] = copier_wait;
-        d["residency_seconds"] = r.residency_seconds;
-        d["sync_seconds"] = r.sync_seconds;
-        d["read_seconds"] = r.read_seconds;
-        d["wait_seconds"] = r.wait_seconds;
-        d["first_copy_seconds"] = r.first_copy_seconds;
-        d["reads_done_seconds"] = r.reads_done_seconds;
-        d["lane_start_seconds"] = r.lane_start_seconds;
-        d["lane_end_seconds"] = r.lane_end_seconds;
-        d["issue_seconds"] = r.issue_seconds;
-        d["lane_wall_seconds"] = r.lane_wall_seconds;
-        d["lane_cpu_seconds"] = r.lane_cpu_seconds;
-        d["preemptions"] = r.preemptions;
-        d["lanes_on_shared_cpus"] = r.lanes_on_shared_cpus;
-        d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
-        d["header_cache_hits"] = Headers().hits();  // in this process, so far
-        d["span_bytes"] = r.span_bytes;
-        d["pooled"] = r.pooled;
-        d["cold"] = r.cold;
-        d["threads"] = r.threads;
-        d["direct_io"] = r.direct_io;
-        d["readahead"] = r.readahead;
-        d["resident_fraction"] = r.resident_fraction;
-        return d;
-      },
-      py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
-      py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
-      py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
-      py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
-      py::arg("lead_in_bytes") = py::none(),
-      "Loads tensors of one rank file into raw destinations: targets are "
-      "(name, pointer, nbytes, on_device) tuples.");
 
   m.def(
       "prepare",
@@ -424,15 +597,33 @@ PYBIND11_MODULE(_C, m) {
   }, "Waits for every prepare() still running; raises the first error one of them met.");
 
   // ---- save: one rank file of a live model (formats/rank-file.md, source.saved) ----------
-  using SaveTensor = std::tuple<std::string, std::string, std::vector<uint64_t>, bool, uint64_t,
-                                uint64_t, uintptr_t, uint64_t, bool>;
+  py::class_<SaveTensor>(m, "SaveTensor", "One tensor of a save and where its bytes are.")
+      .def(py::init([](std::string name, std::string dtype, std::vector<uint64_t> global_shape,
+                       std::optional<std::pair<uint64_t, uint64_t>> rows, uintptr_t ptr,
+                       uint64_t nbytes, bool on_device,
+                       std::shared_ptr<reshard::FlatInfo> flat) {
+             return SaveTensor{std::move(name), std::move(dtype), std::move(global_shape), rows,
+                               ptr, nbytes, on_device, std::move(flat)};
+           }),
+           py::arg("name"), py::arg("dtype"), py::arg("global_shape"), py::arg("rows"),
+           py::arg("ptr"), py::arg("nbytes"), py::arg("on_device") = false,
+           py::arg("flat") = nullptr)
+      .def_readonly("name", &SaveTensor::name)
+      .def_readonly("nbytes", &SaveTensor::nbytes);
+
+  py::class_<reshard::SaveReport>(m, "SaveStats", "What one rank file's save wrote.")
+      .def_readonly("bytes", &reshard::SaveReport::bytes)
+      .def_readonly("file_size", &reshard::SaveReport::file_size)
+      .def_property_readonly("header_xxh3", [](const reshard::SaveReport& r) { return reshard::Hex16(r.header_xxh3); })
+      .def_readonly("staging_bytes", &reshard::SaveReport::staging_bytes)
+      .def_readonly("seconds", &reshard::SaveReport::seconds);
+
   m.def(
       "save",
       [](const std::string& path, const std::string& layout_key, uint32_t world_size,
          uint32_t rank, uint64_t save_id, std::optional<uint64_t> step,
          const std::vector<SaveTensor>& tensors, uint64_t chunk_size, int device,
-         uint64_t staging_bytes, bool verify, double pause_seconds,
-         const std::optional<Fsdp1Arg>& fsdp1, const std::map<std::string, FlatArg>& flat) {
+         uint64_t staging_bytes, bool verify, const std::optional<Fsdp1Arg>& fsdp1) {
         const reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
         if (spec.Key() != layout_key) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
@@ -453,44 +644,37 @@ PYBIND11_MODULE(_C, m) {
         h.chunk_size = chunk_size;
         std::vector<reshard::SaveSource> sources;
         bool any_device = false;
-        for (const auto& [name, dtype, shape, sharded, start, end, ptr, nbytes, on_device] :
-             tensors) {
-          auto d = reshard::ParseDType(dtype);
+        for (const SaveTensor& t : tensors) {
+          auto d = reshard::ParseDType(t.dtype);
           if (!d) {
             throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                                 "tensor \"" + name + "\": unknown dtype " + dtype);
+                                 "tensor \"" + t.name + "\": unknown dtype " + t.dtype);
           }
           reshard::TensorEntry e;
-          e.name = name;
+          e.name = t.name;
           e.dtype = *d;
-          e.global_shape = shape;
-          e.local_shape = shape;
-          e.sharded = sharded;
-          if (sharded) {
-            e.rows = {start, end};
-            if (!shape.empty()) e.local_shape[0] = end - start;
+          e.global_shape = t.global_shape;
+          e.local_shape = t.global_shape;
+          e.sharded = t.rows.has_value();
+          if (t.rows) {
+            e.rows = {t.rows->first, t.rows->second};
+            if (!e.local_shape.empty()) e.local_shape[0] = t.rows->second - t.rows->first;
           }
-          if (auto it = flat.find(name); it != flat.end()) {
+          if (t.flat) {
             // A rank's flat shard is c = ceil(numel / W) elements, zero-padded past numel.
-            e.flat = MakeFlat(name, it->second);
-            e.local_shape = {reshard::CeilDiv(e.flat->numel, world_size)};
+            e.flat = t.flat;
+            e.local_shape = {reshard::CeilDiv(t.flat->numel, world_size)};
           }
           h.tensors.push_back(std::move(e));
-          sources.push_back({name, reinterpret_cast<const void*>(ptr), nbytes, on_device});
-          any_device |= on_device && nbytes > 0;
-        }
-        for (const auto& [name, _] : flat) {
-          if (!h.Find(name)) {
-            throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                                 path + ": a flat object for \"" + name + "\", which is no tensor");
-          }
+          sources.push_back({t.name, reinterpret_cast<const void*>(t.ptr), t.nbytes, t.on_device});
+          any_device |= t.on_device && t.nbytes > 0;
         }
         reshard::SaveOptions o;
         o.staging_bytes = staging_bytes;
         o.verify_data = verify;
-        if (pause_seconds > 0) {  // test hook: a save that can be interrupted between tensors
-          o.before_tensor = [pause_seconds](size_t) {
-            std::this_thread::sleep_for(std::chrono::duration<double>(pause_seconds));
+        if (const double pause = g_save_pause_seconds; pause > 0) {
+          o.before_tensor = [pause](size_t) {
+            std::this_thread::sleep_for(std::chrono::duration<double>(pause));
           };
         }
         reshard::SaveReport r;
@@ -505,6 +689,7 @@ PYBIND11_MODULE(_C, m) {
             lease = CachedCopier(device, 1, 2);
             copier = lease.copier;
 #else
+            (void)device;
             throw reshard::Error(reshard::ErrorCode::kUnsupported,
                                  "this reshard build has no CUDA support; rebuild with a CUDA "
                                  "toolkit to save from a GPU");
@@ -512,36 +697,28 @@ PYBIND11_MODULE(_C, m) {
           }
           r = reshard::SaveRankFile(path, std::move(h), sources, copier, o);
         }
-        py::dict d;
-        d["bytes"] = r.bytes;
-        d["file_size"] = r.file_size;
-        d["header_xxh3"] = r.header_xxh3;
-        d["staging_bytes"] = r.staging_bytes;
-        d["seconds"] = r.seconds;
-        return d;
+        return r;
       },
       py::arg("path"), py::arg("layout_key"), py::arg("world_size"), py::arg("rank"),
       py::arg("save_id"), py::arg("step"), py::arg("tensors"),
       py::arg("chunk_size") = reshard::kDefaultChunkSize, py::arg("device") = 0,
       py::arg("staging_bytes") = 32ull << 20, py::arg("verify") = false,
-      py::arg("pause_seconds") = 0.0, py::arg("fsdp1") = std::nullopt,
-      py::arg("flat") = std::map<std::string, FlatArg>{},
-      "Writes one rank file atomically from raw sources: tensors are (name, dtype, "
-      "global_shape, sharded, row_start, row_end, pointer, nbytes, on_device) tuples. "
-      "layout_key must be the key of the layout: fsdp2-wsN, or with fsdp1=(wrap, "
-      "use_orig_params, param_dtype) the FSDP1 one; flat maps entry names to their flat "
-      "objects (unit, numel, aligned_numel, [(fqn, key, shape, offset)], shared), whose "
-      "local shape is then [ceil(numel / world_size)].");
+      py::arg("fsdp1") = std::nullopt,
+      "Writes one rank file atomically from SaveTensors. layout_key must be the key of the "
+      "layout: fsdp2-wsN, or with fsdp1=(wrap, use_orig_params, param_dtype) the FSDP1 one.");
 
   m.def(
       "layout_key",
-      [](uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1) {
-        return SavedLayout(world_size, fsdp1).Key();
+      [](uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1, const std::string& dtype) {
+        reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
+        spec.dtype = dtype;
+        spec.Normalize();
+        return spec.Key();
       },
-      py::arg("world_size"), py::arg("fsdp1") = std::nullopt,
-      "Key of the layout a save writes (dtype policy keep): fsdp2-wsN, or with "
-      "fsdp1=(wrap, use_orig_params, param_dtype) the key `reshard convert --layout fsdp1` "
-      "gives those flags.");
+      py::arg("world_size"), py::arg("fsdp1") = std::nullopt, py::arg("dtype") = "keep",
+      "Key of a layout: fsdp2-wsN[-policy], or with fsdp1=(wrap, use_orig_params, "
+      "param_dtype) the key `reshard convert --layout fsdp1` gives those flags; dtype is the "
+      "policy (keep, bf16, fp16, fp32).");
 
   m.def(
       "write_saved_manifest",
@@ -559,4 +736,84 @@ PYBIND11_MODULE(_C, m) {
       py::arg("aux_files"), py::arg("fsdp1") = std::nullopt,
       "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json. "
       "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout.");
+
+  // ---- test and benchmark hooks: not API ------------------------------------------------------
+  py::module_ testing = m.def_submodule("_testing", "Test and benchmark hooks of reshard._C (not API).");
+  testing.def(
+      "read_header",
+      [](const std::string& path) { return reshard::SerializeHeader(OpenRankFile(path).header()); },
+      py::arg("path"), "A rank file's checked header as JSON text.");
+  testing.def(
+      "set_save_pause",
+      [](double seconds) { g_save_pause_seconds = seconds; }, py::arg("seconds"),
+      "Every later save sleeps this long before each tensor (to interrupt a save mid-write).");
+  testing.def(
+      "load_raw",
+      [](const std::string& path,
+         const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& targets,
+         int device, unsigned threads, bool verify, const std::string& io,
+         std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
+         std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
+         std::optional<uint64_t> lead_in_bytes) {
+        const unsigned slots = Slots(slots_arg);
+        std::vector<reshard::LoadTarget> t;
+        t.reserve(targets.size());
+        for (const auto& [name, ptr, nbytes, on_device] : targets) {
+          t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
+        }
+        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
+                                              cold_threads, hash_piece_bytes, lead_in_bytes);
+        o.verify_checksums = verify;
+        o.io = ParseIo(io);
+        reshard::LoadReport r;
+        double copier_wait = 0, open_seconds = 0;
+        {
+          py::gil_scoped_release release;
+          const auto t_open = std::chrono::steady_clock::now();
+          reshard::RankFileReader reader = reshard::RankFileReader::Open(path, &Headers());
+          open_seconds =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_open).count();
+          r = RunLoad(reader, t, device, threads, slots, o, &copier_wait);
+        }
+        py::dict d;
+        d["bytes"] = r.bytes;
+        d["stored_bytes"] = r.stored_bytes;
+        d["tensors"] = r.tensors;
+        d["seconds"] = r.seconds;
+        d["gbps"] = r.seconds > 0 ? r.bytes / r.seconds / 1e9 : 0.0;
+        d["staging_bytes"] = r.staging_bytes;
+        d["staging_alloc_seconds"] = r.staging_alloc_seconds;
+        d["copier_wait_seconds"] = copier_wait;
+        d["residency_seconds"] = r.residency_seconds;
+        d["sync_seconds"] = r.sync_seconds;
+        d["read_seconds"] = r.read_seconds;
+        d["wait_seconds"] = r.wait_seconds;
+        d["first_copy_seconds"] = r.first_copy_seconds;
+        d["reads_done_seconds"] = r.reads_done_seconds;
+        d["lane_start_seconds"] = r.lane_start_seconds;
+        d["lane_end_seconds"] = r.lane_end_seconds;
+        d["issue_seconds"] = r.issue_seconds;
+        d["lane_wall_seconds"] = r.lane_wall_seconds;
+        d["lane_cpu_seconds"] = r.lane_cpu_seconds;
+        d["preemptions"] = r.preemptions;
+        d["lanes_on_shared_cpus"] = r.lanes_on_shared_cpus;
+        d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
+        d["header_cache_hits"] = Headers().hits();  // in this process, so far
+        d["span_bytes"] = r.span_bytes;
+        d["pooled"] = r.pooled;
+        d["cold"] = r.cold;
+        d["threads"] = r.threads;
+        d["direct_io"] = r.direct_io;
+        d["readahead"] = r.readahead;
+        d["resident_fraction"] = r.resident_fraction;
+        return d;
+      },
+      py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
+      py::arg("verify") = true, py::arg("io") = "auto", py::arg("slots") = py::none(),
+      py::arg("span_bytes") = py::none(), py::arg("cold_span_bytes") = py::none(),
+      py::arg("cold_threads") = py::none(), py::arg("hash_piece_bytes") = py::none(),
+      py::arg("lead_in_bytes") = py::none(),
+      "The loader with every knob and its whole report (diagnostics included), from a path "
+      "and (name, pointer, nbytes, on_device) tuples: for benchmarks.");
+
 }

@@ -24,9 +24,10 @@ REPO = Path(__file__).resolve().parents[2]
 _TESTS = Path(__file__).resolve().parent
 if str(_TESTS) not in sys.path:
     sys.path.insert(0, str(_TESTS))
-# reshard.format is pure Python; make it importable when PYTHONPATH was not set.
+# reshard.errors (used by the reference reader) is pure Python; make the package importable
+# when PYTHONPATH was not set.
 try:
-    import reshard.format  # noqa: F401
+    import reshard.errors  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(REPO / "python"))
 

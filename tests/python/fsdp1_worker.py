@@ -41,7 +41,8 @@ def main():
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     import reshard
-    from reshard.api import _clean_name, _fsdp1_units
+    from reshard.load_fsdp1 import fsdp1_units as _fsdp1_units
+    from reshard.model import clean_name as _clean_name
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend)

@@ -3,7 +3,7 @@
 * Checkpoints written by torch.save (transformers 5 no longer writes .bin files, so the state
   dict is saved by hand with a hand-made index, checkpoints.make_bin_checkpoint) convert to
   rank files whose tensors equal ``torch.load(...)[k].to(dtype)`` chunked per rank, bit for bit
-  (read back with the independent reader reshard.format).
+  (read back with the independent reader tests/python/reference_reader.py).
 * fp32 -> bf16 / fp16 rounding is compared with torch on every pattern of the top 16 bits x
   17 low-bit patterns, plus 10^7 random patterns; every 16-bit pattern for the 16-bit
   sources; specials and random patterns for float64.
@@ -17,7 +17,6 @@ import io
 import json
 import os
 import pickle
-import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-import reshard.format as rf
+import reference_reader as rf
 from checkpoints import load_bin_source, make_bin_checkpoint
 
 # torch.load warns about pickle protocol 4 fixtures (they are ours, loaded on purpose).

@@ -163,7 +163,7 @@ def test_fsdp2_buffers_equal_from_pretrained(rotary_ckpts, tmp_path, arch, dtype
 def test_check_weights_on_a_zero_dim_bf16_buffer():
     """reshard.train's bit comparison handles 0-dim tensors of 2-byte dtypes (Gemma keeps a
     0-dim bf16 buffer)."""
-    from reshard.train import bits
+    from reshard.check import bits
 
     a = torch.tensor(1.5, dtype=torch.bfloat16)
     assert torch.equal(bits(a), bits(a.clone()))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import reshard.format as rf
+import reference_reader as rf
 from checkpoints import load_source, weight_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """End-to-end tests of `reshard convert` / `reshard verify` against tiny real checkpoints.
 
-Every rank file is read back with the independent pure-Python reader (reshard.format) and
+Every rank file is read back with the independent pure-Python reader (tests/python/reference_reader.py) and
 compared, bit for bit, with `torch.chunk(source, W, 0)[r]` (padded with empty shards, as
 FSDP2 does) where the source tensor is read with `safetensors.safe_open`.
 """
@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-import reshard.format as rf
+import reference_reader as rf
 from checkpoints import load_source, weight_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ def test_fixture_checkpoints(checkpoint, c):
 
 
 def test_shard_rule_matches_fsdp2():
-    """The spec's rule (as implemented by reshard.format) equals FSDP2's own chunking."""
+    """The spec's rule (as implemented by reference_reader) equals FSDP2's own chunking."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
     for n in [0, 1, 2, 5, 6, 7, 37, 64, 101]:

@@ -54,14 +54,14 @@ def test_each_rank_of_ws8_into_cuda(llama_bf16, tmp_path, io, compress):
     src = _source_tensors(str(llama_bf16))
     for r in range(8):
         path = str(out / "fsdp2-ws8" / f"rank-{r:05d}-of-00008.reshard")
-        header = json.loads(reshard._C.read_header(path))
+        header = json.loads(reshard._C._testing.read_header(path))
         dests = {}
         targets = []
         for e in header["tensors"]:
             t = torch.full(e["local_shape"], float("nan"), dtype=src[e["name"]].dtype, device="cuda")
             dests[e["name"]] = t
             targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
-        report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=4, io=io)
+        report = reshard._C._testing.load_raw(path, targets, device=torch.cuda.current_device(), threads=4, io=io)
         assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])
         for name, t in dests.items():
             chunks = torch.chunk(src[name], 8, 0) if src[name].dim() else [src[name]] * 8
@@ -74,7 +74,7 @@ def test_gpu_load_refuses_corrupted_file(llama_bf16, tmp_path):
     out = tmp_path / "out"
     convert(llama_bf16, out, 1)
     path = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
-    header = json.loads(reshard._C.read_header(str(path)))
+    header = json.loads(reshard._C._testing.read_header(str(path)))
     e = max(header["tensors"], key=lambda t: t["nbytes"])
     with open(path, "r+b") as f:
         f.seek(4096 + e["offset"] + 7)
@@ -84,7 +84,7 @@ def test_gpu_load_refuses_corrupted_file(llama_bf16, tmp_path):
     model = reshard.empty_model(str(out))
     model.to_empty(device="cuda")
     for io in ("direct", "buffered", "readahead"):
-        with pytest.raises(reshard.ReshardError, match="checksum mismatch"):
+        with pytest.raises(reshard.CorruptFileError, match="checksum mismatch"):
             reshard.load(model, str(out), io=io)
 
 
@@ -201,14 +201,14 @@ def test_spans_and_hash_pieces_land_every_byte(llama_bf16, tmp_path, span, piece
     convert(llama_bf16, out, 1, "--chunk-size", "8192")
     src = _source_tensors(str(llama_bf16))
     path = str(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
-    header = json.loads(reshard._C.read_header(path))
+    header = json.loads(reshard._C._testing.read_header(path))
     for io in ("buffered", "direct"):
         dests, targets = {}, []
         for e in header["tensors"]:
             t = torch.full(e["local_shape"], float("nan"), dtype=src[e["name"]].dtype, device="cuda")
             dests[e["name"]] = t
             targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
-        report = reshard._C.load(path, targets, device=torch.cuda.current_device(), threads=3, io=io,
+        report = reshard._C._testing.load_raw(path, targets, device=torch.cuda.current_device(), threads=3, io=io,
                                  span_bytes=span, hash_piece_bytes=piece, cold_threads=2,
                                  cold_span_bytes=span or (3 << 20), lead_in_bytes=lead)
         assert report["bytes"] == sum(e["nbytes"] for e in header["tensors"])

@@ -164,7 +164,7 @@ def test_refuses_missing_layout_with_command(ckpts, tmp_path):
     out = tmp_path / "out"
     convert(src, out, 2)
     model = _empty_cpu(out)
-    with pytest.raises(reshard.ReshardError, match=r"no layout fsdp2-ws1-bf16 or fsdp2-ws1 .*reshard convert .*--world-size 1 --dtype bf16"):
+    with pytest.raises(reshard.NotFoundError, match=r"no layout fsdp2-ws1-bf16 or fsdp2-ws1 .*reshard convert .*--world-size 1 --dtype bf16"):
         reshard.load(model, str(out))
 
 
@@ -193,7 +193,7 @@ def test_refuses_another_model(ckpts, tmp_path):
     out_qwen = tmp_path / "qwen"
     convert(ckpts[("qwen2", "fp32")], out_qwen, 1)
     model = _empty_cpu(out_qwen)
-    with pytest.raises(reshard.ReshardError, match=r"parameter .*(not in|global shape)"):
+    with pytest.raises(reshard.LayoutMismatchError, match=r"parameter .*(not in|global shape)"):
         reshard.load(model, str(out_llama))
 
 
@@ -208,7 +208,7 @@ def test_refuses_shape_mismatch(ckpts, tmp_path):
     shutil.copytree(out, other)
     (other / "config.json").write_text(json.dumps(cfg))
     model = _empty_cpu(other)
-    with pytest.raises(reshard.ReshardError, match=r"parameter model\.layers\.0\.mlp\.\w+_proj\.weight: the model has global shape"):
+    with pytest.raises(reshard.LayoutMismatchError, match=r"parameter model\.layers\.0\.mlp\.\w+_proj\.weight: the model has global shape"):
         reshard.load(model, str(out))
 
 
@@ -218,7 +218,7 @@ def test_refuses_missing_rank_file(ckpts, tmp_path):
     convert(src, out, 1)
     os.remove(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
     model = _empty_cpu(out)
-    with pytest.raises(reshard.ReshardError, match=r"missing rank file.*--ranks 0-0"):
+    with pytest.raises(reshard.NotFoundError, match=r"missing rank file.*--ranks 0-0"):
         reshard.load(model, str(out))
 
 
@@ -227,7 +227,7 @@ def test_refuses_corrupted_bytes(ckpts, tmp_path):
     out = tmp_path / "out"
     convert(src, out, 1)
     path = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
-    header = json.loads(reshard._C.read_header(str(path)))
+    header = json.loads(reshard._C._testing.read_header(str(path)))
     t = max(header["tensors"], key=lambda e: e["nbytes"])
     with open(path, "r+b") as f:
         f.seek(4096 + t["offset"] + t["nbytes"] // 2)
@@ -235,7 +235,7 @@ def test_refuses_corrupted_bytes(ckpts, tmp_path):
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0x10]))
     model = _empty_cpu(out)
-    with pytest.raises(reshard.ReshardError, match=rf"tensor \"{t['name']}\" chunk \d+: checksum mismatch"):
+    with pytest.raises(reshard.CorruptFileError, match=rf"tensor \"{t['name']}\" chunk \d+: checksum mismatch"):
         reshard.load(model, str(out))
     # The raw path without checksums would load it: the check is what refuses.
     model2 = _empty_cpu(out)
@@ -243,20 +243,28 @@ def test_refuses_corrupted_bytes(ckpts, tmp_path):
 
 
 def test_native_load_rejects_bad_targets(ckpts, tmp_path):
+    """The binding's typed API (RankFile, LoadTarget): unknown names, wrong sizes and CUDA
+    targets without CUDA are refused, each with its error class."""
     src = ckpts[("llama", "bf16")]
     out = tmp_path / "out"
     convert(src, out, 1)
     path = str(out / "fsdp2-ws1" / "rank-00000-of-00001.reshard")
+    f = reshard._C.RankFile.open(path)
+    assert f.rank == 0 and f.world_size == 1 and f.layout_key == "fsdp2-ws1" and f.kind == "fsdp2"
     buf = torch.empty(10, dtype=torch.uint8)
-    with pytest.raises(reshard.ReshardError, match="has no tensor \"nope\""):
-        reshard._C.load(path, [("nope", buf.data_ptr(), 10, False)])
-    header = json.loads(reshard._C.read_header(path))
-    name = header["tensors"][0]["name"]
-    with pytest.raises(reshard.ReshardError, match="the destination has 10"):
-        reshard._C.load(path, [(name, buf.data_ptr(), 10, False)])
+    with pytest.raises(reshard.LayoutMismatchError, match="has no tensor \"nope\""):
+        f.load([reshard._C.LoadTarget("nope", buf.data_ptr(), 10)])
+    e = f.tensors[0]
+    with pytest.raises(reshard.LayoutMismatchError, match="the destination has 10"):
+        f.load([reshard._C.LoadTarget(e.name, buf.data_ptr(), 10)])
     if not reshard.build_info()["cuda"]:
-        with pytest.raises(reshard.ReshardError, match="no CUDA support"):
-            reshard._C.load(path, [(name, buf.data_ptr(), header["tensors"][0]["nbytes"], True)])
+        with pytest.raises(reshard.UnsupportedError, match="no CUDA support"):
+            f.load([reshard._C.LoadTarget(e.name, buf.data_ptr(), e.nbytes, True)])
+    whole = torch.empty(e.nbytes, dtype=torch.uint8)
+    stats = f.load([reshard._C.LoadTarget(e.name, whole.data_ptr(), e.nbytes)])
+    assert stats.bytes == e.nbytes and stats.tensors == 1
+    with pytest.raises(reshard.NotFoundError):
+        reshard._C.RankFile.open(str(tmp_path / "absent.reshard"))
 
 
 def test_prepare_is_a_no_op_without_cuda(monkeypatch):

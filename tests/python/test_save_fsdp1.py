@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import reshard
-import reshard.format as rf
+import reference_reader as rf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -70,7 +70,7 @@ def _fsdp1_layout(src, out, world, *flags):
 def _rank_file(path):
     """(header, {name: stored bytes}) of a raw-codec rank file, read with the C++ reader's
     header checks."""
-    h = json.loads(reshard._C.read_header(str(path)))
+    h = json.loads(reshard._C._testing.read_header(str(path)))
     data = open(path, "rb").read()
     assert all(t["codec"] == "raw" for t in h["tensors"])
     return h, {t["name"]: data[4096 + t["offset"]:4096 + t["offset"] + t["nbytes"]] for t in h["tensors"]}
@@ -383,7 +383,7 @@ def test_fsdp1_killed_save_leaves_no_checkpoint(checkpoint, cli, tmp_path):
     # reshard.load refuses a directory without a manifest (an FSDP1 load: the worker's re-run).
     model = reshard.empty_model(str(out))
     model.to_empty(device="cpu")
-    with pytest.raises(reshard.ReshardError, match="no reshard.json"):
+    with pytest.raises(reshard.NotFoundError, match="no reshard.json"):
         reshard.load(model, str(bad))
     # The previous checkpoint is untouched and still verifies.
     assert good_files == {p: open(p, "rb").read() for p in good_files}
@@ -437,7 +437,7 @@ model(torch.randn(2, 8))
 live = dict(model.named_buffers())
 assert any(b.dtype == torch.bfloat16 for b in live.values()), {n: b.dtype for n, b in live.items()}
 rep = reshard.save(model, sys.argv[1], source=None)
-h = json.loads(reshard._C.read_header(rep.file))
+h = json.loads(reshard._C._testing.read_header(rep.file))
 e = next(t for t in h["tensors"] if t["name"] == "scale")
 print("RESULT", json.dumps({"dtype": e["dtype"], "layout": rep.layout,
                             "want_rounded": want.to(torch.bfloat16).float().tolist()}))
@@ -459,11 +459,11 @@ def test_fsdp1_buffers_cast_by_mixed_precision_are_saved_in_their_own_dtype(tmp_
 
 
 def reshard_tensor(out, key, name):
-    from reshard.format import torch_dtype
+    from reshard.layout import torch_dtype
 
     path = os.path.join(out, key, "rank-00000-of-00001.reshard")
-    h = json.loads(reshard._C.read_header(path))
+    h = json.loads(reshard._C._testing.read_header(path))
     e = next(t for t in h["tensors"] if t["name"] == name)
     t = torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]))
-    reshard._C.load(path, [(name, t.data_ptr(), e["nbytes"], False)], io="buffered")
+    reshard._C._testing.load_raw(path, [(name, t.data_ptr(), e["nbytes"], False)], io="buffered")
     return t

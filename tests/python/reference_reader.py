@@ -2,7 +2,9 @@
 
 Written from ``formats/rank-file.md`` and ``formats/manifest.md`` alone, independently of
 the C++ reader, so that tests can check the converter's output against the spec rather
-than against itself. It has no dependency on the compiled extension.
+than against itself. It has no dependency on the compiled extension; it raises the package's
+own error classes (reshard.errors, pure Python): a broken file is a CorruptFileError, as the
+C++ reader's is.
 
 Hashing (XXH3-64) and zstd decoding use, in order of preference, the ``xxhash`` /
 ``zstandard`` Python modules when importable, else the system ``libxxhash`` / ``libzstd``
@@ -14,7 +16,7 @@ When neither is available, checksum checks raise :class:`MissingBackendError` (p
 
 Typical use::
 
-    from reshard import format as rf
+    import reference_reader as rf
     f = rf.RankFile.open("out/fsdp2-ws8/rank-00003-of-00008.reshard")
     f.header["layout"]["key"]              # "fsdp2-ws8"
     t = f.read_tensor("model.embed_tokens.weight")   # torch.Tensor of local_shape
@@ -32,6 +34,8 @@ import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
+
+from reshard.errors import CorruptFileError
 
 __all__ = [
     "FormatError",
@@ -133,7 +137,7 @@ _TORCH_DTYPE_NAMES: Dict[str, str] = {
 }
 
 
-class FormatError(ValueError):
+class FormatError(CorruptFileError, ValueError):
     """The file breaks the spec. The message names the file and the field."""
 
 

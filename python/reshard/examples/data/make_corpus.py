@@ -8,8 +8,8 @@ villagers, weather, trades and travel, small arithmetic facts and counting rhyme
 enough structure for a causal language model to learn quickly, which is all the trainer's
 smoke tests need.
 
-    python python/reshard/data/make_corpus.py            # rewrites corpus.txt in place
-    python python/reshard/data/make_corpus.py --check    # exit 1 if corpus.txt differs
+    python python/reshard/examples/data/make_corpus.py            # rewrites corpus.txt in place
+    python python/reshard/examples/data/make_corpus.py --check    # exit 1 if corpus.txt differs
 
 Only ``random.Random(seed)`` methods whose output is stable across Python 3 versions are
 used (``randrange``/``choice``/``shuffle`` on integers and lists).

@@ -1,0 +1,705 @@
+"""A small FSDP2 causal-LM trainer on top of reshard: every rank builds the model empty,
+shards it, reads only its own rank file, and trains.
+
+    torchrun --standalone --nproc-per-node N -m reshard.train OUT [options]
+    python -m reshard.train OUT [options]          # one process (world size 1)
+
+OUT is what ``reshard convert SRC -o OUT --world-size N`` wrote (N = number of processes).
+Steps, in every rank:
+
+1. ``reshard.empty_model(OUT)``: parameters on the meta device, buffers real;
+2. FSDP2: ``fully_shard`` on every module whose class is in ``model._no_split_modules``,
+   then on the root, with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``
+   under ``--bf16`` (the default); master weights are fp32 unless ``--param-dtype`` says
+   otherwise (``reshard.load`` converts the file's dtype exactly as ``Tensor.to()``);
+3. ``model.to_empty(device)`` and ``reshard.load(model, OUT)``;
+4. AdamW on a text corpus (the one shipped in ``reshard/examples/data/corpus.txt`` by default, or
+   ``--data FILE``: ``.txt``, or ``.jsonl`` with a ``"text"`` field per line), with gradient
+   accumulation and clipping.
+
+Tokens come from ``AutoTokenizer.from_pretrained(OUT)`` when OUT holds a tokenizer, else from
+a deterministic byte-level fallback (each UTF-8 byte modulo the vocabulary size).
+
+Rank 0 prints one line per step; every rank prints a summary at the end (load time and
+bandwidth, peak host RSS, peak CUDA memory). ``--json-out DIR`` writes ``rank-<r>.json``.
+``--check-weights SRC`` and ``--check-generate SRC`` compare the freshly loaded model with
+``from_pretrained(SRC)`` (every parameter bit for bit; greedy generation) and raise on any
+difference. ``--dry-baseline`` stops before the load: its peak RSS is the baseline of a run.
+
+Checkpoints: ``--save-dir DIR --save-every N`` saves model and optimizer with
+``reshard.save`` every N steps (and after the last step) into ``DIR/step-<8 digits>/``, with
+each rank's data-order and RNG state in ``trainer/rank-<5 digits>.json``. ``--resume DIR``
+(a save directory: its complete checkpoint of the highest step; or one checkpoint)
+continues from there with the same data order,
+step count and RNG state: the losses are those of an uninterrupted run. ``--steps`` counts
+all steps, including those before the checkpoint.
+
+With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
+fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
+fsdp1 layout of the job and resumed from it the same way.
+
+CPU (gloo) when there is no GPU, CUDA (NCCL) otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import resource
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import reshard
+from reshard.check import bits, check_weights, full_tensor  # noqa: F401 (re-exported for recipes)
+from reshard.model import reference_class  # noqa: F401
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DEFAULT_CORPUS = os.path.join(DATA_DIR, "corpus.txt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                   "spiece.model", "vocab.txt")
+DEFAULT_PROMPT = "Once there was a baker called"
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------
+# Small utilities shared with the recipes
+# ---------------------------------------------------------------------------------------
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (getrusage; Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (/proc/self/statm), or the peak elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's parameter shards in their live dtype (shared parameters once)."""
+    return sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
+
+
+def global_param_bytes(model: nn.Module) -> int:
+    # An FSDP1 FlatParameter (use_orig_params=False) is the local shard; its unsharded size
+    # (padding included) is recorded on it.
+    return sum((p._unpadded_unsharded_size.numel() if hasattr(p, "_unpadded_unsharded_size")
+                else p.numel()) * p.element_size() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------
+
+def load_documents(path: Optional[str]) -> List[str]:
+    """Texts of a .txt file (one document) or a .jsonl file (one document per line, field
+    "text"). None: the corpus shipped with reshard."""
+    path = path or DEFAULT_CORPUS
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if path.endswith(".jsonl"):
+        docs = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not JSON ({e})") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                    raise ValueError(f"{path}:{lineno}: expected an object with a string field \"text\"")
+                docs.append(rec["text"])
+        if not docs:
+            raise ValueError(f"{path}: no documents")
+        return docs
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text:
+        raise ValueError(f"{path}: empty file")
+    return [text]
+
+
+def has_tokenizer(out: str) -> bool:
+    return any(os.path.exists(os.path.join(out, n)) for n in TOKENIZER_FILES)
+
+
+def make_encoder(out: str, vocab_size: int) -> Tuple[Callable[[str], List[int]], Optional[int], str]:
+    """(encode, eos id or None, description). AutoTokenizer when OUT holds a tokenizer,
+    otherwise bytes modulo the vocabulary size."""
+    if has_tokenizer(out):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(out)
+
+        def encode(text: str) -> List[int]:
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        return encode, tok.eos_token_id, f"AutoTokenizer({type(tok).__name__}) from {out}"
+
+    def encode_bytes(text: str) -> List[int]:
+        raw = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+        return (raw.to(torch.int64) % vocab_size).tolist()
+
+    return (encode_bytes, None,
+            f"byte-level fallback (UTF-8 bytes mod vocab_size={vocab_size}): {out} has no tokenizer")
+
+
+def token_stream(docs: List[str], encode: Callable[[str], List[int]], eos_id: Optional[int],
+                 vocab_size: int) -> torch.Tensor:
+    """All documents tokenized and concatenated (EOS between documents when known)."""
+    ids: List[int] = []
+    for i, doc in enumerate(docs):
+        if i and eos_id is not None:
+            ids.append(eos_id)
+        # Long texts in pieces, so fast tokenizers never see one huge string.
+        start = 0
+        while start < len(doc):
+            end = doc.find("\n\n", start + 65536)
+            end = len(doc) if end < 0 else end + 2
+            ids.extend(encode(doc[start:end]))
+            start = end
+    stream = torch.tensor(ids, dtype=torch.int64)
+    if stream.numel() and int(stream.max()) >= vocab_size:
+        raise ValueError(f"token id {int(stream.max())} >= vocab_size {vocab_size}: the tokenizer "
+                         "does not match the model")
+    return stream
+
+
+class Batches:
+    """Random windows of `seq_len` tokens from the stream; each rank draws its own, seeded by
+    (seed, rank), so a run is reproducible and ranks see different data."""
+
+    def __init__(self, stream: torch.Tensor, batch_size: int, seq_len: int, seed: int, rank: int):
+        if stream.numel() < seq_len + 1:
+            raise ValueError(f"the data has {stream.numel()} tokens; --seq-len {seq_len} needs more")
+        self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def get_state(self) -> str:
+        return bytes(self.gen.get_state().tolist()).hex()
+
+    def set_state(self, state: str) -> None:
+        self.gen.set_state(torch.tensor(list(bytes.fromhex(state)), dtype=torch.uint8))
+
+    def next(self) -> torch.Tensor:
+        starts = torch.randint(0, self.stream.numel() - self.seq_len, (self.batch_size,), generator=self.gen)
+        return torch.stack([self.stream[s:s + self.seq_len] for s in starts.tolist()])
+
+
+# ---------------------------------------------------------------------------------------
+# Checks against from_pretrained
+# ---------------------------------------------------------------------------------------
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Frees every FSDP2 unit's gathered parameters. Needed after forwards without backward
+    (evaluation, generation): FSDP2 keeps the root unit's parameters gathered after its
+    forward, and later forwards would reuse those stale copies instead of gathering the
+    updated shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _greedy(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding without a KV cache: each step runs model(ids) on the whole sequence."""
+    for _ in range(new_tokens):
+        nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def check_generate(model: nn.Module, src: str, prompt_ids: torch.Tensor, compute_dtype: torch.dtype,
+                   new_tokens: int = 12, model_class=None, log=print) -> Dict[str, object]:
+    """Greedy generation of the sharded model (FSDP2 gathers parameters in each forward; all
+    ranks step together with synced_gpus) equals from_pretrained(SRC, dtype=compute_dtype)'s
+    greedy generation. Raises otherwise. Collective: call it on every rank."""
+    cls = model_class or reference_class(model)
+    device = next(local_tensor(p) for p in model.parameters()).device
+    ids = prompt_ids.reshape(1, -1).to(device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  num_beams=1, pad_token_id=getattr(model.config, "pad_token_id", None) or 0,
+                  attention_mask=torch.ones_like(ids))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    was_training = model.training
+    model.eval()
+    fsdp1 = is_fsdp1(model)
+    if fsdp1:
+        # FSDP1's root forward must run (generate() on the wrapped module would skip it): a
+        # plain greedy loop through model(...), the reference below doing the same.
+        with torch.no_grad():
+            logits = model(ids).logits.float().cpu()
+            got = _greedy(model, ids, new_tokens).cpu()
+    else:
+        with torch.no_grad():
+            logits = model(ids).logits.float().cpu()
+            got = model.generate(ids, synced_gpus=world > 1, **kwargs).cpu()
+    reshard_all(model)
+    model.train(was_training)
+    _quiet_transformers()
+    # The reference runs whole on the same device (same kernels), one copy per rank.
+    ref = cls.from_pretrained(src, dtype=compute_dtype).to(device).eval()
+    with torch.no_grad():
+        ref_logits = ref(ids).logits.float().cpu()
+        want = (_greedy(ref, ids, new_tokens) if fsdp1 else ref.generate(ids, **kwargs)).cpu()
+    del ref
+    gc.collect()
+    max_diff = (logits - ref_logits).abs().max().item()
+    if not torch.equal(got, want):
+        raise AssertionError(f"greedy generation differs from from_pretrained({src}) in {compute_dtype}: "
+                             f"got {got.tolist()}, expected {want.tolist()} "
+                             f"(prompt logits max abs diff {max_diff:.3g})")
+    log(f"check-generate: greedy continuation of {ids.shape[1]} prompt tokens equals "
+        f"from_pretrained({src}) in {compute_dtype}: {got[0, ids.shape[1]:].tolist()} "
+        f"(prompt logits max abs diff {max_diff:.3g})")
+    return {"prompt": ids[0].tolist(), "generated": got[0].tolist(), "logits_max_abs_diff": max_diff}
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m reshard.train", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("out", help="a reshard output directory (reshard convert ... -o OUT --world-size N)")
+    ap.add_argument("--data", default=None, help=".txt or .jsonl (field \"text\"); default: the shipped corpus")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per rank per micro-batch")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16", dest="bf16", action="store_true", default=True,
+                    help="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="compute in the parameter dtype")
+    ap.add_argument("--param-dtype", choices=["fp32", "bf16", "checkpoint"], default="fp32",
+                    help="dtype of the sharded (master) parameters; 'checkpoint' keeps the file's")
+    ap.add_argument("--fsdp1", action="store_true",
+                    help="FSDP1 (FullyShardedDataParallel, FlatParameters, units = the model's "
+                         "_no_split_modules) instead of FSDP2; OUT needs a matching fsdp1 layout "
+                         "(reshard convert --layout fsdp1 ...)")
+    ap.add_argument("--use-orig-params", action="store_true", help="FSDP1 use_orig_params=True")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
+    ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
+    ap.add_argument("--log-every", type=int, default=1)
+    ap.add_argument("--check-weights", metavar="SRC", default=None,
+                    help="after the load, compare every parameter with from_pretrained(SRC) bit for bit")
+    ap.add_argument("--check-generate", metavar="SRC", default=None,
+                    help="after the load, compare greedy generation with from_pretrained(SRC)")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of --check-generate")
+    ap.add_argument("--dry-baseline", action="store_true",
+                    help="build, shard and to_empty, then report RSS and stop (no load, no training)")
+    ap.add_argument("--save-dir", default=None,
+                    help="save model and optimizer with reshard.save into DIR/step-NNNNNNNN/")
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="save every N steps (0: only after the last step) when --save-dir is given")
+    ap.add_argument("--resume", default=None, metavar="DIR",
+                    help="continue from a checkpoint: a --save-dir (its complete step-* of the highest step) or one checkpoint")
+    args = ap.parse_args(argv)
+    if args.save_every < 0:
+        ap.error("--save-every must be at least 0")
+    for name in ("steps", "batch_size", "seq_len", "grad_accum"):
+        least = 0 if name == "steps" else 1
+        if getattr(args, name) < least:
+            ap.error(f"--{name.replace('_', '-')} must be at least {least}")
+    return args
+
+
+def init_distributed(device_arg: str) -> Tuple[int, int, torch.device]:
+    """Process group from torchrun's environment (or a single-process group without it):
+    NCCL on CUDA, gloo on CPU."""
+    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but CUDA is not available")
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cpu")
+    kwargs = {}
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        kwargs["device_id"] = device  # binds NCCL to this rank's GPU
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, **kwargs)
+        else:  # plain `python -m reshard.train`: a process group of one
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def require_causal_lm(cls, out: str) -> None:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return
+    names = {v for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() if isinstance(v, str)}
+    if cls.__name__ not in names:
+        raise SystemExit(f"{out}: the model is a {cls.__name__}, not a causal language model; "
+                         "reshard.train trains causal LMs only")
+
+
+def shard_model(model: nn.Module, mesh, mp_policy) -> int:
+    """fully_shard every module whose class is in model._no_split_modules, then the root.
+    Returns the number of FSDP units."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    units = 0
+    for m in list(model.modules()):
+        if m is not model and type(m).__name__ in no_split:
+            fully_shard(m, **kwargs)
+            units += 1
+    fully_shard(model, **kwargs)
+    return units + 1
+
+
+def is_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP)
+
+
+def shard_model_fsdp1(model: nn.Module, device: torch.device, mixed_precision: bool,
+                      use_orig_params: bool) -> Tuple[nn.Module, int]:
+    """FullyShardedDataParallel over the meta model: units = model._no_split_modules (as
+    accelerate wraps), parameters allocated per unit on `device` keeping ties
+    (reshard.fsdp1_param_init_fn). Returns (FSDP root, number of units with parameters)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in no_split}
+    kwargs = dict(auto_wrap_policy=ModuleWrapPolicy(classes), device_id=device,
+                  param_init_fn=reshard.fsdp1_param_init_fn(device), use_orig_params=use_orig_params)
+    if mixed_precision:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    wrapped = FSDP(model, **kwargs)
+    units = sum(1 for m in FSDP.fsdp_modules(wrapped) if m._handle is not None)
+    return wrapped, units
+
+
+def mixed_precision_policy(enabled: bool, device: torch.device, log) -> Optional[object]:
+    if not enabled:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        log("bf16: this GPU does not support bf16; training without mixed precision")
+        return None
+    if device.type == "cpu":
+        try:  # bf16 matmul must exist on this CPU build
+            torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+        except RuntimeError as e:
+            log(f"bf16: not usable on this CPU ({e}); training without mixed precision")
+            return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------
+
+def _rng_hex(state: torch.Tensor) -> str:
+    return bytes(state.tolist()).hex()
+
+
+def _rng_tensor(text: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory (holding reshard.json) from --resume: the directory itself, or
+    the complete step-* directory of the highest step in a --save-dir. A save that did not
+    finish has no reshard.json (rank 0 writes it last), so it is never picked."""
+    if os.path.exists(os.path.join(path, "reshard.json")):
+        return path
+    steps = []
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if name.startswith("step-") and name[5:].isdigit() and \
+                    os.path.exists(os.path.join(path, name, "reshard.json")):
+                steps.append((int(name[5:]), name))
+    if not steps:
+        raise SystemExit(f"--resume {path}: neither a checkpoint (reshard.json) nor a --save-dir "
+                         "holding a complete step-* checkpoint")
+    return os.path.join(path, max(steps)[1])
+
+
+def save_checkpoint(args, model, opt, batches: "Batches", step: int, rank: int, source: str,
+                    log0) -> str:
+    """Collective. Writes DIR/step-<step>/: each rank's trainer state first, then
+    reshard.save, whose manifest (written last, by rank 0) is the commit point."""
+
+    name = f"step-{step:08d}"
+    ckpt = os.path.join(args.save_dir, name)
+    tdir = os.path.join(ckpt, "trainer")
+    os.makedirs(tdir, exist_ok=True)
+    state = {"step": step, "batches": batches.get_state(), "torch_rng": _rng_hex(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng"] = _rng_hex(torch.cuda.get_rng_state())
+    tmp = os.path.join(tdir, f".rank-{rank:05d}.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(tdir, f"rank-{rank:05d}.json"))
+    fd = os.open(tdir, os.O_RDONLY)  # the rename is durable before the manifest commits it
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t0 = time.perf_counter()
+    report = reshard.save(model, ckpt, optimizer=opt, step=step, source=source)
+    log0(f"save: step {step} -> {ckpt} (rank 0 wrote {report.bytes / 1e6:.2f} MB in "
+         f"{time.perf_counter() - t0:.3f} s)")
+    return ckpt
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    t_job = time.perf_counter()
+    rank, world, device = init_distributed(args.device)
+    if device.type == "cuda":  # the copy engine is set up in the background meanwhile
+        reshard.prepare(device, threads=args.threads)
+
+    def log0(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    torch.manual_seed(args.seed)
+    mesh = init_device_mesh(device.type, (world,))
+    mp = mixed_precision_policy(args.bf16, device, log0)
+    resume = resolve_checkpoint(args.resume) if args.resume else None
+    weights = resume or args.out  # where the model is loaded from
+    if args.param_dtype == "checkpoint":
+        model = reshard.empty_model(weights)
+    else:
+        model = reshard.empty_model(weights, dtype=_DTYPES[args.param_dtype])
+    cls = reference_class(model)
+    require_causal_lm(cls, args.out)
+    if args.fsdp1:
+        model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
+    else:
+        units = shard_model(model, mesh, mp)
+        model.to_empty(device=device)
+    live_dtype = next(model.parameters()).dtype
+    compute_dtype = torch.bfloat16 if mp is not None else live_dtype
+    log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+         f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s), {device.type}/{dist.get_backend()}, parameters "
+         f"{live_dtype}, compute {compute_dtype}{' (mixed precision bf16/fp32)' if mp else ''}")
+
+    result: Dict[str, object] = {
+        "rank": rank, "world_size": world, "device": str(device), "backend": dist.get_backend(),
+        "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
+        "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
+        "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
+    }
+    rss_before = current_rss_bytes()
+    peak_before = peak_rss_bytes()
+    result["rss"] = {"before_load": rss_before, "peak_before_load": peak_before}
+
+    if args.dry_baseline:
+        result["dry_baseline"] = True
+        result["rss"]["peak_final"] = peak_rss_bytes()
+        print(f"rank {rank}/{world}: dry baseline (built, sharded, to_empty; not loaded): RSS "
+              f"{rss_before / 2**20:.0f} MiB, peak RSS {result['rss']['peak_final'] / 2**20:.0f} MiB", flush=True)
+        return result
+
+    # --- load this rank's shard ---
+    dist.barrier()
+    report = reshard.load(model, weights, threads=args.threads)
+    peak_after = peak_rss_bytes()
+    result["rss"]["peak_after_load"] = peak_after
+    if device.type == "cuda":
+        result["cuda_after_load_bytes"] = torch.cuda.memory_allocated(device)
+        result["cuda_peak_after_load_bytes"] = torch.cuda.max_memory_allocated(device)
+    result["load_wall_s"] = time.perf_counter() - t_job
+    result["rss"]["load_increment"] = peak_after - rss_before
+    result["load"] = {"file": report.file, "layout": report.layout, "bytes": report.bytes,
+                      "seconds": report.seconds, "gbps": report.gbps, "tensors": report.tensors,
+                      "converted_tensors": report.converted_tensors, "direct_io": report.direct_io,
+                      "staging_bytes": report.staging_bytes, "threads": report.threads}
+    log0(f"load: rank 0 read {report.bytes / 1e6:.2f} MB from {os.path.relpath(report.file, weights)} "
+         f"in {report.seconds:.3f} s ({report.gbps:.2f} GB/s), {report.converted_tensors} tensor(s) "
+         f"converted to {live_dtype}")
+
+    # --- optional checks, right after the load and before any update ---
+    if args.check_weights:
+        result["params_checked"] = check_weights(model, args.check_weights, cls, log0)
+
+    docs = load_documents(args.data)
+    encode, eos_id, tok_desc = make_encoder(args.out, model.config.vocab_size)
+    log0(f"tokenizer: {tok_desc}")
+    result["tokenizer"] = tok_desc
+    if args.check_generate:
+        prompt = torch.tensor(encode(args.prompt), dtype=torch.int64)
+        result["generate"] = check_generate(model, args.check_generate, prompt, compute_dtype,
+                                            model_class=cls, log=log0)
+
+    t0 = time.perf_counter()
+    stream = token_stream(docs, encode, eos_id, model.config.vocab_size)
+    batches = Batches(stream, args.batch_size, args.seq_len, args.seed, rank)
+    log0(f"data: {args.data or DEFAULT_CORPUS}: {len(docs)} document(s), {stream.numel()} tokens "
+         f"({time.perf_counter() - t0:.2f} s)")
+
+    # --- training ---
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    start_step = 0
+    if resume:
+        reshard.load_optimizer(opt, model, resume)
+        tpath = os.path.join(resume, "trainer", f"rank-{rank:05d}.json")
+        if not os.path.exists(tpath):
+            raise SystemExit(f"--resume: {tpath} is missing (a checkpoint of another world size, "
+                             "or not written by reshard.train)")
+        with open(tpath) as f:
+            tstate = json.load(f)
+        start_step = int(tstate["step"])
+        batches.set_state(tstate["batches"])
+        torch.set_rng_state(_rng_tensor(tstate["torch_rng"]))
+        if "cuda_rng" in tstate and device.type == "cuda":
+            torch.cuda.set_rng_state(_rng_tensor(tstate["cuda_rng"]))
+        log0(f"resume: {resume} at step {start_step}")
+    result["first_step"] = start_step + 1
+    result["checkpoints"] = []
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    losses: List[float] = []
+    grad_norms: List[float] = []
+    step_times: List[float] = []
+    model.train()
+    for step in range(start_step, args.steps):
+        lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else args.lr
+        for g in opt.param_groups:
+            g["lr"] = lr
+        t_step = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for micro in range(args.grad_accum):
+            last = micro == args.grad_accum - 1
+            if args.fsdp1:
+                sync = contextlib.nullcontext() if last else model.no_sync()
+            else:
+                model.set_requires_gradient_sync(last)
+                sync = contextlib.nullcontext()
+            with sync:
+                ids = batches.next().to(device)
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / args.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        if args.max_grad_norm > 0:
+            if args.fsdp1:  # FSDP1's own: the norm over all ranks' shards
+                norm = model.clip_grad_norm_(args.max_grad_norm)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            grad_norms.append(float(norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # SUM: gloo has no AVG
+        step_loss = loss_sum.item() / (args.grad_accum * world)
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"step {step + 1}: loss is {step_loss}")
+        dt = time.perf_counter() - t_step
+        losses.append(step_loss)
+        step_times.append(dt)
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            gn = f" grad_norm {grad_norms[-1]:.3f}" if grad_norms else ""
+            log0(f"step {step + 1}/{args.steps} loss {step_loss:.4f} lr {lr:.2e}{gn} "
+                 f"tokens/s {tokens_per_step / dt:.0f} ({dt:.2f} s)")
+        if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
+                              or step + 1 == args.steps):
+            result["checkpoints"].append(save_checkpoint(args, model, opt, batches, step + 1, rank,
+                                                         weights, log0))
+
+    train_s = sum(step_times)
+    result.update({
+        "losses": losses, "grad_norms": grad_norms, "step_seconds": step_times,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step * len(step_times) / train_s if train_s else 0.0,
+        "steps": args.steps, "lr": args.lr, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "grad_accum": args.grad_accum, "max_grad_norm": args.max_grad_norm, "seed": args.seed,
+    })
+    result["rss"]["peak_final"] = peak_rss_bytes()
+    if device.type == "cuda":
+        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    cuda = (f", peak CUDA {result['cuda_peak_bytes'] / 2**20:.0f} MiB" if "cuda_peak_bytes" in result else "")
+    loss_txt = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
+    line = (f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
+            f"{os.path.relpath(report.file, weights)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
+            f"peak RSS {peak_after / 2**20:.0f} MiB after load (RSS before load {rss_before / 2**20:.0f} MiB), "
+            f"{result['rss']['peak_final'] / 2**20:.0f} MiB at the end{cuda}{loss_txt}, "
+            f"{result['tokens_per_s']:.0f} tokens/s")
+    if dist.is_available() and dist.is_initialized() and world > 1:
+        lines = [None] * world  # one summary per rank, printed in rank order by rank 0
+        dist.all_gather_object(lines, line)
+        if rank == 0:
+            print("\n".join(lines), flush=True)
+    else:
+        print(line, flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+        if args.json_out:
+            os.makedirs(args.json_out, exist_ok=True)
+            with open(os.path.join(args.json_out, f"rank-{result['rank']}.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Leave without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on
+    # CPU/gloo a run now and then aborts in a C++ destructor at exit ("terminate called without
+    # an active exception") after all work, output and the process-group teardown are done; seen
+    # more often since checkpoints use object collectives (broadcast_object_list).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

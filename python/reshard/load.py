@@ -1,0 +1,259 @@
+"""Loading a rank file into a live FSDP2 (DTensor, Shard(0)) or plain model in place: the
+model's parameters are matched against the file's entries, turned into raw targets, and the
+copy engine moves the bytes; buffers are restored as from_pretrained has them."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .engine import (LoadReport, default_threads, load_tensors, load_via_host, open_rank_file, target,
+                     target_device)
+from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
+from .layout import POLICY_NAMES, layout_key, layout_rank_file, require_manifest, torch_dtype
+from .model import clean_name, fresh_buffers, persistent_buffer_names
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter, the data of a plain one."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+def shard_coordinate(model: nn.Module) -> Tuple[int, int]:
+    """(world size, shard coordinate) of the job, from the parameters' placements."""
+    from torch.distributed.tensor import DTensor
+
+    found = None
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            placements = p.placements
+            shard_dims = [i for i, pl in enumerate(placements) if pl.is_shard()]
+            ok = (len(shard_dims) == 1 and placements[shard_dims[0]].dim == 0 and
+                  all(pl.is_replicate() for i, pl in enumerate(placements) if i != shard_dims[0]))
+            if not ok:
+                raise UnsupportedError(
+                    f"parameter {name}: placements {placements}; reshard loads FSDP2 layouts "
+                    "sharded on dim 0 along one mesh dimension (Replicate on the others, as in HSDP)")
+            mesh_dim = shard_dims[0]
+            this = (p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim))
+        else:
+            this = (1, 0)
+        if found is None:
+            found = (this, name)
+        elif found[0] != this:
+            raise UnsupportedError(
+                f"parameters {found[1]} and {name} are sharded differently ({found[0]} vs {this} "
+                "as (world size, shard coordinate)); shard every parameter with fully_shard on one mesh")
+    if found is None:
+        raise InvalidArgumentError("the model has no parameters")
+    return found[0]
+
+
+def find_rank_file(out: str, world_size: int, rank: int,
+                   live_dtype: Optional[torch.dtype] = None) -> Tuple[str, str]:
+    """Path of the rank file for this job in OUT and its layout key; raises with the command
+    that would create it. A layout converted to the live dtype (`--dtype bf16` →
+    fsdp2-wsN-bf16) is preferred; else the one with the checkpoint's own dtypes (fsdp2-wsN)."""
+    policy = POLICY_NAMES.get(live_dtype)
+    candidates = ([layout_key(world_size, dtype=policy)] if policy else []) + [layout_key(world_size)]
+    convert = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
+    layouts = require_manifest(out, convert).get("layouts", {})
+    key = next((k for k in candidates if k in layouts), None)
+    if key is None:
+        have = ", ".join(sorted(layouts)) or "none"
+        dtype_flag = f" --dtype {policy}" if policy else ""
+        raise NotFoundError(
+            f"{out} has no layout {' or '.join(candidates)} for this job (FSDP2, world size "
+            f"{world_size}); it has: {have}. Create it with: {convert}{dtype_flag}")
+    path = layout_rank_file(out, key, rank, world_size, {"layouts": layouts})
+    if not os.path.exists(path):
+        raise NotFoundError(
+            f"{path}: missing rank file for shard coordinate {rank} of {world_size}. Create it with: "
+            f"{convert} --ranks {rank}-{rank}"
+            + (f" --dtype {layouts[key]['dtype']}" if layouts[key].get("dtype", "keep") != "keep" else ""))
+    return path, key
+
+
+def file_key(name: str, keys, prefix: str) -> Optional[str]:
+    """The rank-file entry of model name `name`: itself, or without / with the base model
+    prefix, as transformers maps checkpoint keys."""
+    if name in keys:
+        return name
+    if prefix:
+        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in keys:
+            return name[len(prefix) + 1:]
+        if f"{prefix}.{name}" in keys:
+            return f"{prefix}.{name}"
+    return None
+
+
+def finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
+                buffers, needs_fresh, device_index, *, threads, verify, io,
+                strict_buffers) -> LoadReport:
+    """Moves the bytes (direct targets through the native loader, converted ones and buffers
+    through host batches), restores non-persistent buffers, waits for the device, reports."""
+    n_threads = threads or default_threads()
+    dev = device_index or 0
+    result = load_tensors(rank_file, direct, device=dev, threads=n_threads, verify=verify, io=io)
+    b, sec = load_via_host(rank_file, entries, converted + buffers, dev, n_threads, verify)
+    restored = restore_buffers(model, needs_fresh, strict_buffers)
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    total_bytes, total_seconds = result.bytes + b, result.seconds + sec
+    return LoadReport(file=rank_file.path, layout=key, rank=coord, world_size=world_size, bytes=total_bytes,
+                      seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
+                      tensors=len(direct) + len(converted) + len(buffers),
+                      staging_bytes=result.staging_bytes, direct_io=result.direct_io,
+                      threads=result.threads, converted_tensors=len(converted),
+                      buffers_restored=restored, staging_alloc_seconds=result.staging_alloc_seconds,
+                      pooled=result.pooled)
+
+
+def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
+    """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones (and
+    persistent ones the file lacks) are restored as from_pretrained computes them (their
+    names; fresh_buffers)."""
+    persistent = persistent_buffer_names(model)
+    targets = []
+    needs_fresh = []
+    for name, b in model.named_buffers():
+        name = clean_name(name)
+        key_in_file = file_key(name, entries, prefix)
+        if name in persistent and key_in_file is not None:
+            e = entries[key_in_file]
+            used.add(key_in_file)
+            if e.shard is not None and e.local_shape != e.global_shape:
+                raise LayoutMismatchError(
+                    f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
+                    "rank (not supported yet for world size > 1)")
+            targets.append((key_in_file, b))
+        else:
+            # Non-persistent buffers are never in a checkpoint; a persistent one that the
+            # checkpoint lacks is initialised by from_pretrained (a missing key): both come
+            # from the values reshard.empty_model computed as from_pretrained does.
+            needs_fresh.append(name)
+    return targets, needs_fresh
+
+
+def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bool) -> List[str]:
+    restored = []
+    if needs_fresh:
+        fresh = fresh_buffers(model)
+        missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
+        if missing_fresh and strict_buffers:
+            raise InvalidArgumentError(
+                f"cannot restore buffers {missing_fresh} (not in the rank file, and to_empty left "
+                "them uninitialised): build the model with reshard.empty_model(OUT), or restore "
+                "them yourself and pass strict_buffers=False")
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                name = clean_name(name)
+                if name in needs_fresh and fresh is not None and name in fresh:
+                    b.copy_(fresh[name])
+                    restored.append(name)
+    return restored
+
+
+def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
+         io: str = "auto", strict_buffers: bool = True) -> LoadReport:
+    """Loads this rank's shard from OUT into `model` in place.
+
+    `model` is an FSDP2 model (fully_shard'ed, to_empty'd, before its first forward) or a plain
+    module (world size 1) on CUDA or CPU. Every parameter is checked against the rank file
+    (name, global shape, local shape, dtype) before any byte moves; a mismatch raises
+    LayoutMismatchError naming the parameter. Non-persistent buffers (and persistent ones the
+    file lacks) get the values from_pretrained gives them. Raises a ReshardError on any
+    failure; then the model must be considered not loaded.
+
+    FSDP1 models (FullyShardedDataParallel, any sharding strategy) load from an fsdp1 layout
+    whose units match the live FlatParameters exactly (reshard.load_fsdp1)."""
+    from .load_fsdp1 import fsdp1_units, load_fsdp1
+
+    units = fsdp1_units(model)
+    if units:
+        return load_fsdp1(model, out, units, threads=threads, verify=verify, io=io,
+                          strict_buffers=strict_buffers)
+    world_size, coord = shard_coordinate(model)
+    if world_size == 1 and hasattr(model, "tie_weights"):
+        # nn.Module.to_empty gives each module its own new parameter, silently untying
+        # shared weights of a plain (not fully_shard'ed) model; tie them again first.
+        model.tie_weights()
+    float_dtypes = {local_tensor(p).dtype for _, p in model.named_parameters() if p.is_floating_point()}
+    live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+    path, key = find_rank_file(out, world_size, coord, live_dtype)
+    rank_file = open_rank_file(path)
+    if rank_file.world_size != world_size or rank_file.rank != coord:
+        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
+                           f"expected {coord} of {world_size}")
+    entries = {t.name: t for t in rank_file.tensors}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
+
+    direct = []
+    converted: List[Tuple[str, torch.Tensor]] = []
+    used = set()
+    device_index = None
+    missing = []
+    for name, p in model.named_parameters():
+        key_in_file = file_key(name, entries, prefix)
+        if key_in_file is None:
+            missing.append(name)
+            continue
+        e = entries[key_in_file]
+        used.add(key_in_file)
+        local = local_tensor(p)
+        if local.device.type == "meta":
+            raise InvalidArgumentError(f"parameter {name} is on the meta device: call "
+                               "model.to_empty(device=...) before reshard.load")
+        if list(p.shape) != e.global_shape:
+            raise LayoutMismatchError(
+                f"parameter {name}: the model has global shape {list(p.shape)}, {path} has "
+                f"{e.global_shape}: another model or config. Convert this model's checkpoint: {convert_cmd}")
+        if list(local.shape) != e.local_shape:
+            raise LayoutMismatchError(
+                f"parameter {name}: local shard shape {list(local.shape)} but {path} holds "
+                f"{e.local_shape} (rows {e.shard}); the layout does not match this job. "
+                f"Convert for it: {convert_cmd}")
+        if not local.is_contiguous():
+            raise UnsupportedError(f"parameter {name}: local shard is not contiguous")
+        try:
+            file_dtype = torch_dtype(e.dtype)
+        except ValueError:
+            raise UnsupportedError(f"parameter {name}: file dtype {e.dtype} has no torch dtype") from None
+        on_device, device_index = target_device(local, f"parameter {name}", device_index)
+        if e.nbytes == 0:
+            continue
+        if local.dtype == file_dtype:
+            direct.append(target(key_in_file, local, e.nbytes, on_device))
+        else:
+            if not (local.dtype.is_floating_point and file_dtype.is_floating_point):
+                raise UnsupportedError(
+                    f"parameter {name}: live dtype {local.dtype}, file dtype {file_dtype}; only "
+                    "floating-point dtypes are converted at load time")
+            converted.append((key_in_file, local))
+    if missing:
+        raise LayoutMismatchError(
+            f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}. Is OUT converted from this model's checkpoint? {convert_cmd}")
+
+    buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
+    unexpected = sorted(set(entries) - used)
+    aliases = set()
+    for n, _ in model.named_parameters(remove_duplicate=False):
+        k = file_key(n, entries, prefix)
+        if k is not None:
+            aliases.add(k)
+    unexpected = [k for k in unexpected if k not in aliases]
+    if unexpected:
+        warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
+                      f"{', '.join(unexpected[:8])}", stacklevel=2)
+
+    return finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
+                       buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                       strict_buffers=strict_buffers)

@@ -1,0 +1,179 @@
+"""Building the Hugging Face model a job loads into, and what the model itself decides:
+parameter and buffer names (without FSDP1 wrapper parts), which buffers are persistent, and
+the buffers' values as from_pretrained leaves them."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from .engine import open_rank_file, prepare_quietly
+from .errors import CorruptFileError, NotFoundError
+from .layout import read_manifest, torch_dtype
+
+
+def fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+    """Non-persistent buffers (and persistent ones that a checkpoint may lack) as
+    from_pretrained has them for this model: the stash reshard.empty_model made, else those of
+    a fresh copy of a Hugging Face model built as from_pretrained builds it (see
+    init_buffers_as_from_pretrained), in the dtype of its floating-point parameters."""
+    stash = getattr(model, "_reshard_buffers", None)
+    if stash is not None:
+        return stash
+    model = getattr(model, "_fsdp_wrapped_module", model)
+    stash = getattr(model, "_reshard_buffers", None)
+    if stash is not None:
+        return stash
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    cls = next((c for c in type(model).__mro__
+                if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")), None)
+    if cls is None or not hasattr(model, "config"):
+        return None
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = getattr(model, "_reshard_build_dtype", None) or (dtypes.pop() if len(dtypes) == 1 else None)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        fresh = cls._from_config(model.config, dtype=dtype) if dtype is not None else cls(model.config)
+    init_buffers_as_from_pretrained(fresh)
+    return buffer_values(fresh)
+
+
+def init_buffers_as_from_pretrained(model: nn.Module) -> None:
+    """Recomputes the buffers of a just-built model (parameters on meta) the way from_pretrained
+    leaves them: from_pretrained builds under its dtype (torch's default dtype set to it, so a
+    buffer computed in the constructor may be computed in bf16/fp16), then, after leaving that
+    context, runs the model's own initialize_weights() on everything the checkpoint did not
+    provide, which recomputes buffers such as GPT-J's `embed_positions` or a rotary
+    `inv_freq` in the caller's default dtype (fp32). Here every parameter is marked
+    initialised (transformers' init functions skip those), the modules' flags are cleared,
+    and initialize_weights() runs, so that only buffers are written. Models without
+    initialize_weights keep their constructor's values."""
+    init_fn = getattr(model, "initialize_weights", None)
+    if init_fn is None:
+        return
+    params = [p for p in model.parameters()]
+    module_flags = [(m, m.__dict__.get("_is_hf_initialized")) for m in model.modules()]
+    for p in params:
+        p._is_hf_initialized = True
+    for m, _ in module_flags:
+        m.__dict__.pop("_is_hf_initialized", None)
+    try:
+        with torch.no_grad():
+            init_fn()
+    finally:
+        for p in params:
+            p.__dict__.pop("_is_hf_initialized", None)
+        for m, flag in module_flags:
+            m.__dict__.pop("_is_hf_initialized", None)
+            if flag is not None:
+                m._is_hf_initialized = flag
+
+
+WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def clean_name(name: str) -> str:
+    """A module/parameter/buffer path without FSDP1 / activation-checkpoint wrapper parts."""
+    return ".".join(part for part in name.split(".") if part and part not in WRAPPER_PARTS)
+
+
+def persistent_buffer_names(model: nn.Module) -> set:
+    """Names of the persistent buffers, as state_dict() would list them, without calling it
+    (FSDP1's state_dict() gathers the whole model)."""
+    names = set()
+    for mname, m in model.named_modules():
+        for bname, b in m._buffers.items():
+            if b is not None and bname not in m._non_persistent_buffers_set:
+                names.add(clean_name(f"{mname}.{bname}" if mname else bname))
+    return names
+
+
+def buffer_values(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Copies of every buffer (persistent or not) by clean name: non-persistent ones are
+    restored from here after to_empty; persistent ones from here only when the rank file
+    lacks them (as from_pretrained initialises a missing key)."""
+    return {clean_name(n): b.detach().clone() for n, b in model.named_buffers()
+            if b is not None and not b.is_meta}
+
+
+def weights_dtype(out: str) -> Optional[torch.dtype]:
+    """from_pretrained(dtype="auto") on a config without a dtype takes the first floating
+    tensor's dtype of the checkpoint's first file; here the dtype of the first floating tensor
+    (by name) of rank 0 of a layout that keeps the source's dtypes. None when OUT has none."""
+    try:
+        manifest = read_manifest(out)
+    except (CorruptFileError, NotFoundError):
+        return None
+    layouts = (manifest or {}).get("layouts", {})
+    for key in sorted(layouts):
+        entry = layouts[key]
+        if entry.get("dtype", "keep") != "keep" or not entry.get("ranks"):
+            continue
+        try:
+            rank_file = open_rank_file(os.path.join(out, entry.get("dir", key), entry["ranks"][0]["file"]))
+        except (CorruptFileError, NotFoundError):
+            continue
+        for t in sorted(rank_file.tensors, key=lambda t: t.name):
+            try:
+                d = torch_dtype(t.dtype)
+            except ValueError:
+                continue
+            if d.is_floating_point:
+                return d
+    return None
+
+
+def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
+    """Builds the Hugging Face model described by OUT/config.json with parameters on the
+    meta device and buffers computed for real, ready for fully_shard → to_empty → load."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    config = transformers.AutoConfig.from_pretrained(out)
+    if model_class is None:
+        archs = getattr(config, "architectures", None) or []
+        model_class = getattr(transformers, archs[0], None) if archs else None
+        if model_class is None:
+            model_class = transformers.AutoModelForCausalLM
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or \
+            weights_dtype(out) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        if hasattr(model_class, "from_config"):
+            model = model_class.from_config(config, dtype=dtype)
+        else:
+            model = model_class._from_config(config, dtype=dtype)
+    # transformers v5 ties weights in from_pretrained, not in from_config.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    init_buffers_as_from_pretrained(model)
+    model._reshard_buffers = buffer_values(model)
+    model._reshard_build_dtype = dtype
+    prepare_quietly()  # the copy engine's set-up overlaps fully_shard / to_empty
+    return model
+
+
+def reference_class(model: nn.Module):
+    """The Hugging Face class of `model` (FSDP2 swaps in a dynamic subclass)."""
+    from transformers import PreTrainedModel
+
+    return next(c for c in type(model).__mro__
+                if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP"))
+
+
+def build_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype reshard.empty_model built `model` in (None for models built otherwise)."""
+    for m in (model, getattr(model, "_fsdp_wrapped_module", None)):
+        dtype = getattr(m, "_reshard_build_dtype", None) if m is not None else None
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return None

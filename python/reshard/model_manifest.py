@@ -1,0 +1,116 @@
+"""Captures a model manifest (formats/model-manifest.md): the modules, parameter order, tied
+parameters and buffers of a Hugging Face model, built on the meta device from its config.
+
+FSDP1 flattens each wrapped unit's parameters in module registration order, which a checkpoint
+does not record (safetensors keys are sorted), so `reshard convert --layout fsdp1` needs this.
+
+    python -m reshard.model_manifest SRC -o OUT/reshard-model.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+
+FORMAT = "reshard.model"
+FORMAT_VERSION = 1
+
+
+def _no_split_modules(model: nn.Module) -> List[str]:
+    names = getattr(model, "_no_split_modules", None) or []
+    return sorted(set(names))
+
+
+def model_manifest(model: nn.Module) -> Dict[str, Any]:
+    """The manifest of `model` (any nn.Module; parameters may be on the meta device)."""
+    param_index: Dict[int, int] = {}
+    params: List[Dict[str, Any]] = []
+    modules: List[Dict[str, Any]] = []
+    for mname, module in model.named_modules(remove_duplicate=False):
+        entries = []
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{mname}.{pname}" if mname else pname
+            idx = param_index.get(id(p))
+            if idx is None:
+                idx = param_index[id(p)] = len(params)
+                params.append({"names": [fqn], "shape": list(p.shape)})
+            elif fqn not in params[idx]["names"]:
+                params[idx]["names"].append(fqn)
+            entries.append([pname, idx])
+        modules.append({"name": mname, "class": type(module).__name__, "params": entries})
+    persistent = set(model.state_dict().keys())
+    buffers = [{"name": n, "shape": list(b.shape), "persistent": n in persistent}
+               for n, b in model.named_buffers()]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_class": type(model).__name__,
+        "base_model_prefix": getattr(model, "base_model_prefix", "") or "",
+        "no_split_modules": _no_split_modules(model),
+        "modules": modules,
+        "params": params,
+        "buffers": buffers,
+    }
+
+
+def build_meta_model(src: str, model_class: Optional[str] = None) -> nn.Module:
+    """The model of checkpoint directory `src` (its config.json) with meta parameters."""
+    from .model import empty_model
+
+    cls = None
+    if model_class:
+        import transformers
+
+        cls = getattr(transformers, model_class, None)
+        if cls is None:
+            raise SystemExit(f"transformers has no class {model_class}")
+    return empty_model(src, model_class=cls)
+
+
+def write_manifest(manifest: Dict[str, Any], path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m reshard.model_manifest",
+        description="Record a Hugging Face model's modules, parameter order, tied parameters and "
+                    "buffers (built on the meta device from SRC/config.json, no weights read) "
+                    "for `reshard convert --layout fsdp1`.",
+        epilog="Example: python -m reshard.model_manifest ./Llama-3.1-8B -o ./shards/reshard-model.json\n"
+               "         reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", metavar="SRC", help="checkpoint directory with config.json")
+    ap.add_argument("-o", "--out", required=True,
+                    help="manifest file to write (convert looks for SRC/ or OUT/reshard-model.json)")
+    ap.add_argument("--model-class", default=None,
+                    help="transformers class to build (default: config.architectures[0])")
+    args = ap.parse_args(argv)
+    if not os.path.exists(os.path.join(args.src, "config.json")):
+        print(f"{args.src}: no config.json; a Hugging Face checkpoint directory is needed",
+              file=sys.stderr)
+        return 3
+    model = build_meta_model(args.src, args.model_class)
+    m = model_manifest(model)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_manifest(m, args.out)
+    print(f"wrote {args.out}: {m['model_class']}, {len(m['params'])} parameters, "
+          f"{len(m['modules'])} modules, default wrap {m['no_split_modules'] or '(root only)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

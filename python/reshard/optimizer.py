@@ -1,0 +1,260 @@
+"""Optimizer state in a saved checkpoint: what reshard.save writes of it (OUT/KEY/optim/: one
+rank file of state tensors per shard coordinate, sharded like their parameters under FSDP2,
+and optimizer.json with the param groups and scalars) and reshard.load_optimizer, which
+restores it into a job of the same layout."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from .engine import default_threads, load_tensors, open_rank_file, raw_save_entry, save_entry, target
+from .errors import (CorruptFileError, InvalidArgumentError, LayoutMismatchError, NotFoundError,
+                     UnsupportedError)
+from .layout import layout_key, rank_file_name, read_manifest, torch_dtype
+from .load import local_tensor, shard_coordinate
+from .load_fsdp1 import fsdp1_job
+from .model import clean_name
+
+OPTIM_DIR = "optim"
+OPTIM_JSON = "optimizer.json"
+OPTIM_SEP = "#"  # optimizer tensor names: "<parameter name>#<state key>"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(type(v).__name__)
+
+
+def param_names(model: nn.Module, fsdp1: bool) -> Dict[str, torch.Tensor]:
+    """name → parameter, names as model.named_parameters() gives them (for FSDP1 without the
+    wrapper parts: "model.layers.0._flat_param", or the original parameters' names)."""
+
+    return {(clean_name(n) if fsdp1 else n): p for n, p in model.named_parameters()}
+
+
+def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1: bool = False):
+    from torch.distributed.tensor import DTensor
+
+    params = param_names(model, fsdp1)
+    names = {id(p): n for n, p in params.items()}
+    entries, keep, state_desc = [], [], {}
+    groups = []
+    for gi, g in enumerate(optimizer.param_groups):
+        gnames = []
+        for p in g["params"]:
+            if id(p) not in names:
+                raise InvalidArgumentError(f"optimizer param_groups[{gi}] holds a tensor that is not a "
+                                   "parameter of the model")
+            gnames.append(names[id(p)])
+        hyper = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            try:
+                hyper[k] = _jsonable(v)
+            except TypeError:
+                raise UnsupportedError(f"optimizer param_groups[{gi}][{k!r}] is a {type(v).__name__}; "
+                                   "reshard saves JSON-like hyper-parameters only") from None
+        groups.append({"params": gnames, **hyper})
+    for p, st in optimizer.state.items():
+        name = names.get(id(p))
+        if name is None:
+            raise InvalidArgumentError("optimizer state for a tensor that is not a parameter of the model")
+        desc = {"tensors": {}, "scalars": {}}
+        for k, v in sorted(st.items()):
+            if not isinstance(v, torch.Tensor):
+                try:
+                    desc["scalars"][k] = _jsonable(v)
+                except TypeError:
+                    raise UnsupportedError(f"optimizer state {name}[{k!r}] is a {type(v).__name__}; "
+                                       "reshard saves tensors and JSON-like values only") from None
+                continue
+            full_shape = list(v.shape)
+            if v.dim() == 0:
+                kind = "whole"
+                e, t = save_entry(f"{name}{OPTIM_SEP}{k}", v.detach(), [], world, coord, True)
+            elif fsdp1:
+                # FSDP1: state of this rank's local flat shard or original-parameter view, kept
+                # as it is (stored whole); it fits only this layout's same shard coordinate.
+                if full_shape != list(params[name].shape):
+                    raise UnsupportedError(
+                        f"optimizer state {name}[{k!r}] has shape {full_shape}, its parameter "
+                        f"{list(params[name].shape)} on this rank; reshard saves FSDP1 state shaped "
+                        "like its local parameter, or 0-dim (load_optimizer could not restore it)")
+                kind = "local"
+                e, t = raw_save_entry(f"{name}{OPTIM_SEP}{k}", v.detach(), full_shape, False, 0, 0)
+            elif full_shape == list(params[name].shape):
+                kind = "sharded"
+                local = v.to_local() if isinstance(v, DTensor) else v
+                e, t = save_entry(f"{name}{OPTIM_SEP}{k}", local.detach(), full_shape, world, coord,
+                              sharded_like_param=isinstance(v, DTensor) or world == 1)
+            else:
+                raise UnsupportedError(f"optimizer state {name}[{k!r}] has shape {full_shape}; reshard "
+                                   "saves state shaped like its parameter, or 0-dim")
+            desc["tensors"][k] = kind
+            entries.append(e)
+            keep.append(t)
+        state_desc[name] = desc
+    meta = {"format": "reshard.optimizer", "format_version": 1,
+            "class": type(optimizer).__name__, "param_groups": groups, "state": state_desc}
+    return entries, keep, meta
+
+
+def check_optimizer_files(out: str, key: str, world: int, save_id: int, step) -> None:
+    """Before the manifest commits the save: every optimizer rank file is there, valid
+    (preamble and header), and of this save."""
+    want = (f"{save_id:016x}", step)
+    for r in range(world):
+        path = os.path.join(out, key, OPTIM_DIR, rank_file_name(r, world))
+        if not os.path.exists(path):
+            raise NotFoundError(f"{path}: missing; the optimizer state of shard {r} was not written")
+        f = open_rank_file(path)
+        if f.saved != want or f.rank != r or f.layout_key != key:
+            raise LayoutMismatchError(f"{path}: not rank {r} of this save (id, step {want}); found rank "
+                                      f"{f.rank} of {f.layout_key}, saved {f.saved}")
+    if not os.path.exists(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)):
+        raise NotFoundError(f"{os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)}: missing")
+
+
+def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
+    """Restores the optimizer state that reshard.save wrote into OUT for this job's shard
+    coordinate: every state tensor (DTensors sharded like their parameters, 0-dim tensors
+    whole; FSDP1: this rank's tensors as saved, which needs the same fsdp1 layout), the
+    scalars, and the param_groups' hyper-parameters. `optimizer` must hold the model's
+    parameters in the same groups, in the same order, as when saved. Returns the number of
+    parameters whose state was restored. Raises ReshardError on any mismatch."""
+    from torch.distributed.tensor import DTensor
+
+
+    job = fsdp1_job(model, "reshard.load_optimizer")
+    if job is not None:
+        world, coord, key = job.world, job.coord, job.key
+    else:
+        world, coord = shard_coordinate(model)
+        key = layout_key(world)
+    odir = os.path.join(out, key, OPTIM_DIR)
+    meta_path = os.path.join(odir, OPTIM_JSON)
+    path = os.path.join(odir, rank_file_name(coord, world))
+    if read_manifest(out) is None:
+        raise NotFoundError(f"{out}: no reshard.json; not a complete checkpoint")
+    for p in (meta_path, path):
+        if not os.path.exists(p):
+            others = sorted(d for d in os.listdir(out)
+                            if d != key and os.path.exists(os.path.join(out, d, OPTIM_DIR, OPTIM_JSON)))
+            has = (f"; {out} holds optimizer state for layout(s) {', '.join(others)} only, "
+                   f"another layout than this job's {key}" if others else "")
+            raise NotFoundError(f"{p}: missing; was {out} saved with reshard.save(..., optimizer=...) "
+                               f"by a job of this layout ({key}, world size {world})?{has}")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != "reshard.optimizer" or meta.get("format_version") != 1:
+        raise CorruptFileError(f"{meta_path}: not a reshard optimizer description (format version 1)")
+    if meta.get("layout", key) != key:
+        raise LayoutMismatchError(f"{meta_path}: saved for layout {meta['layout']}, this job's is {key}")
+    if meta["class"] != type(optimizer).__name__:
+        raise LayoutMismatchError(f"{meta_path}: saved from a {meta['class']}, this optimizer is a "
+                           f"{type(optimizer).__name__}")
+    rank_file = open_rank_file(path)
+    if rank_file.rank != coord or rank_file.layout_key != key:
+        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of layout {rank_file.layout_key}, "
+                                  f"this job needs rank {coord} of {key}")
+    manifest_source = read_manifest(out)["source"]
+    if rank_file.source_fingerprint != manifest_source["fingerprint"]:
+        raise LayoutMismatchError(f"{path}: belongs to another save than {out}/reshard.json "
+                                  f"({rank_file.source_fingerprint} vs {manifest_source['fingerprint']})")
+    params = param_names(model, job is not None)
+    names = {id(p): n for n, p in params.items()}
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise LayoutMismatchError(f"{meta_path}: {len(meta['param_groups'])} param group(s), the optimizer "
+                           f"has {len(optimizer.param_groups)}")
+    for gi, (saved, g) in enumerate(zip(meta["param_groups"], optimizer.param_groups)):
+        live = [names.get(id(p)) for p in g["params"]]
+        if live != saved["params"]:
+            raise LayoutMismatchError(f"{meta_path}: param_groups[{gi}] holds other parameters than the "
+                               "optimizer's (names or order differ)")
+    entries = {t.name: t for t in rank_file.tensors}
+    new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
+    targets = []
+    device_index = None
+    group_of = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            group_of[id(p)] = gi
+    if job is not None:  # FSDP1: the state of this shard coordinate
+        rank_state = meta.get("rank_state")
+        if not isinstance(rank_state, list) or len(rank_state) != world:
+            raise CorruptFileError(f"{meta_path}: no rank_state for the {world} shard coordinates of "
+                               f"this FSDP1 job")
+        state_desc = rank_state[coord]
+    else:
+        state_desc = meta["state"]
+    for name, desc in state_desc.items():
+        if name not in params:
+            raise LayoutMismatchError(f"{meta_path}: state for {name}, which the model does not have")
+        p = params[name]
+        local_p = local_tensor(p)
+        g = optimizer.param_groups[group_of[id(p)]]
+        st: Dict[str, Any] = dict(desc.get("scalars", {}))
+        for k, kind in desc["tensors"].items():
+            tname = f"{name}{OPTIM_SEP}{k}"
+            e = entries.get(tname)
+            if e is None:
+                raise CorruptFileError(f"{path}: no tensor {tname!r}")
+            if kind == "whole":
+                dev = local_p.device if (g.get("capturable") or g.get("fused")) else torch.device("cpu")
+                t = torch.empty([], dtype=torch_dtype(e.dtype), device=dev)
+            elif kind == "local":
+                # This rank's own state of its local flat shard / original-parameter view.
+                if job is None or e.shard is not None or e.local_shape != list(local_p.shape):
+                    raise LayoutMismatchError(
+                        f"{path}: {tname} is this rank's local state of shape {e.local_shape}, "
+                        f"but the live parameter {name} has local shape {list(local_p.shape)}"
+                        f"{'' if job is not None else ' (and is no FSDP1 parameter)'}: the job's "
+                        f"layout or shard coordinate differs from the saved one ({key}, rank {coord})")
+                t = torch.empty(e.local_shape, dtype=torch_dtype(e.dtype), device=local_p.device)
+            elif kind != "sharded":
+                raise CorruptFileError(f"{meta_path}: state {name}[{k!r}] has kind {kind!r}; expected "
+                                   "sharded, whole or local")
+            else:
+                if e.global_shape != list(p.shape) or e.local_shape != list(local_p.shape):
+                    raise LayoutMismatchError(f"{path}: {tname} has shape {e.global_shape} (local "
+                                       f"{e.local_shape}); the parameter {list(p.shape)} (local "
+                                       f"{list(local_p.shape)})")
+                t = torch.empty(e.local_shape, dtype=torch_dtype(e.dtype), device=local_p.device)
+            if e.nbytes:
+                on_dev = t.device.type == "cuda"
+                if on_dev:
+                    device_index = t.device.index
+                targets.append(target(tname, t, e.nbytes, on_dev))
+            st[k] = t
+        new_state[p] = st
+    if targets:
+        load_tensors(rank_file, targets, device=device_index or 0, threads=default_threads(),
+                     io="buffered")
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    for p, st in new_state.items():  # sharded state becomes DTensors like its parameter
+        if isinstance(p, DTensor):
+            for k, t in st.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    st[k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+    for saved, g in zip(meta["param_groups"], optimizer.param_groups):
+        for k, v in saved.items():
+            if k == "params":
+                continue
+            g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+    optimizer.state.clear()
+    for p, st in new_state.items():
+        optimizer.state[p] = st
+    return len(new_state)
