@@ -23,7 +23,7 @@ reshard fsyncs every rank file before renaming it into place; the Python referen
 both as written naturally (no fsync) and with an fsync per file, and the read+write ceiling both
 without and with fsync, so every comparison can be made at equal durability.
 
-Usage: scripts/bench_convert.py [--size-gb 3] [--world-size 8] [--reps 3] [--json-out PATH]
+Usage: bench/bench_convert.py [--size-gb 3] [--world-size 8] [--reps 3] [--json-out PATH]
 """
 from __future__ import annotations
 
@@ -385,7 +385,7 @@ def main():
     W = args.world_size
     t_start = time.perf_counter()
     info = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["scripts/bench_convert.py", *sys.argv[1:]]),
+            "command": " ".join(["bench/bench_convert.py", *sys.argv[1:]]),
             "reshard": reshard,
             "reshard_version": subprocess.run([reshard, "--version"], capture_output=True,
                                               text=True).stdout.strip(),

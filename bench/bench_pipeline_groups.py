@@ -10,7 +10,7 @@ medians are printed with their ratio to the H2D ceiling (2 GiB in 64 MiB copies,
 of the same run.
 
 Usage (repo root, build/ built with CUDA, on the GPU machine):
-  python3 scripts/bench_pipeline_groups.py FILE [--make-bytes 1749000000] [--set w1|w2]
+  python3 bench/bench_pipeline_groups.py FILE [--make-bytes 1749000000] [--set w1|w2]
       [--rounds 8] [--json-out PATH]
 FILE is made of random bytes when --make-bytes is given and FILE does not exist; it is read
 once before the first round. BENCHMARKS.md §7, run W.

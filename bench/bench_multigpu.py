@@ -3,7 +3,7 @@ GPU, compared with accelerate's FSDP2 cpu_ram_efficient_loading and DCP's
 HuggingFaceStorageReader on the same model in the same run.
 
 Steps (all on the machine with the GPUs, N = number of visible GPUs unless --world-size):
-1. a Llama-shaped bf16 checkpoint of --size-gb (scripts/bench_checkpoint.py; 16 GB ≈ 8B params);
+1. a Llama-shaped bf16 checkpoint of --size-gb (bench/bench_checkpoint.py; 16 GB ≈ 8B params);
 2. `reshard convert` for world size N, FSDP2 and FSDP1 (model manifest by python -m
    reshard.manifest), then `reshard verify --source` of both (every byte);
 3. the aggregate storage ceiling: all N rank files read at once, cold (page cache dropped);
@@ -16,8 +16,8 @@ Steps (all on the machine with the GPUs, N = number of visible GPUs unless --wor
    from_pretrained on a subset run (--check-weights-ranks) when asked;
 6. writes JSON and a Markdown table into --outdir.
 
-Usage: python3 scripts/bench_multigpu.py --size-gb 16 --outdir $OUT
-       python3 scripts/bench_multigpu.py --cpu-smoke   # tiny, CPU/gloo, 2 processes, no peers
+Usage: python3 bench/bench_multigpu.py --size-gb 16 --outdir $OUT
+       python3 bench/bench_multigpu.py --cpu-smoke   # tiny, CPU/gloo, 2 processes, no peers
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "bench"))
 import bench_checkpoint  # noqa: E402
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]),

@@ -32,9 +32,9 @@ run is cold, and then times from before the first file is opened until every ten
 place and the device is synchronized. GB = 1e9 bytes landed on the GPU.
 
 Usage (repo root, build/ built, PYTHONPATH=python):
-  python3 scripts/bench_load.py                 # full run, ~4 GB checkpoint, 3 reps
-  python3 scripts/bench_load.py --quick         # smoke test on the GPU (~0.9 GB, 1 rep)
-  python3 scripts/bench_load.py --cpu-smoke     # no GPU: CPU-only parts end to end
+  python3 bench/bench_load.py                 # full run, ~4 GB checkpoint, 3 reps
+  python3 bench/bench_load.py --quick         # smoke test on the GPU (~0.9 GB, 1 rep)
+  python3 bench/bench_load.py --cpu-smoke     # no GPU: CPU-only parts end to end
 """
 from __future__ import annotations
 
@@ -911,7 +911,7 @@ def run_bench(b: Bench, args, threads) -> int:
 
     b.result.update({
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["scripts/bench_load.py", *map(shlex.quote, sys.argv[1:])]),
+        "command": " ".join(["bench/bench_load.py", *map(shlex.quote, sys.argv[1:])]),
         "mode": "cpu-smoke" if args.cpu_smoke else ("quick" if args.quick else "full"),
         "reshard_build": info, "torch": torch.__version__,
         "machine": machine_info(workdir),
@@ -1257,7 +1257,7 @@ def run_bench(b: Bench, args, threads) -> int:
     summary = build_summary(b, cases, series, h2d, threads, gpu)
     b.result["summary"] = summary
     text = render_table(b, cases, summary)
-    try:  # where the loads' time went (scripts/load_phases.py)
+    try:  # where the loads' time went (bench/load_phases.py)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from load_phases import phases_table
         text += "\n\n" + phases_table(b.result | {"runs": b.runs})

@@ -3,7 +3,7 @@
 and peak RSS, against I/O ceilings measured in the same run.
 
 One run:
-1. makes (or reuses) the shared Llama-shaped bf16 checkpoint (scripts/bench_checkpoint.py) and
+1. makes (or reuses) the shared Llama-shaped bf16 checkpoint (bench/bench_checkpoint.py) and
    converts it once (untimed) for world size W, raw, and once with --compress zstd;
 2. measures, interleaved in each repetition (warm page cache; the first repetition discarded):
    - ceiling "read": the rank files read sequentially into an 8 MiB buffer;
@@ -21,7 +21,7 @@ One run:
    with the source files chunk by chunk, by offsets read from both headers).
 
 GB = 1e9 bytes of tensor data everywhere, so GB/s ratios are ratios of times.
-Usage: scripts/bench_export.py [--size-gb 2.5] [--world-size 8] [--reps 3] [--json-out PATH]
+Usage: bench/bench_export.py [--size-gb 2.5] [--world-size 8] [--reps 3] [--json-out PATH]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 loader's report fields (ms) for the first load in each fresh process and for each later load
 in the same process (`2nd load`, and `reshard-tN-prepared-6loads`).
 
-  python3 scripts/load_phases.py OUTDIR/bench-load.json
+  python3 bench/load_phases.py OUTDIR/bench-load.json
 
 Fields (include/reshard/loader.h, LoadReport): seconds = the whole load; read = reading and
 hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the

@@ -14,7 +14,7 @@ For each rank file given, into preallocated CUDA tensors, GB = 1e9 bytes landed:
 The defaults in include/reshard/loader.h are chosen from this (BENCHMARKS.md §7). Prints a
 table per file and writes JSON (--json-out).
 
-  PYTHONPATH=python python3 scripts/bench_loader_knobs.py FILE [FILE ...] --json-out knobs.json
+  PYTHONPATH=python python3 bench/bench_loader_knobs.py FILE [FILE ...] --json-out knobs.json
 """
 
 import argparse
