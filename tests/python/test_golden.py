@@ -1,5 +1,5 @@
 """The hostile-file corpus tests/golden/ through the CLI: for every case of
-tests/golden/expectations.json (scripts/make_golden.py), each listed command (`inspect`,
+tests/golden/expectations.json (tests/golden/make_golden.py), each listed command (`inspect`,
 `verify`, `convert`) exits with the listed code and prints the listed message (file, field,
 found, expected), within a 4 GiB address-space limit and a time limit: a broken file may not
 make reshard crash, hang or allocate without bound. tests/core/golden_test.cc replays the same

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the hostile-file corpus tests/golden/ and its table tests/golden/expectations.json.
 
-    python scripts/make_golden.py [RESHARD_BIN]      # default build/reshard
+    python tests/golden/make_golden.py [RESHARD_BIN]      # default build/reshard
 
 Every file is a small, deliberately broken input, made from the format descriptions
 (formats/*.md, the safetensors spec) by this script, not by the library: the safetensors files
@@ -28,8 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN = os.path.join(ROOT, "tests", "golden")
+GOLDEN = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(GOLDEN))
 
 _xxh = ctypes.CDLL("libxxhash.so.0")
 _xxh.XXH3_64bits.restype = ctypes.c_uint64
@@ -346,7 +346,6 @@ def index_cases():
 
 
 def manifest_cases(reshard_bin, work):
-    src = os.path.join(work, "src")
     o = os.path.join(work, "zstd2")
     with open(os.path.join(o, "reshard.json")) as f:
         good = json.load(f)
@@ -395,7 +394,7 @@ def main():
         index_cases()
         manifest_cases(reshard_bin, work)
     with open(os.path.join(GOLDEN, "expectations.json"), "w") as f:
-        json.dump({"note": "written by scripts/make_golden.py; see tests/golden/README.md",
+        json.dump({"note": "written by tests/golden/make_golden.py; see tests/golden/README.md",
                    "cases": CASES}, f, indent=1)
         f.write("\n")
     total = sum(os.path.getsize(os.path.join(dp, n))
