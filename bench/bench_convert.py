@@ -45,7 +45,7 @@ from bench_checkpoint import make_checkpoint  # shared generator
 from common import (REPO, ceiling_read, ceiling_rw, drop_caches, fsdp_rows, machine_info,
                     noise_snapshot, rank_slice, source_handles, time_child, utc_now)
 
-KV_HEADS = 32  # runs A-C in BENCHMARKS.md used full multi-head attention
+KV_HEADS = 32  # runs A-C (bench/HISTORY.md §2) used full multi-head attention
 
 
 def source_files(src: Path):
@@ -156,7 +156,7 @@ def ratio_probes(reshard: str, workdir: Path, trained_dir: Path) -> list:
     except Exception as e:  # transformers missing or API changed: report and go on
         probes.append({"data": "transformers-llama-init-bf16", "error": repr(e)[:300]})
 
-    # Real trained weights, if present (see BENCHMARKS.md for how to get them).
+    # Real trained weights, if present (bench/HISTORY.md §4 says how to get them).
     real = {}
     if trained_dir.is_dir():
         for whl in trained_dir.glob("*.whl"):

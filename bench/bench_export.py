@@ -10,7 +10,7 @@ One run:
    - ceiling "read+write+fsync": the same reads appended to one file, then fsync (export
      fsyncs every file it writes, so this is the comparison at equal durability);
    - ceiling "cat+fsync": `cat rank files > file`, then fsync of that file (the same copy done
-     by coreutils; on this VM Python's write loop is slower than cat's, see BENCHMARKS.md);
+     by coreutils; on this VM Python's write loop is slower than cat's, see bench/HISTORY.md §9);
      ratios are given against each ceiling and against the faster of the two;
    - `reshard export` of the raw layout into one model.safetensors (default --max-shard-size),
      into 1 GB shards (--max-shard-size 1GB), and of the zstd layout;

@@ -13,7 +13,7 @@ Usage (repo root, build/ built with CUDA, on the GPU machine):
   python3 bench/bench_pipeline_groups.py FILE [--make-bytes 1749000000] [--set w1|w2]
       [--rounds 8] [--json-out PATH]
 FILE is made of random bytes when --make-bytes is given and FILE does not exist; it is read
-once before the first round. BENCHMARKS.md §7, run W.
+once before the first round. bench/HISTORY.md §7, run W.
 """
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def machine_info(workdir: Path) -> dict:
 
 
 def noise_snapshot() -> dict:
-    """Load indicators at the start of a run (the machine may be shared; see BENCHMARKS.md)."""
+    """Load indicators at the start of a run (the machine may be shared: bench/HISTORY.md §2)."""
     snap = {"loadavg1": float(open("/proc/loadavg").read().split()[0])}
     try:
         line = open("/proc/pressure/cpu").readline()  # "some avg10=.. avg60=.."
