@@ -221,8 +221,9 @@ def test_pinned_rank_files_read_by_the_reference_reader(name):
 @pytest.mark.parametrize("name", SETS)
 def test_convert_writes_the_pinned_bytes_again(reshard_bin, tmp_path, name):
     """Today's binary, converting the pinned source again, writes the pinned rank files byte for
-    byte, the writer string alone excepted. If this fails, format 1 changed: see
-    tests/golden/README.md (a change to what is written needs a format version bump)."""
+    byte, the writer string alone excepted. If this fails, the writer changed what it writes for
+    format 1: tests/golden/README.md says when that needs a format version bump, and how to
+    re-pin."""
     s = PINNED["sets"][name]
     if "--compress" in s["args"]:
         # zstd's compressed bytes belong to the zstd library, not to format 1: compare them only
