@@ -3,14 +3,14 @@
 and peak RSS, against I/O ceilings measured in the same run.
 
 One run:
-1. makes (or reuses) the shared Llama-shaped bf16 checkpoint (scripts/bench_checkpoint.py) and
+1. makes (or reuses) the shared Llama-shaped bf16 checkpoint (bench/bench_checkpoint.py) and
    converts it once (untimed) for world size W, raw, and once with --compress zstd;
 2. measures, interleaved in each repetition (warm page cache; the first repetition discarded):
    - ceiling "read": the rank files read sequentially into an 8 MiB buffer;
    - ceiling "read+write+fsync": the same reads appended to one file, then fsync (export
      fsyncs every file it writes, so this is the comparison at equal durability);
    - ceiling "cat+fsync": `cat rank files > file`, then fsync of that file (the same copy done
-     by coreutils; on this VM Python's write loop is slower than cat's, see BENCHMARKS.md);
+     by coreutils; on this VM Python's write loop is slower than cat's, see bench/HISTORY.md §9);
      ratios are given against each ceiling and against the faster of the two;
    - `reshard export` of the raw layout into one model.safetensors (default --max-shard-size),
      into 1 GB shards (--max-shard-size 1GB), and of the zstd layout;
@@ -21,12 +21,11 @@ One run:
    with the source files chunk by chunk, by offsets read from both headers).
 
 GB = 1e9 bytes of tensor data everywhere, so GB/s ratios are ratios of times.
-Usage: scripts/bench_export.py [--size-gb 2.5] [--world-size 8] [--reps 3] [--json-out PATH]
+Usage: bench/bench_export.py [--size-gb 2.5] [--world-size 8] [--reps 3] [--json-out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
@@ -37,12 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_checkpoint import make_checkpoint  # noqa: E402  shared generator
-from bench_convert import (ceiling_read, ceiling_rw, machine_info, noise_snapshot,  # noqa: E402
-                           run_child)
+from bench_checkpoint import make_checkpoint  # shared generator
+from common import REPO, ceiling_read, ceiling_rw, machine_info, noise_snapshot, time_child, utc_now
 
-REPO = Path(__file__).resolve().parent.parent
 KV_HEADS = 32
 
 
@@ -147,7 +143,7 @@ def main():
                     os.fsync(f.fileno())
                 rec = {"s": time.perf_counter() - t0}
             else:
-                wall, usage, rc, out, err = run_child(cmd)
+                wall, usage, rc, out, err = time_child(cmd)
                 if rc != 0:
                     sys.exit(f"failed ({rc}): {' '.join(cmd)}\n{err}")
                 rec = {"s": wall, "rss_mib": usage["rss_kib"] / 1024 if usage["rss_kib"] else None,
@@ -180,7 +176,7 @@ def main():
                 ratios[f"{k}_vs_{c}"] = round(summary[c]["median_s"] / summary[k]["median_s"], 3)
             ratios[f"{k}_vs_best_write_ceiling"] = round(best / summary[k]["median_s"], 3)
     report = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": utc_now(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine, "noise_at_start": noise, "checkpoint": ck, "tensor_bytes": nbytes,
         "world_size": ws, "zstd_stored_bytes": zstd_stored, "reps": args.reps,

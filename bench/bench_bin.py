@@ -2,9 +2,9 @@
 safetensors, in one run (warm page cache, world size 8, raw).
 
 The checkpoint (Llama-shaped bf16, random data) is written in both formats by a child process
-(so this process imports no torch and its children's peak RSS is their own); then each format
-is converted --reps times after one discarded warm-up, timing the child's wall clock and reading
-its peak RSS from wait4. GB = 1e9 tensor bytes. Prints a table; --json-out writes JSON."""
+(so this process imports no torch); then each format is converted --reps times after one
+discarded warm-up, timing the child's wall clock and reading its own peak RSS through a small
+wrapper process (common.time_child). GB = 1e9 tensor bytes. Prints a table; --json-out writes JSON."""
 
 import argparse
 import json
@@ -13,7 +13,8 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
+
+from common import time_child
 
 GEN = r'''
 import json, os, sys, torch
@@ -54,13 +55,11 @@ print(sum(2 * torch.Size(s).numel() for s in names.values()))
 
 
 def run(cmd):
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()}")
-    return seconds, usage.ru_maxrss / 1024
+    """Wall seconds and the child's own peak RSS in MiB (common.time_child)."""
+    seconds, usage, rc, _, err = time_child(cmd)
+    if rc != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{err}")
+    return seconds, usage["rss_kib"] / 1024
 
 
 def main():

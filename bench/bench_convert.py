@@ -23,120 +23,29 @@ reshard fsyncs every rank file before renaming it into place; the Python referen
 both as written naturally (no fsync) and with an fsync per file, and the read+write ceiling both
 without and with fsync, so every comparison can be made at equal durability.
 
-Usage: scripts/bench_convert.py [--size-gb 3] [--world-size 8] [--reps 3] [--json-out PATH]
+Usage: bench/bench_convert.py [--size-gb 3] [--world-size 8] [--reps 3] [--json-out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import glob
 import json
 import math
 import os
-import platform
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 
 from bench_checkpoint import make_checkpoint  # shared generator
+from common import (REPO, ceiling_read, ceiling_rw, drop_caches, fsdp_rows, machine_info,
+                    noise_snapshot, rank_slice, source_handles, time_child, utc_now)
 
-REPO = Path(__file__).resolve().parent.parent
-BUF = 8 << 20  # ceiling buffer size
-
-KV_HEADS = 32  # runs A-C in BENCHMARKS.md used full multi-head attention
-
-
-# --------------------------------------------------------------------------------------------
-# process / machine helpers
-# --------------------------------------------------------------------------------------------
-# Peak RSS of a child must not be read with wait4 from this process: on Linux a child's
-# ru_maxrss starts at its parent's RSS at fork/exec time (this process holds torch and
-# buffers), which would hide the child's own peak. A small process in between (GNU time, or
-# a bare python -S forker) makes the fork-time baseline a few MiB.
-_RSS_WRAPPER = (
-    "import os,sys\n"
-    "pid=os.fork()\n"
-    "if pid==0:\n"
-    "    os.execvp(sys.argv[2],sys.argv[2:])\n"
-    "_,st,ru=os.wait4(pid,0)\n"
-    "open(sys.argv[1],'w').write(str(ru.ru_maxrss))\n"
-    "sys.exit(os.waitstatus_to_exitcode(st))\n")
-
-
-def noise_snapshot() -> dict:
-    """Load indicators at the start of a run (the machine is shared; see BENCHMARKS.md)."""
-    snap = {"loadavg1": float(open("/proc/loadavg").read().split()[0])}
-    try:
-        line = open("/proc/pressure/cpu").readline()  # "some avg10=.. avg60=.."
-        snap["cpu_pressure_avg10"] = float(line.split()[1].split("=")[1])
-    except (OSError, IndexError, ValueError):
-        pass
-    for line in open("/proc/meminfo"):
-        if line.startswith("Dirty:"):
-            snap["dirty_mib"] = round(int(line.split()[1]) / 1024)
-    return snap
-
-
-def run_child(cmd, env=None):
-    """Runs cmd; returns (wall s, {peak RSS KiB, user s, sys s}, returncode, stdout, stderr)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.NamedTemporaryFile("r", suffix=".rss") as rssf:
-        if os.path.exists("/usr/bin/time"):
-            full = ["/usr/bin/time", "-q", "-f", "%M %U %S", "-o", rssf.name, *cmd]
-        else:
-            full = [sys.executable, "-S", "-c", _RSS_WRAPPER, rssf.name, *cmd]
-        t0 = time.perf_counter()
-        p = subprocess.run(full, stdout=out, stderr=err, env=env)
-        wall = time.perf_counter() - t0
-        out.seek(0)
-        err.seek(0)
-        lines = open(rssf.name).read().strip().splitlines()
-        f = lines[-1].split() if lines else []
-        usage = {"rss_kib": int(f[0]) if f and f[0].isdigit() else None}
-        if len(f) == 3:
-            usage["user_s"], usage["sys_s"] = float(f[1]), float(f[2])
-        return wall, usage, p.returncode, out.read().decode(), err.read().decode()
-
-
-def sync():
-    os.sync()
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def machine_info(workdir: Path) -> dict:
-    mem = ""
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemTotal"):
-            mem = f"{int(line.split()[1]) / 1048576:.1f} GiB"
-    cpu = ""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    df = subprocess.run(["df", "-h", str(workdir)], capture_output=True, text=True).stdout.strip()
-    dev = df.splitlines()[-1].split()[0] if df else ""
-    rot = ""
-    name = os.path.basename(dev)
-    if os.path.exists(f"/sys/block/{name}/queue/rotational"):
-        rot = open(f"/sys/block/{name}/queue/rotational").read().strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_total": mem, "kernel": platform.release(),
-            "df": df, "block_device_rotational_flag": rot,
-            "loadavg_start": open("/proc/loadavg").read().split()[:3]}
+KV_HEADS = 32  # runs A-C (bench/HISTORY.md §2) used full multi-head attention
 
 
 def source_files(src: Path):
@@ -144,77 +53,23 @@ def source_files(src: Path):
 
 
 # --------------------------------------------------------------------------------------------
-# ceilings (in-process, userspace buffers like reshard's pread/pwrite)
-# --------------------------------------------------------------------------------------------
-def ceiling_read(files) -> float:
-    buf = bytearray(BUF)
-    mv = memoryview(buf)
-    t0 = time.perf_counter()
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            while os.readv(fd, [mv]) > 0:
-                pass
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0
-
-
-def ceiling_rw(files, dst: Path, fsync: bool) -> float:
-    buf = bytearray(BUF)
-    mv = memoryview(buf)
-    t0 = time.perf_counter()
-    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                while True:
-                    n = os.readv(fd, [mv])
-                    if n <= 0:
-                        break
-                    w = 0
-                    while w < n:
-                        w += os.write(out, mv[w:n])
-            finally:
-                os.close(fd)
-        if fsync:
-            os.fsync(out)
-    finally:
-        os.close(out)
-    return time.perf_counter() - t0
-
-
-# --------------------------------------------------------------------------------------------
 # Python reference (run as a child: `bench_convert.py _pyref SRC OUT W [--fsync]`)
 # --------------------------------------------------------------------------------------------
-def fsdp_rows(n: int, w: int, r: int):
-    c = -(-n // w)
-    return min(r * c, n), min((r + 1) * c, n)
-
-
 def pyref_main(argv):
     src, out, w = Path(argv[0]), Path(argv[1]), int(argv[2])
     do_fsync = "--fsync" in argv
     t_import = time.perf_counter()
-    from safetensors import safe_open
+    from safetensors import safe_open  # noqa: F401  (imported before the timer)
     from safetensors.torch import save_file
     import torch  # noqa: F401  (framework="pt")
 
     t0 = time.perf_counter()
-    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    handles = {f: safe_open(str(src / f), framework="pt") for f in sorted(set(weight_map.values()))}
+    weight_map, handles = source_handles(src)
     out.mkdir(parents=True, exist_ok=True)
     for r in range(w):
         d = {}
         for name, f in weight_map.items():
-            sl = handles[f].get_slice(name)
-            shape = sl.get_shape()
-            if not shape:
-                d[name] = handles[f].get_tensor(name)
-                continue
-            s, e = fsdp_rows(shape[0], w, r)
-            d[name] = sl[s:e].contiguous()
+            d[name] = rank_slice(handles[f], name, w, r).contiguous()
         path = out / f"rank-{r:05d}-of-{w:05d}.safetensors"
         save_file(d, str(path), metadata={"rank": str(r), "world_size": str(w)})
         if do_fsync:
@@ -230,9 +85,8 @@ def check_pyref(src: Path, out: Path, w: int) -> dict:
     import torch
     from safetensors import safe_open
 
-    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    weight_map, srcs = source_handles(src)
     names = list(weight_map)
-    srcs = {f: safe_open(str(src / f), framework="pt") for f in set(weight_map.values())}
     total, problems = 0, []
     for r in range(w):
         path = out / f"rank-{r:05d}-of-{w:05d}.safetensors"
@@ -276,7 +130,7 @@ def ratio_probes(reshard: str, workdir: Path, trained_dir: Path) -> list:
         d.mkdir()
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
         out = pdir / (label + "-out")
-        _, _, rc, so, se = run_child([reshard, "convert", str(d), "-o", str(out), "--world-size",
+        _, _, rc, so, se = time_child([reshard, "convert", str(d), "-o", str(out), "--world-size",
                                       "1", "--compress", "zstd", "--json"])
         if rc != 0:
             probes.append({"data": label, "error": se.strip()[-300:]})
@@ -302,7 +156,7 @@ def ratio_probes(reshard: str, workdir: Path, trained_dir: Path) -> list:
     except Exception as e:  # transformers missing or API changed: report and go on
         probes.append({"data": "transformers-llama-init-bf16", "error": repr(e)[:300]})
 
-    # Real trained weights, if present (see BENCHMARKS.md for how to get them).
+    # Real trained weights, if present (bench/HISTORY.md §4 says how to get them).
     real = {}
     if trained_dir.is_dir():
         for whl in trained_dir.glob("*.whl"):
@@ -384,8 +238,8 @@ def main():
     workdir.mkdir(parents=True, exist_ok=True)
     W = args.world_size
     t_start = time.perf_counter()
-    info = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": " ".join(["scripts/bench_convert.py", *sys.argv[1:]]),
+    info = {"date_utc": utc_now(),
+            "command": " ".join(["bench/bench_convert.py", *sys.argv[1:]]),
             "reshard": reshard,
             "reshard_version": subprocess.run([reshard, "--version"], capture_output=True,
                                               text=True).stdout.strip(),
@@ -410,13 +264,13 @@ def main():
     def clean():
         shutil.rmtree(outs, ignore_errors=True)
         outs.mkdir(parents=True)
-        sync()
+        os.sync()
 
     def reshard_convert(source, extra=(), wrap=(), env=None):
         clean()
         o = outs / "reshard"
         snap = noise_snapshot()
-        wall, use, rc, so, se = run_child(
+        wall, use, rc, so, se = time_child(
             [*wrap, reshard, "convert", str(source), "-o", str(o), "--world-size", str(W),
              "--json", *(extra if "--threads" in extra else [*threads, *extra])],
             env=None if env is None else {**os.environ, **env})
@@ -432,7 +286,7 @@ def main():
         if fsync_flag:
             cmd.append("--fsync")
         snap = noise_snapshot()
-        wall, use, rc, so, se = run_child(cmd)
+        wall, use, rc, so, se = time_child(cmd)
         if rc != 0:
             sys.exit(f"bench: python reference failed ({rc}): {se[-2000:]}")
         j = json.loads(so.strip().splitlines()[-1])
@@ -445,7 +299,7 @@ def main():
         dst = outs / "ceiling.bin"
         snap = noise_snapshot()
         if kind == "cat_rw":
-            wall, use, rc, _, se = run_child(["sh", "-c", 'cat "$@" > "$0"', str(dst),
+            wall, use, rc, _, se = time_child(["sh", "-c", 'cat "$@" > "$0"', str(dst),
                                               *map(str, files)])
             if rc != 0:
                 sys.exit(f"bench: cat failed: {se}")
@@ -510,7 +364,7 @@ def main():
     verification = {}
     for label, extra in (("reshard_raw", []), ("reshard_zstd", ["--compress", "zstd"])):
         reshard_convert(src, extra)
-        wall, _, rc, so, se = run_child([reshard, "verify", str(outs / "reshard"), "--source",
+        wall, _, rc, so, se = time_child([reshard, "verify", str(outs / "reshard"), "--source",
                                          str(src), "--json", *threads])
         j = json.loads(so) if so.strip().startswith("{") else {"ok": False, "problems": se}
         verification[label] = {"ok": rc == 0 and j.get("ok"), "seconds": round(wall, 2),
@@ -529,7 +383,7 @@ def main():
     cold_ok = False
     if not args.no_cold:
         clean()
-        cold_ok = drop_caches()
+        cold_ok = drop_caches() is None
         if cold_ok:
             print("bench: cold series (page cache dropped before each run)", flush=True)
             cold_series = ["ceiling_read", "ceiling_read_write_fsync", "reshard_raw",

@@ -16,14 +16,8 @@ import time
 
 import torch
 
-import reshard
+from common import CEILINGS, cuda_targets, must_drop_caches
 from reshard import _C
-
-
-def drop_caches():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def main():
@@ -32,24 +26,18 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--modes", default="direct,readahead,buffered")
-    ap.add_argument("--ceilings", default="build/tools/bench/reshard_bench_ceilings")
+    ap.add_argument("--ceilings", default=str(CEILINGS))
     ap.add_argument("--json-out")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
     results = {}
     for path in args.files:
-        header = json.loads(_C.read_header(path))
-        dests, targets = [], []
-        for e in header["tensors"]:
-            t = torch.empty(max(e["nbytes"], 1), dtype=torch.uint8, device="cuda")
-            dests.append(t)
-            targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
-        nbytes = sum(e["nbytes"] for e in header["tensors"])
+        dests, targets, nbytes = cuda_targets(json.loads(_C.read_header(path)))
         _C.load(path, targets, device=0, threads=args.threads, io="buffered")  # set-up, untimed
         runs = {m: [] for m in args.modes.split(",") + ["ceil-seq-read"]}
         for _ in range(args.reps):
             for mode in runs:
-                drop_caches()
+                must_drop_caches()
                 if mode == "ceil-seq-read":
                     out = subprocess.run([args.ceilings, "read", "--file", path, "--threads", "1",
                                           "--request", str(16 << 20)], check=True,

@@ -3,7 +3,7 @@ GPU, compared with accelerate's FSDP2 cpu_ram_efficient_loading and DCP's
 HuggingFaceStorageReader on the same model in the same run.
 
 Steps (all on the machine with the GPUs, N = number of visible GPUs unless --world-size):
-1. a Llama-shaped bf16 checkpoint of --size-gb (scripts/bench_checkpoint.py; 16 GB ≈ 8B params);
+1. a Llama-shaped bf16 checkpoint of --size-gb (bench/bench_checkpoint.py; 16 GB ≈ 8B params);
 2. `reshard convert` for world size N, FSDP2 and FSDP1 (model manifest by python -m
    reshard.manifest), then `reshard verify --source` of both (every byte);
 3. the aggregate storage ceiling: all N rank files read at once, cold (page cache dropped);
@@ -16,8 +16,8 @@ Steps (all on the machine with the GPUs, N = number of visible GPUs unless --wor
    from_pretrained on a subset run (--check-weights-ranks) when asked;
 6. writes JSON and a Markdown table into --outdir.
 
-Usage: python3 scripts/bench_multigpu.py --size-gb 16 --outdir $OUT
-       python3 scripts/bench_multigpu.py --cpu-smoke   # tiny, CPU/gloo, 2 processes, no peers
+Usage: python3 bench/bench_multigpu.py --size-gb 16 --outdir $OUT
+       python3 bench/bench_multigpu.py --cpu-smoke   # tiny, CPU/gloo, 2 processes, no peers
 """
 from __future__ import annotations
 
@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
-import bench_checkpoint  # noqa: E402
+import bench_checkpoint
+from common import REPO, drop_caches
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]),
            TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="4")
@@ -50,16 +49,6 @@ def sh(cmd, timeout=1800, env=None, check=True):
     if check and p.returncode != 0:
         raise RuntimeError(f"$ {' '.join(map(str, cmd))}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p, dt_s
-
-
-def drop_caches():
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 PEER_ACCELERATE = r'''
@@ -123,6 +112,16 @@ dist.destroy_process_group()
 
 def read_ranks(d: Path, n: int):
     return [json.load(open(d / f"rank-{r}.json")) for r in range(n)]
+
+
+def job_done(name, p, res, outdir: Path) -> bool:
+    """Writes job `name`'s log into outdir; on failure records it in res. True if it succeeded."""
+    (outdir / f"{name}.log").write_text(p.stdout[-20000:] + "\n--- stderr ---\n" + p.stderr[-20000:])
+    if p.returncode != 0:
+        res[name] = {"rc": p.returncode, "error": p.stderr[-3000:]}
+        log(f"{name}: FAILED rc {p.returncode}")
+        return False
+    return True
 
 
 def aggregate_read(files, reps=1):
@@ -203,13 +202,10 @@ def main():
     for name, extra in runs:
         jd = work / name
         shutil.rmtree(jd, ignore_errors=True)
-        cold = drop_caches()
+        cold = drop_caches() is None
         p, t = sh([torchrun, "--standalone", "--nproc-per-node", n, "-m", "reshard.train", out, *common,
                    *extra, "--json-out", jd], check=False)
-        (outdir / f"{name}.log").write_text(p.stdout[-20000:] + "\n--- stderr ---\n" + p.stderr[-20000:])
-        if p.returncode != 0:
-            res[name] = {"rc": p.returncode, "error": p.stderr[-3000:]}
-            log(f"{name}: FAILED rc {p.returncode}")
+        if not job_done(name, p, res, outdir):
             continue
         reps = read_ranks(jd, n)
         res[name] = {"cold": cold, "job_s": t, "ranks": [{
@@ -233,7 +229,7 @@ def main():
             jd.mkdir(parents=True)
             script = work / f"{name}.py"
             script.write_text(code)
-            cold = drop_caches()
+            cold = drop_caches() is None
             if launcher == "accelerate":
                 cmd = [Path(sys.executable).parent / "accelerate", "launch", "--num_processes", n, "--use_fsdp",
                        "--fsdp_version", "2", "--fsdp_cpu_ram_efficient_loading", "true", "--mixed_precision", "no",
@@ -241,17 +237,14 @@ def main():
             else:
                 cmd = [torchrun, "--standalone", "--nproc-per-node", n, script, src, jd]
             p, t = sh(cmd, check=False)
-            (outdir / f"{name}.log").write_text(p.stdout[-20000:] + "\n--- stderr ---\n" + p.stderr[-20000:])
-            if p.returncode != 0:
-                res[name] = {"rc": p.returncode, "error": p.stderr[-3000:]}
-                log(f"{name}: FAILED rc {p.returncode}")
+            if not job_done(name, p, res, outdir):
                 continue
             res[name] = {"cold": cold, "job_s": t, "ranks": read_ranks(jd, n)}
             log(f"{name}: wall to loaded {max(x['load_wall_s'] for x in res[name]['ranks']):.1f} s, peak RSS "
                 f"{max(x['peak_rss_bytes'] for x in res[name]['ranks']) / 2**30:.1f} GiB")
 
     (outdir / "bench-multigpu.json").write_text(json.dumps(res, indent=1))
-    lines = [f"| run | slowest rank: load s | job start → loaded s (max rank) | peak host RSS GiB (max) | GPU after load GiB (max) |",
+    lines = ["| run | slowest rank: load s | job start → loaded s (max rank) | peak host RSS GiB (max) | GPU after load GiB (max) |",
              "|---|---|---|---|---|"]
     for name in ["reshard-fsdp2", "reshard-fsdp1", "accelerate-fsdp2-cpu-ram-efficient", "dcp-hf-reader-fsdp2"]:
         r = res.get(name)

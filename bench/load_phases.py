@@ -3,7 +3,7 @@
 loader's report fields (ms) for the first load in each fresh process and for each later load
 in the same process (`2nd load`, and `reshard-tN-prepared-6loads`).
 
-  python3 scripts/load_phases.py OUTDIR/bench-load.json
+  python3 bench/load_phases.py OUTDIR/bench-load.json
 
 Fields (include/reshard/loader.h, LoadReport): seconds = the whole load; read = reading and
 hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the
@@ -15,6 +15,7 @@ a CPU, descheduled or blocked), both averaged; preempt = involuntary context swi
 reader threads; shared = readers that started on a CPU another reader started on (these two are
 counts, not ms).
 """
+import argparse
 import json
 import statistics
 import sys
@@ -48,13 +49,15 @@ def phases_table(d) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) != 2:
-        raise SystemExit(__doc__)
-    with open(argv[1]) as f:
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", help="a bench_load.py result (OUTDIR/bench-load.json)")
+    args = ap.parse_args(argv)
+    with open(args.json) as f:
         print(phases_table(json.load(f)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

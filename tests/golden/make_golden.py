@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the hostile-file corpus tests/golden/ and its table tests/golden/expectations.json.
 
-    python scripts/make_golden.py [RESHARD_BIN]      # default build/reshard
+    python tests/golden/make_golden.py [RESHARD_BIN]          # default build/reshard
+    python tests/golden/make_golden.py --pin [RESHARD_BIN]    # also re-pin pinned/ (see below)
 
 Every file is a small, deliberately broken input, made from the format descriptions
 (formats/*.md, the safetensors spec) by this script, not by the library: the safetensors files
@@ -15,6 +16,13 @@ was found, what was expected), and the CLI runs with their exit code. tests/core
 replays the table through the core (also under ASan+UBSan: scripts/sanitize.sh) and
 tests/python/test_golden.py through the CLI. Output is deterministic: rerunning rewrites the
 same bytes (the rank files' writer string is fixed for that).
+
+The pinned set (pinned-source.safetensors, pinned/, pinned.json) is different: rank files as
+RESHARD_BIN's `reshard convert` wrote them, writer string included, kept so that a later writer
+cannot change format 1 unnoticed (tests/python/test_golden.py converts the source again and
+compares). A plain run leaves those files alone and only lists the rank files in
+expectations.json (as valid controls); `--pin` rewrites them from the binary given, which is
+only right with a format version bump (formats/rank-file.md) or when the files are new.
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN = os.path.join(ROOT, "tests", "golden")
+GOLDEN = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(GOLDEN))
 
 _xxh = ctypes.CDLL("libxxhash.so.0")
 _xxh.XXH3_64bits.restype = ctypes.c_uint64
@@ -346,7 +354,6 @@ def index_cases():
 
 
 def manifest_cases(reshard_bin, work):
-    src = os.path.join(work, "src")
     o = os.path.join(work, "zstd2")
     with open(os.path.join(o, "reshard.json")) as f:
         good = json.load(f)
@@ -384,8 +391,101 @@ def manifest_cases(reshard_bin, work):
         "world size 2^32 + 2")
 
 
+# ---- the pinned set: today's writer's rank files, kept byte for byte ------------------
+
+PINNED_SOURCE = "pinned-source.safetensors"
+PINNED_RECORD = "pinned.json"
+# One source, two conversions (each a layout directory under pinned/<set>/). 4 KiB chunks so that
+# a tensor spans several chunks (and zstd frames); world size 3 so that some ranks hold no rows.
+PINNED_SETS = {
+    "raw": ["--world-size", "3", "--chunk-size", "4096"],
+    "zstd": ["--world-size", "3", "--chunk-size", "4096", "--compress", "zstd"],
+}
+
+
+def _bf16(values):
+    # Every value is exact in bf16, so the top half of its F32 bits is the bf16 (no rounding).
+    return b"".join(struct.pack("<f", v)[2:] for v in values)
+
+
+def pinned_source_tensors():
+    """(name, dtype, shape, bytes) of the pinned source, in file order. Several dtypes, NaN /
+    inf / -0 / subnormal bit patterns (copied, never interpreted), a 0-dim tensor (stored whole
+    on every rank), tensors whose last rank holds no rows at world size 3, and a 12 KiB tensor
+    (several 4 KiB chunks per rank)."""
+    f32 = [0xBFC00000, 0x80000000, 0x3F000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x00000002]
+    return [
+        ("a.bf16", "BF16", [5, 3], _bf16([i * 0.25 - 2 for i in range(15)])),
+        ("b.f32", "F32", [7], struct.pack("<7I", *f32)),
+        ("c.f16", "F16", [4, 2], struct.pack("<8e", *[i / 4 for i in range(8)])),
+        ("d.i64", "I64", [3, 2], struct.pack("<6q", 1, -2, 3, 1 << 40, -5, (1 << 63) - 1)),
+        ("e.scalar", "F32", [], struct.pack("<f", 3.25)),
+        ("f.bool", "BOOL", [4], bytes([1, 0, 1, 1])),
+        ("g.f8", "F8_E4M3", [6], bytes([0x00, 0x38, 0xB8, 0x7E, 0x01, 0x7F])),
+        ("h.multi_chunk", "BF16", [64, 96], _bf16([((i % 97) - 48) * 0.25 for i in range(64 * 96)])),
+    ]
+
+
+def pinned_source_bytes() -> bytes:
+    header, data = {}, b""
+    for name, dtype, shape, raw in pinned_source_tensors():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return st_bytes(None, data, raw_header=text)
+
+
+def pin(reshard_bin):
+    """Writes the pinned source and converts it with reshard_bin into pinned/<set>/ (only the
+    rank files are kept: the manifest is not part of the rank-file format)."""
+    src = os.path.join(GOLDEN, PINNED_SOURCE)
+    with open(src, "wb") as f:
+        f.write(pinned_source_bytes())
+    shutil.rmtree(os.path.join(GOLDEN, "pinned"), ignore_errors=True)
+    record = {"note": "written by tests/golden/make_golden.py --pin; see tests/golden/README.md",
+              "source": PINNED_SOURCE, "sets": {}}
+    version = subprocess.run([reshard_bin, "--version"], check=True, capture_output=True,
+                             text=True).stdout.splitlines()
+    record["reshard_version"] = version
+    with tempfile.TemporaryDirectory() as work:
+        for name, args in PINNED_SETS.items():
+            out = os.path.join(work, name)
+            convert(reshard_bin, src, out, *args)
+            layout = [d for d in os.listdir(out) if d.startswith("fsdp2-")][0]
+            files = sorted(os.listdir(os.path.join(out, layout)))
+            os.makedirs(os.path.join(GOLDEN, "pinned", name, layout))
+            for fn in files:
+                shutil.copyfile(os.path.join(out, layout, fn),
+                                os.path.join(GOLDEN, "pinned", name, layout, fn))
+            record["sets"][name] = {"args": args, "layout": layout, "files": files}
+    with open(os.path.join(GOLDEN, PINNED_RECORD), "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def pinned_cases():
+    """Every pinned rank file is also a valid control of the corpus (opens, verifies, reads)."""
+    path = os.path.join(GOLDEN, PINNED_RECORD)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        record = json.load(f)
+    for name, s in record["sets"].items():
+        for fn in s["files"]:
+            rel = f"pinned/{name}/{s['layout']}/{fn}"
+            case(rel, "rank_valid", [], [{"args": ["verify", "{path}"], "exit": 0}],
+                 code="", what=f"pinned rank file of today's writer ({name}: reshard convert "
+                               f"{PINNED_SOURCE} {' '.join(s['args'])}); never regenerated")
+
+
 def main():
-    reshard_bin = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build", "reshard")
+    args = sys.argv[1:]
+    do_pin = "--pin" in args
+    args = [a for a in args if a != "--pin"]
+    reshard_bin = args[0] if args else os.path.join(ROOT, "build", "reshard")
+    if do_pin:
+        pin(reshard_bin)
     if os.path.isdir(GOLDEN):
         for d in ("safetensors", "rank", "index", "manifest"):
             shutil.rmtree(os.path.join(GOLDEN, d), ignore_errors=True)
@@ -394,8 +494,9 @@ def main():
         rank_cases(reshard_bin, work)
         index_cases()
         manifest_cases(reshard_bin, work)
+    pinned_cases()
     with open(os.path.join(GOLDEN, "expectations.json"), "w") as f:
-        json.dump({"note": "written by scripts/make_golden.py; see tests/golden/README.md",
+        json.dump({"note": "written by tests/golden/make_golden.py; see tests/golden/README.md",
                    "cases": CASES}, f, indent=1)
         f.write("\n")
     total = sum(os.path.getsize(os.path.join(dp, n))

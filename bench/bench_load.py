@@ -32,17 +32,15 @@ run is cold, and then times from before the first file is opened until every ten
 place and the device is synchronized. GB = 1e9 bytes landed on the GPU.
 
 Usage (repo root, build/ built, PYTHONPATH=python):
-  python3 scripts/bench_load.py                 # full run, ~4 GB checkpoint, 3 reps
-  python3 scripts/bench_load.py --quick         # smoke test on the GPU (~0.9 GB, 1 rep)
-  python3 scripts/bench_load.py --cpu-smoke     # no GPU: CPU-only parts end to end
+  python3 bench/bench_load.py                 # full run, ~4 GB checkpoint, 3 reps
+  python3 bench/bench_load.py --quick         # smoke test on the GPU (~0.9 GB, 1 rep)
+  python3 bench/bench_load.py --cpu-smoke     # no GPU: CPU-only parts end to end
 """
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -55,8 +53,9 @@ import traceback
 from pathlib import Path
 
 from bench_checkpoint import make_checkpoint  # shared generator
+from common import (REPO, drop_caches, machine_info, rank_slice, read_files, source_handles,
+                    utc_now)
 
-REPO = Path(__file__).resolve().parent.parent
 RESULT_TAG = "@@RESULT "
 
 KV_HEADS = 8  # grouped-query attention, as in Llama 3
@@ -96,25 +95,9 @@ def rank_file(out: Path, ws: int, r: int) -> Path:
     return out / f"fsdp2-ws{ws}" / f"rank-{r:05d}-of-{ws:05d}.reshard"
 
 
-def fsdp_rows(n: int, w: int, r: int):
-    c = -(-n // w)
-    return min(r * c, n), min((r + 1) * c, n)
-
-
 # ============================================================================================
 # page cache helpers (parent and children)
 # ============================================================================================
-def drop_caches() -> str | None:
-    """sync; echo 3 > /proc/sys/vm/drop_caches. Returns None, or why it failed."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:
-        return f"cannot write /proc/sys/vm/drop_caches ({e}); cold runs need root"
-
-
 def residency(paths) -> float:
     """Fraction of the files' pages in the page cache (mmap + mincore, no page touched)."""
     import ctypes
@@ -146,18 +129,6 @@ def residency(paths) -> float:
         finally:
             os.close(fd)
     return resident / total if total else 0.0
-
-
-def read_files(paths, bufsize=16 << 20) -> float:
-    """Reads the files once (to warm the page cache); returns seconds."""
-    buf = bytearray(bufsize)
-    mv = memoryview(buf)
-    t0 = time.perf_counter()
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(mv):
-                pass
-    return time.perf_counter() - t0
 
 
 class RuntimeKeeper:
@@ -227,22 +198,13 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _source_handles(src: Path):
-    from safetensors import safe_open
-
-    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    handles = {f: safe_open(str(src / f), framework="pt")
-               for f in sorted(set(weight_map.values()))}
-    return weight_map, handles
-
-
 def _check(loaded: dict, src: Path, ws: int, rank: int, mode: str) -> dict:
     """Compares loaded tensors byte for byte with safe_open row slices of the source."""
     import torch
 
     if mode == "none" or not loaded:
         return {"mode": mode}
-    weight_map, handles = _source_handles(src)
+    weight_map, handles = source_handles(src)
     names = list(loaded)
     if mode == "sample":
         layer_names = [n for n in names if ".layers." in n]
@@ -255,14 +217,7 @@ def _check(loaded: dict, src: Path, ws: int, rank: int, mode: str) -> dict:
         if name not in weight_map:
             problems.append(f"{name}: not in the source")
             continue
-        h = handles[weight_map[name]]
-        sl = h.get_slice(name)
-        shape = sl.get_shape()
-        if shape:
-            s, e = fsdp_rows(shape[0], ws, rank)
-            ref = sl[s:e]
-        else:
-            ref = h.get_tensor(name)
+        ref = rank_slice(handles[weight_map[name]], name, ws, rank)
         got = loaded[name]
         if hasattr(got, "to_local"):
             got = got.to_local()
@@ -357,22 +312,11 @@ class SafeOpenSlices:
         self.files = sorted(str(p) for p in self.src.glob("*.safetensors"))
 
     def run(self):
-        from safetensors import safe_open
-
         ws, r = self.spec["ws"], self.spec["rank"]
-        weight_map = json.loads((self.src / "model.safetensors.index.json").read_text())["weight_map"]
-        handles = {f: safe_open(str(self.src / f), framework="pt")
-                   for f in sorted(set(weight_map.values()))}
+        weight_map, handles = source_handles(self.src)
         out = {}
         for name, f in weight_map.items():
-            h = handles[f]
-            sl = h.get_slice(name)
-            shape = sl.get_shape()
-            if shape:
-                s, e = fsdp_rows(shape[0], ws, r)
-                t = sl[s:e]
-            else:
-                t = h.get_tensor(name)
+            t = rank_slice(handles[f], name, ws, r)
             # On the CPU (--cpu-smoke) the slice may still point into the mmap: copy it so the
             # bytes really land in private memory, as .cuda() does on the GPU.
             out[name] = t.cuda() if self.device.type == "cuda" else t.clone()
@@ -749,26 +693,6 @@ class Bench:
         tmp.replace(self.json_path)
 
 
-def machine_info(workdir: Path) -> dict:
-    mem = ""
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemTotal"):
-            mem = f"{int(line.split()[1]) / 1048576:.1f} GiB"
-    cpu = ""
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    df = subprocess.run(["df", "-h", str(workdir)], capture_output=True, text=True).stdout.strip()
-    gpu = ""
-    if shutil.which("nvidia-smi"):
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current",
-                              "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_total": mem, "kernel": platform.release(),
-            "df": df, "gpu": gpu, "python": sys.version.split()[0],
-            "loadavg_start": open("/proc/loadavg").read().split()[:3]}
-
-
 def summarize(values):
     """median / min / max of GB/s values."""
     if not values:
@@ -910,8 +834,8 @@ def run_bench(b: Bench, args, threads) -> int:
         log(msg)
 
     b.result.update({
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["scripts/bench_load.py", *map(shlex.quote, sys.argv[1:])]),
+        "date_utc": utc_now(),
+        "command": " ".join(["bench/bench_load.py", *map(shlex.quote, sys.argv[1:])]),
         "mode": "cpu-smoke" if args.cpu_smoke else ("quick" if args.quick else "full"),
         "reshard_build": info, "torch": torch.__version__,
         "machine": machine_info(workdir),
@@ -1257,8 +1181,7 @@ def run_bench(b: Bench, args, threads) -> int:
     summary = build_summary(b, cases, series, h2d, threads, gpu)
     b.result["summary"] = summary
     text = render_table(b, cases, summary)
-    try:  # where the loads' time went (scripts/load_phases.py)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:  # where the loads' time went (bench/load_phases.py)
         from load_phases import phases_table
         text += "\n\n" + phases_table(b.result | {"runs": b.runs})
     except Exception as e:  # noqa: BLE001  (the table above stands without it)

@@ -10,10 +10,10 @@ medians are printed with their ratio to the H2D ceiling (2 GiB in 64 MiB copies,
 of the same run.
 
 Usage (repo root, build/ built with CUDA, on the GPU machine):
-  python3 scripts/bench_pipeline_groups.py FILE [--make-bytes 1749000000] [--set w1|w2]
+  python3 bench/bench_pipeline_groups.py FILE [--make-bytes 1749000000] [--set w1|w2]
       [--rounds 8] [--json-out PATH]
 FILE is made of random bytes when --make-bytes is given and FILE does not exist; it is read
-once before the first round. BENCHMARKS.md §7, run W.
+once before the first round. bench/HISTORY.md §7, run W.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import BUILD, read_files
 
 
 def grouped(request: str, group: int, ring: int, streams: int = 4) -> list[str]:
@@ -81,7 +81,7 @@ def main() -> int:
     ap.add_argument("--make-bytes", type=int, default=0, help="make FILE of this many random bytes if it is missing")
     ap.add_argument("--set", choices=sorted(SETS), default="w1")
     ap.add_argument("--rounds", type=int, default=8, help="rounds, the first discarded (default 8)")
-    ap.add_argument("--build-dir", default=str(REPO / "build"))
+    ap.add_argument("--build-dir", default=str(BUILD))
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.rounds < 2:
@@ -100,9 +100,7 @@ def main() -> int:
                 out.write(os.urandom(n))
                 left -= n
     size = f.stat().st_size
-    with open(f, "rb") as src:  # into the page cache
-        while src.read(64 << 20):
-            pass
+    read_files([f], 64 << 20)  # into the page cache
     variants = SETS[args.set]
     res: dict[str, list[float]] = {k: [] for k in variants}
     failures: dict[str, str] = {}

@@ -11,10 +11,10 @@ For each rank file given, into preallocated CUDA tensors, GB = 1e9 bytes landed:
   sequential-read ceiling (reshard_bench_ceilings read: 1 thread, 16 MiB, buffered) measured
   cold in the same loop.
 
-The defaults in include/reshard/loader.h are chosen from this (BENCHMARKS.md §7). Prints a
+The defaults in include/reshard/loader.h are chosen from this (bench/HISTORY.md §7). Prints a
 table per file and writes JSON (--json-out).
 
-  PYTHONPATH=python python3 scripts/bench_loader_knobs.py FILE [FILE ...] --json-out knobs.json
+  PYTHONPATH=python python3 bench/bench_loader_knobs.py FILE [FILE ...] --json-out knobs.json
 """
 
 import argparse
@@ -28,21 +28,10 @@ import time
 
 import torch
 
+from common import CEILINGS, cuda_targets, must_drop_caches, read_files
 from reshard import _C
 
 MiB = 1 << 20
-
-
-def drop_caches():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
-def read_file(path):
-    with open(path, "rb") as f:
-        while f.read(64 * MiB):
-            pass
 
 
 def ints(text):
@@ -64,7 +53,7 @@ def main():
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--warm-ceilings", action="store_true",
                     help="also measure the warm ceilings (reshard_bench_ceilings) --reps times")
-    ap.add_argument("--ceilings", default="build/tools/bench/reshard_bench_ceilings")
+    ap.add_argument("--ceilings", default=str(CEILINGS))
     ap.add_argument("--flush-mib", type=int, default=0, metavar="MIB",
                     help="before each timed warm load, one thread per core writes and reads this "
                          "many MiB in all (reshard_bench_ceilings flush, another process), so that "
@@ -78,12 +67,7 @@ def main():
     results = {}
     for path in args.files:
         header = json.loads(_C.read_header(path))
-        dests, targets = [], []
-        for e in header["tensors"]:
-            t = torch.empty(max(e["nbytes"], 1), dtype=torch.uint8, device="cuda")
-            dests.append(t)
-            targets.append((e["name"], t.data_ptr(), e["nbytes"], True))
-        nbytes = sum(e["nbytes"] for e in header["tensors"])
+        dests, targets, nbytes = cuda_targets(header)
         res = {"bytes": nbytes, "warm": [], "cold": [], "flush_mib": args.flush_mib,
                "streams_env": os.environ.get("RESHARD_STREAMS", "")}
         print(f"== {path}: {nbytes / 1e9:.3f} GB, {len(targets)} tensors"
@@ -123,7 +107,7 @@ def main():
             return nbytes / sec / 1e9, r
 
         # ---- warm
-        read_file(path)
+        read_files([path], 64 * MiB)
         configs = [dict(threads=t, span_bytes=s * MiB, hash_piece_bytes=p << 10, verify=True, slots=n,
                         lead_in_bytes=li << 10)
                    for t, s, p, n, li in itertools.product(ints(args.threads), ints(args.spans_mib),
@@ -198,7 +182,7 @@ def main():
             for _ in range(args.cold_reps):
                 for i, cfg in enumerate(cold_cfgs):
                     if "ceiling" in cfg:
-                        drop_caches()
+                        must_drop_caches()
                         out = subprocess.run([args.ceilings, "read", "--file", path, "--threads", "1",
                                               "--request", str(16 * MiB)], check=True,
                                              capture_output=True, text=True).stdout
@@ -207,7 +191,7 @@ def main():
                     kw = dict(cfg)
                     load(**{**kw, "io": "readahead"})  # staging for these knobs, untimed
                     poison()
-                    drop_caches()
+                    must_drop_caches()
                     g, r = load(**kw)
                     check(f"cold {cfg}")
                     if not r["cold"]:
