@@ -32,8 +32,8 @@ def main():
     assert torch.cuda.is_available(), "needs CUDA"
     results = {}
     for path in args.files:
-        dests, targets, nbytes = cuda_targets(json.loads(_C.read_header(path)))
-        _C.load(path, targets, device=0, threads=args.threads, io="buffered")  # set-up, untimed
+        dests, targets, nbytes = cuda_targets(json.loads(_C._testing.read_header(path)))
+        _C._testing.load_raw(path, targets, device=0, threads=args.threads, io="buffered")  # set-up, untimed
         runs = {m: [] for m in args.modes.split(",") + ["ceil-seq-read"]}
         for _ in range(args.reps):
             for mode in runs:
@@ -46,7 +46,7 @@ def main():
                     continue
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                r = _C.load(path, targets, device=0, threads=args.threads, io=mode)
+                r = _C._testing.load_raw(path, targets, device=0, threads=args.threads, io=mode)
                 torch.cuda.synchronize()
                 runs[mode].append(nbytes / (time.perf_counter() - t0) / 1e9)
                 assert r["bytes"] == nbytes

@@ -14,7 +14,7 @@ One run, following the fair method of docs/peers-and-performance.md:
      (1 thread, 16 MiB, buffered, and dd-like O_DIRECT), the plain C++ loop (pread -> 2 pinned
      buffers -> cudaMemcpyAsync per thread) cold and warm, a multithreaded page cache -> pinned
      copy warm (16 threads, 2 MiB), pinned host -> device copies;
-   * reshard: `reshard._C.load` into preallocated CUDA tensors, --threads each, io=auto, and
+   * reshard: `reshard._C._testing.load_raw` into preallocated CUDA tensors, --threads each, io=auto, and
      verify=False (warm) to show what checksums cost; "-prepared": the same after
      `_C.prepare` was started (not waited for) before the targets were allocated, as
      reshard.empty_model does in a job (a load that comes first waits for it, in the timer);
@@ -235,12 +235,12 @@ def _check(loaded: dict, src: Path, ws: int, rank: int, mode: str) -> dict:
 
 
 class ReshardLoad:
-    """reshard._C.load of one rank file into preallocated tensors."""
+    """reshard._C._testing.load_raw of one rank file into preallocated tensors."""
 
     def __init__(self, spec, device):
         import torch
         from reshard import _C
-        from reshard.format import torch_dtype
+        from reshard.layout import torch_dtype
 
         self.torch, self._C, self.spec, self.device = torch, _C, spec, device
         if spec.get("prepare") and device.type == "cuda":
@@ -251,15 +251,15 @@ class ReshardLoad:
         if spec.get("preload_file"):
             # Diagnostic: another rank file loaded first, untimed (is a fresh process's first
             # load slower because of the process or because of the file?).
-            pre = json.loads(_C.read_header(spec["preload_file"]))
+            pre = json.loads(_C._testing.read_header(spec["preload_file"]))
             keep = [torch.empty(max(e["nbytes"], 1), dtype=torch.uint8, device=device) for e in pre["tensors"]]
-            _C.load(spec["preload_file"], [(e["name"], t.data_ptr(), e["nbytes"], device.type == "cuda")
+            _C._testing.load_raw(spec["preload_file"], [(e["name"], t.data_ptr(), e["nbytes"], device.type == "cuda")
                                            for e, t in zip(pre["tensors"], keep)],
                     device=spec.get("cuda_device", 0), threads=spec["threads"], io="auto")
             torch.cuda.synchronize() if device.type == "cuda" else None
             del keep
         self.files = [spec["rank_file"]]
-        header = json.loads(_C.read_header(spec["rank_file"]))  # shapes for the targets
+        header = json.loads(_C._testing.read_header(spec["rank_file"]))  # shapes for the targets
         self.tensors = {}
         for e in header["tensors"]:
             self.tensors[e["name"]] = torch.empty(e["local_shape"], dtype=torch_dtype(e["dtype"]),
@@ -274,7 +274,7 @@ class ReshardLoad:
 
     def run(self):
         s = self.spec
-        self.report = self._C.load(s["rank_file"], self.targets, device=s.get("cuda_device", 0),
+        self.report = self._C._testing.load_raw(s["rank_file"], self.targets, device=s.get("cuda_device", 0),
                                    threads=s["threads"], verify=s["verify"], io=s["io"])
         return self.tensors
 
@@ -745,7 +745,7 @@ def main(argv=None):
                     help="do not keep the children's libraries mapped across page-cache drops")
     ap.add_argument("--quick", action="store_true", help="smoke test: ~0.9 GB, 1 repetition")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="no GPU: generation, convert, host loads with _C.load(on_device=False), "
+                    help="no GPU: generation, convert, host loads with _C._testing.load_raw(on_device=False), "
                          "safe_open slices, load_file and DCP on CPU, and the read ceiling")
     ap.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     ap.add_argument("--diag-env", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
@@ -894,7 +894,7 @@ def run_bench(b: Bench, args, threads) -> int:
     for c in cases.values():
         c["file_bytes"] = os.path.getsize(c["rank_file"])
         try:
-            hdr = json.loads(_C.read_header(c["rank_file"]))
+            hdr = json.loads(_C._testing.read_header(c["rank_file"]))
         except Exception as e:  # noqa: BLE001
             raise SystemExit(
                 f"bench_load: reshard._C cannot read {c['rank_file']}: {e}\n(Do {reshard} and "

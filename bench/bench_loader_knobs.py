@@ -66,7 +66,7 @@ def main():
     torch.empty(1, device="cuda")
     results = {}
     for path in args.files:
-        header = json.loads(_C.read_header(path))
+        header = json.loads(_C._testing.read_header(path))
         dests, targets, nbytes = cuda_targets(header)
         res = {"bytes": nbytes, "warm": [], "cold": [], "flush_mib": args.flush_mib,
                "streams_env": os.environ.get("RESHARD_STREAMS", "")}
@@ -78,7 +78,7 @@ def main():
         # the GPU; every configuration's last load must equal them (destinations are filled
         # with a pattern first, so a load that lands nothing fails).
         host = [torch.empty(max(e["nbytes"], 1), dtype=torch.uint8) for e in header["tensors"]]
-        _C.load(path, [(e["name"], h.data_ptr(), e["nbytes"], False)
+        _C._testing.load_raw(path, [(e["name"], h.data_ptr(), e["nbytes"], False)
                        for e, h in zip(header["tensors"], host)], device=0, io="buffered")
         ref = [h.cuda() for h in host]
         del host
@@ -100,7 +100,7 @@ def main():
                 subprocess.run(flush, check=True, stdout=subprocess.DEVNULL)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            r = _C.load(path, targets, device=0, **kw)
+            r = _C._testing.load_raw(path, targets, device=0, **kw)
             torch.cuda.synchronize()
             sec = time.perf_counter() - t0
             assert r["bytes"] == nbytes

@@ -220,8 +220,8 @@ def rank_slice(handle, name: str, ws: int, rank: int):
 
 
 def cuda_targets(header: dict):
-    """One preallocated CUDA byte buffer per tensor of a rank file's header (as `_C.read_header`
-    returns it): (buffers, `_C.load` targets, tensor bytes in all)."""
+    """One preallocated CUDA byte buffer per tensor of a rank file's header (as `_C._testing.read_header`
+    returns it): (buffers, `_C._testing.load_raw` targets, tensor bytes in all)."""
     import torch
 
     dests, targets = [], []
