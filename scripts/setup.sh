@@ -40,10 +40,11 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$PY_PINS" ]; then
   echo "$PY_PINS" > "$STAMP"
 fi
 
-# 3. Build (CLI, core library, tests, Python extension).
+# 3. Build (CLI, core library, tests, Python extension; RESHARD_BUILD_TARGETS: only those).
 PYBIND_DIR=$("$VENV/bin/python" -c 'import pybind11; print(pybind11.get_cmake_dir())')
 cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -Dpybind11_DIR="$PYBIND_DIR" -DPython_EXECUTABLE="$VENV/bin/python" \
   ${RESHARD_CMAKE_ARGS:-} >/dev/null
-cmake --build "$BUILD" -j "$(nproc)"
-echo "setup: built $BUILD/reshard"
+# shellcheck disable=SC2086
+cmake --build "$BUILD" -j "$(nproc)" ${RESHARD_BUILD_TARGETS:+--target $RESHARD_BUILD_TARGETS}
+echo "setup: built $BUILD/reshard${RESHARD_BUILD_TARGETS:+ (targets: $RESHARD_BUILD_TARGETS)}"

@@ -694,12 +694,17 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on
-    # CPU/gloo a run now and then aborts in a C++ destructor at exit ("terminate called without
-    # an active exception") after all work, output and the process-group teardown are done; seen
-    # more often since checkpoints use object collectives (broadcast_object_list).
+def cli(argv=None) -> None:
+    """`python -m reshard.train` / `python -m reshard.examples.train`: main(), then leave
+    without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on CPU/gloo a
+    run now and then aborts in a C++ destructor at exit ("terminate called without an active
+    exception") after all work, output and the process-group teardown are done; seen more often
+    since checkpoints use object collectives (broadcast_object_list)."""
+    code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()
