@@ -74,10 +74,35 @@ def read_manifest(out: str) -> Optional[Dict[str, Any]]:
     return None if text is None else json.loads(text)
 
 
+_HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+
+
+def is_hf_checkpoint(path: str) -> bool:
+    """True when `path` is a Hugging Face checkpoint directory (weights, no reshard.json)."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "reshard.json")):
+        return False
+    names = os.listdir(path)
+    return any(n in _HF_WEIGHT_FILES or n.endswith(".safetensors") for n in names)
+
+
+def convert_output_for(src: str) -> str:
+    """A sensible output directory for converting `src`: beside it, never inside it."""
+    src = os.path.normpath(os.path.abspath(src))
+    return src + "-reshard"
+
+
 def require_manifest(out: str, command: str) -> Dict[str, Any]:
-    """The manifest of OUT; NotFoundError saying what to run when there is none."""
+    """The manifest of OUT; NotFoundError saying what to run when there is none. `command` is
+    the convert command (with "<checkpoint>" and OUT in it) that would make the layout; when
+    OUT is itself a Hugging Face checkpoint, the message says so and gives the command for it,
+    writing beside it."""
     manifest = read_manifest(out)
     if manifest is None:
+        if is_hf_checkpoint(out):
+            fixed = command.replace("<checkpoint>", out).replace(f"-o {out}", f"-o {convert_output_for(out)}")
+            raise NotFoundError(f"{out} is a Hugging Face checkpoint, not a reshard output directory: "
+                                f"convert it first, then load the output: {fixed}")
         raise NotFoundError(f"{out}: no reshard.json; this is not a reshard output directory. "
                             f"Create one with: {command}")
     return manifest

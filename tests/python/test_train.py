@@ -46,8 +46,10 @@ def _run(cmd, timeout=240, expect_rc=0):
     out = f"$ {' '.join(map(str, cmd))}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
     if expect_rc == 0:
         assert proc.returncode == 0, out
-    else:
+    elif expect_rc == 1:
         assert proc.returncode != 0, "expected a failure\n" + out
+    else:
+        assert proc.returncode == expect_rc, f"expected exit {expect_rc}\n" + out
     return proc, out
 
 
@@ -415,3 +417,41 @@ def test_trainer_fsdp1_resume_gives_the_uninterrupted_losses(tiny, reshard_bin, 
         assert second[r]["losses"] == whole[r]["losses"][3:], (second[r]["losses"], whole[r]["losses"])
         assert second[r]["grad_norms"] == whole[r]["grad_norms"][3:]
     _run([reshard_bin, "verify", saves / "step-00000006"])
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals under torchrun: one line from one rank, every rank out promptly, the CLI's codes
+# ---------------------------------------------------------------------------------------
+
+def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path):
+    """3 processes on a world-size-2 conversion: the load is refused on every rank; one line
+    says so (naming the convert command that fits), no worker prints a traceback, exit code 3, and
+    the job ends within seconds of the refusal (no rank waits in a collective)."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "-m", "reshard.train",
+                           tiny["out2"], "--steps", "2"], capture_output=True, text=True, env=_env(),
+                          timeout=240, stdin=subprocess.DEVNULL, cwd=REPO)
+    elapsed = time.monotonic() - t0
+    log = f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert proc.returncode != 0, log
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("reshard.train: ")]
+    assert len(lines) == 1, log
+    assert "fsdp2-ws3" in lines[0] and "--world-size 3" in lines[0], lines[0]
+    # No worker prints a traceback; what remains is torchrun's own report of the failed workers.
+    assert proc.stderr.count("Traceback (most recent call last)") <= 1, log
+    assert "reshard/load.py" not in proc.stderr and "reshard/examples" not in proc.stderr, log
+    assert "exitcode  : 3" in proc.stderr, log  # torchrun's report of the workers' exit code
+    assert elapsed < 120, f"{elapsed:.0f} s"
+    print(f"\nrefusal under torchrun: {elapsed:.1f} s, {len(proc.stderr.splitlines())} lines of stderr")
+
+
+def test_pointing_at_the_hugging_face_directory_says_so(tiny, tmp_path):
+    """reshard.train (and reshard.load) on the source checkpoint instead of its conversion:
+    the message says it is a Hugging Face checkpoint and gives the convert command, writing
+    beside the source."""
+    proc, log = _run([sys.executable, "-m", "reshard.train", tiny["bare"], "--steps", "1"], expect_rc=3)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "is a Hugging Face checkpoint" in line, log
+    assert f"reshard convert {tiny['bare']} -o {tiny['bare']}-reshard --world-size 1" in line, log

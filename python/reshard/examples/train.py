@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 import reshard
+import reshard.errors
 from reshard.check import bits, check_weights, full_tensor  # noqa: F401 (re-exported for recipes)
 from reshard.model import reference_class  # noqa: F401
 
@@ -550,7 +551,19 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     # --- load this rank's shard ---
     dist.barrier()
-    report = reshard.load(model, weights, threads=args.threads)
+    report, err = None, None
+    try:
+        report = reshard.load(model, weights, threads=args.threads)
+    except reshard.ReshardError as e:
+        err = (e.code, str(e))
+    # Every rank learns at once whether any rank's load was refused (a rank that went on alone
+    # would wait in the first collective until the job's timeout).
+    errs: List[Optional[Tuple[str, str]]] = [None] * world
+    dist.all_gather_object(errs, err)
+    failed = [r for r, e in enumerate(errs) if e]
+    if failed:
+        code, text = errs[failed[0]]
+        raise JobError(reshard.errors.error_class(code)(text), failed[0], len(failed))
     peak_after = peak_rss_bytes()
     result["rss"]["peak_after_load"] = peak_after
     if device.type == "cuda":
@@ -694,13 +707,41 @@ def main(argv=None) -> int:
     return 0
 
 
+class JobError(Exception):
+    """A refusal on some rank(s) of the job: `error` as raised on rank `rank`, the lowest of the
+    `count` ranks that failed. That rank prints it; every rank exits with its code."""
+
+    def __init__(self, error: Exception, rank: int, count: int):
+        super().__init__(str(error))
+        self.error, self.rank, self.count = error, rank, count
+
+
+EXIT_USAGE, EXIT_FAILED = 2, 3  # as the reshard CLI: bad usage, the operation failed
+
+
+def _exit_code(e: Exception) -> int:
+    return EXIT_USAGE if isinstance(e, reshard.InvalidArgumentError) else EXIT_FAILED
+
+
 def cli(argv=None) -> None:
     """`python -m reshard.train` / `python -m reshard.examples.train`: main(), then leave
     without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on CPU/gloo a
     run now and then aborts in a C++ destructor at exit ("terminate called without an active
     exception") after all work, output and the process-group teardown are done; seen more often
     since checkpoints use object collectives (broadcast_object_list)."""
-    code = main(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        code = main(argv)
+    except JobError as e:
+        # One line, from one rank, instead of a traceback per rank.
+        if rank == e.rank:
+            more = f" (and {e.count - 1} other rank(s))" if e.count > 1 else ""
+            print(f"reshard.train: rank {e.rank}{more}: {e.error}", file=sys.stderr, flush=True)
+        code = _exit_code(e.error)
+    except reshard.ReshardError as e:  # the same on every rank (before the load): rank 0 says it
+        if rank == 0:
+            print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+        code = _exit_code(e)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
