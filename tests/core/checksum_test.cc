@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checksum.h"
+#include "reshard/base/checksum.h"
 
 namespace reshard {
 namespace {

@@ -16,14 +16,16 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checkpoint.h"
-#include "reshard/checksum.h"
-#include "reshard/convert.h"
-#include "reshard/file_io.h"
-#include "reshard/inspect.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file.h"
-#include "reshard/verify.h"
+#include "reshard/base/checksum.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/inspect.h"
+#include "reshard/ops/verify.h"
 
 namespace reshard {
 namespace {

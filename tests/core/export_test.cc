@@ -17,10 +17,11 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/convert.h"
-#include "reshard/dtype_convert.h"
-#include "reshard/export.h"
-#include "reshard/rank_file.h"
+#include "reshard/base/dtype_convert.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/export.h"
+#include "reshard/plan/layout_tensors.h"
 
 namespace reshard {
 namespace {

@@ -10,10 +10,13 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/convert.h"
-#include "reshard/fsdp1.h"
-#include "reshard/rank_file.h"
-#include "reshard/verify.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/verify.h"
+#include "reshard/plan/fsdp1.h"
 
 namespace reshard {
 namespace {

@@ -15,13 +15,15 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/checkpoint.h"
-#include "reshard/error.h"
-#include "reshard/inspect.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file.h"
-#include "reshard/safetensors.h"
-#include "reshard/verify.h"
+#include "reshard/base/error.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/safetensors.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/inspect.h"
+#include "reshard/ops/verify.h"
 #include "core/test_util.h"
 
 namespace reshard {

@@ -5,8 +5,9 @@
 
 #include <gtest/gtest.h>
 
-#include "reshard/checkpoint.h"
-#include "reshard/error.h"
+#include "reshard/base/error.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/io/checkpoint.h"
 #include "core/test_util.h"
 
 namespace reshard {

@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checkpoint.h"
-#include "reshard/layout.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/layout.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/plan/rank_plan.h"
 
 namespace reshard {
 namespace {

@@ -24,10 +24,10 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/file_io.h"
-#include "reshard/loader.h"
-#include "reshard/rank_file.h"
-#include "reshard/rank_writer.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/runtime/loader.h"
+#include "reshard/runtime/rank_writer.h"
 
 namespace reshard {
 namespace {

@@ -11,11 +11,12 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checkpoint.h"
-#include "reshard/checksum.h"
-#include "reshard/convert.h"
-#include "reshard/rank_file.h"
-#include "reshard/rank_file_format.h"
+#include "reshard/base/checksum.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/rank_file_format.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
 
 namespace reshard {
 namespace {

@@ -13,13 +13,14 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checksum.h"
-#include "reshard/convert.h"
-#include "reshard/layout.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file.h"
-#include "reshard/rank_writer.h"
-#include "reshard/verify.h"
+#include "reshard/base/checksum.h"
+#include "reshard/format/layout.h"
+#include "reshard/format/manifest.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/verify.h"
+#include "reshard/runtime/rank_writer.h"
 
 namespace reshard {
 namespace {

@@ -11,9 +11,10 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
-#include "reshard/checkpoint.h"
-#include "reshard/checksum.h"
-#include "reshard/safetensors.h"
+#include "reshard/base/checksum.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/safetensors.h"
+#include "reshard/io/checkpoint.h"
 
 namespace reshard {
 namespace {

@@ -16,15 +16,17 @@
 
 #include "core/test_util.h"
 #include "core/torch_archive.h"
-#include "reshard/checkpoint.h"
-#include "reshard/convert.h"
-#include "reshard/dtype_convert.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file.h"
-#include "reshard/torch_pickle.h"
-#include "reshard/torch_zip.h"
-#include "reshard/verify.h"
-#include "reshard/zip_reader.h"
+#include "reshard/base/dtype_convert.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/torch_pickle.h"
+#include "reshard/format/torch_zip.h"
+#include "reshard/format/zip_reader.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/verify.h"
 
 namespace reshard {
 namespace {

@@ -1,6 +1,6 @@
 // WorkerPool: every index runs once per Run on a pool thread, Runs follow one another,
 // errors come back to the caller, and misuse is refused.
-#include "reshard/worker_pool.h"
+#include "reshard/io/worker_pool.h"
 
 #include <atomic>
 #include <mutex>

@@ -66,8 +66,8 @@
 #include <thread>
 #include <vector>
 
-#include "reshard/checksum.h"  // the XXH3 implementations, timed alone
-#include "reshard/loader.h"  // PageCacheResidency (mincore), no loading code
+#include "reshard/base/checksum.h"  // the XXH3 implementations, timed alone
+#include "reshard/io/file_io.h"  // PageCacheResidency (mincore), no loading code
 
 namespace {
 
