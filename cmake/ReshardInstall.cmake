@@ -1,7 +1,7 @@
 # `cmake --install` rules and the CMake package, so that another project can do
 #     find_package(reshard 0.1 REQUIRED)
 #     target_link_libraries(app PRIVATE reshard::core)
-# Components: "dev" (headers, the layers' archives, reshardConfig*.cmake), "runtime"
+# Components: "dev" (the public headers, the layers' archives, reshardConfig*.cmake), "runtime"
 # (the reshard CLI), "python" (the extension reshard._C; only in wheel builds by
 # scikit-build-core, which installs "runtime" and "python" alone: the CLI into the wheel's
 # scripts, i.e. the environment's bin/).
@@ -14,6 +14,10 @@
 # reshardConfig.cmake: zstd (reshard::zstd, found again the same way) and OpenMP
 # (find_dependency); nlohmann_json is public (the inspect API returns nlohmann::json). xxhash
 # is compiled in (XXH_INLINE_ALL) and needs nothing at link time.
+#
+# Headers: RESHARD_INSTALLED_HEADERS alone (CMakeLists.txt), what a C++ user of convert,
+# verify, export, inspect, load and save needs; the other headers of include/reshard/ are for
+# the layers themselves, and the internal ones (src/<layer>/*.h) never leave the tree.
 include_guard(GLOBAL)
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -43,11 +47,15 @@ endif()
 install(TARGETS ${_reshard_export_targets} EXPORT reshardTargets
         ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT dev
         INCLUDES DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}")
-install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/reshard"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}" COMPONENT dev
-        FILES_MATCHING PATTERN "*.h")
-install(FILES "${RESHARD_GENERATED_INCLUDE_DIR}/reshard/base/build_config.h"
-        DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/reshard/base" COMPONENT dev)
+foreach(_header IN LISTS RESHARD_INSTALLED_HEADERS)
+  get_filename_component(_dir "${_header}" DIRECTORY)
+  if(EXISTS "${PROJECT_SOURCE_DIR}/include/${_header}")
+    set(_from "${PROJECT_SOURCE_DIR}/include/${_header}")
+  else()  # generated (build_config.h)
+    set(_from "${RESHARD_GENERATED_INCLUDE_DIR}/${_header}")
+  endif()
+  install(FILES "${_from}" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}/${_dir}" COMPONENT dev)
+endforeach()
 install(EXPORT reshardTargets NAMESPACE reshard:: DESTINATION "${RESHARD_INSTALL_CMAKEDIR}"
         COMPONENT dev)
 

@@ -26,6 +26,13 @@ foreach(f include/reshard/base/version.h include/reshard/base/build_config.h bin
     message(FATAL_ERROR "not installed: ${prefix}/${f}")
   endif()
 endforeach()
+# Internal headers stay in the source tree: only the public API is installed.
+foreach(f include/reshard/format/torch_pickle.h include/reshard/format/zip_reader.h
+          include/reshard/io/checkpoint.h include/reshard/plan/rank_plan.h)
+  if(EXISTS "${prefix}/${f}")
+    message(FATAL_ERROR "installed, but not public: ${prefix}/${f}")
+  endif()
+endforeach()
 file(GLOB_RECURSE configs "${prefix}/*/reshardConfig.cmake")
 if(NOT configs)
   message(FATAL_ERROR "reshardConfig.cmake not installed under ${prefix}")
