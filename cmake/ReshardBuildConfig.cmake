@@ -1,5 +1,6 @@
-# Writes <build>/generated/include/reshard/build_config.h from include/reshard/build_config.h.in
-# (version, CUDA, OpenMP, compiler, build type, torch) and sets RESHARD_GENERATED_INCLUDE_DIR.
+# Writes <build>/generated/include/reshard/base/build_config.h from
+# include/reshard/base/build_config.h.in (version, CUDA, OpenMP, compiler, build type, torch)
+# and sets RESHARD_GENERATED_INCLUDE_DIR.
 include_guard(GLOBAL)
 set(RESHARD_BUILD_WITH_CUDA 0)
 if(RESHARD_WITH_CUDA)
@@ -11,5 +12,5 @@ if(OpenMP_CXX_FOUND)
 endif()
 set(RESHARD_BUILD_TYPE "${CMAKE_BUILD_TYPE}")
 set(RESHARD_GENERATED_INCLUDE_DIR "${CMAKE_CURRENT_BINARY_DIR}/generated/include")
-configure_file("${PROJECT_SOURCE_DIR}/include/reshard/build_config.h.in"
-               "${RESHARD_GENERATED_INCLUDE_DIR}/reshard/build_config.h" @ONLY)
+configure_file("${PROJECT_SOURCE_DIR}/include/reshard/base/build_config.h.in"
+               "${RESHARD_GENERATED_INCLUDE_DIR}/reshard/base/build_config.h" @ONLY)

@@ -1,4 +1,4 @@
-#include "reshard/cuda_copier.h"
+#include "reshard/cuda/cuda_copier.h"
 
 #include <cuda_runtime_api.h>
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "reshard/error.h"
+#include "reshard/base/error.h"
 
 namespace reshard {
 

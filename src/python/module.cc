@@ -16,16 +16,20 @@
 
 #include <unistd.h>
 
-#include "reshard/checksum.h"
-#include "reshard/error.h"
-#include "reshard/loader.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file.h"
-#include "reshard/rank_file_format.h"
-#include "reshard/rank_writer.h"
-#include "reshard/version.h"
+#include "reshard/base/checksum.h"
+#include "reshard/base/dtype.h"
+#include "reshard/base/error.h"
+#include "reshard/format/layout.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/rank_file_format.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/build_info.h"
+#include "reshard/runtime/loader.h"
+#include "reshard/runtime/rank_writer.h"
 #ifdef RESHARD_HAVE_CUDA
-#include "reshard/cuda_copier.h"
+#include "reshard/cuda/cuda_copier.h"
 #endif
 
 namespace py = pybind11;
@@ -33,7 +37,7 @@ namespace py = pybind11;
 namespace {
 
 // A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
-// [0, max]), else the loader's default (include/reshard/loader.h).
+// [0, max]), else the loader's default (include/reshard/runtime/loader.h).
 uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max) {
   uint64_t n = fallback;
   std::string text;

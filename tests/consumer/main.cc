@@ -14,13 +14,13 @@
 #include <string>
 #include <vector>
 
-#include <reshard/convert.h>
-#include <reshard/error.h>
-#include <reshard/loader.h>
-#include <reshard/rank_file.h>
-#include <reshard/rank_file_format.h>
-#include <reshard/verify.h>
-#include <reshard/version.h>
+#include <reshard/base/error.h>
+#include <reshard/format/rank_file_format.h>
+#include <reshard/io/rank_file.h>
+#include <reshard/ops/build_info.h>
+#include <reshard/ops/convert.h>
+#include <reshard/ops/verify.h>
+#include <reshard/runtime/loader.h>
 
 namespace fs = std::filesystem;
 

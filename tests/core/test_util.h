@@ -19,7 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "reshard/error.h"
+#include "reshard/base/error.h"
 
 namespace reshard::test {
 

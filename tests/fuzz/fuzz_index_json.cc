@@ -6,8 +6,8 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/checkpoint.h"
-#include "reshard/error.h"
+#include "reshard/base/error.h"
+#include "reshard/format/checkpoint.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = "fuzz/model.safetensors.index.json";

@@ -7,9 +7,9 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/error.h"
-#include "reshard/manifest.h"
-#include "reshard/rank_file_format.h"
+#include "reshard/base/error.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/rank_file_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = "fuzz/reshard.json";

@@ -16,9 +16,9 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/checksum.h"
-#include "reshard/error.h"
-#include "reshard/rank_file_format.h"
+#include "reshard/base/checksum.h"
+#include "reshard/base/error.h"
+#include "reshard/format/rank_file_format.h"
 
 namespace {
 

@@ -7,9 +7,9 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/dtype.h"
-#include "reshard/error.h"
-#include "reshard/safetensors.h"
+#include "reshard/base/dtype.h"
+#include "reshard/base/error.h"
+#include "reshard/format/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string path = "fuzz.safetensors";

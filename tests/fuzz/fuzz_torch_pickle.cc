@@ -5,8 +5,8 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/error.h"
-#include "reshard/torch_pickle.h"
+#include "reshard/base/error.h"
+#include "reshard/format/torch_pickle.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string name = "fuzz.pkl";

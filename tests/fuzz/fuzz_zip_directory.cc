@@ -6,9 +6,9 @@
 #include <string>
 #include <string_view>
 
-#include "reshard/error.h"
-#include "reshard/torch_zip.h"
-#include "reshard/zip_reader.h"
+#include "reshard/base/error.h"
+#include "reshard/format/torch_zip.h"
+#include "reshard/format/zip_reader.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);

@@ -52,7 +52,8 @@ def test_cxx_only_build_needs_no_torch(tmp_path):
     r = configure(tmp_path / "build", f"-DPython_EXECUTABLE={venv / 'bin' / 'python'}",
                   "-DRESHARD_BUILD_TESTS=OFF", "-DRESHARD_BUILD_PYTHON=OFF")
     assert r.returncode == 0, r.stdout + r.stderr
-    config = (tmp_path / "build" / "generated" / "include" / "reshard" / "build_config.h").read_text()
+    config = (tmp_path / "build" / "generated" / "include" / "reshard" / "base"
+              / "build_config.h").read_text()
     assert '#define RESHARD_BUILD_TORCH_VERSION ""' in config, config
 
 

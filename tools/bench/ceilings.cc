@@ -1,4 +1,4 @@
-// reshard_bench_ceilings: the I/O and copy ceilings that scripts/bench_load.py compares the
+// reshard_bench_ceilings: the I/O and copy ceilings that bench/bench_load.py compares the
 // loader against, measured with plain POSIX reads and cudart (no reshard loader code, no
 // torch), so that a flaw in the loader cannot hide in its own reference.
 //
@@ -66,8 +66,8 @@
 #include <thread>
 #include <vector>
 
-#include "reshard/checksum.h"  // the XXH3 implementations, timed alone
-#include "reshard/loader.h"  // PageCacheResidency (mincore), no loading code
+#include "reshard/base/checksum.h"  // the XXH3 implementations, timed alone
+#include "reshard/io/file_io.h"  // PageCacheResidency (mincore), no loading code
 
 namespace {
 
@@ -804,7 +804,7 @@ Json CmdSpin(uint64_t ms, unsigned threads) {
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "I/O and copy ceilings for the reshard loader benchmark (scripts/bench_load.py). Each "
+      "I/O and copy ceilings for the reshard loader benchmark (bench/bench_load.py). Each "
       "subcommand prints one JSON object; GB = 1e9 bytes."};
   app.require_subcommand(1);
   std::string file, request_text = "2MiB", bytes_text = "1GiB";

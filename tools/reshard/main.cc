@@ -14,13 +14,14 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "reshard/convert.h"
-#include "reshard/error.h"
-#include "reshard/export.h"
-#include "reshard/inspect.h"
-#include "reshard/rank_file_format.h"
-#include "reshard/verify.h"
-#include "reshard/version.h"
+#include "reshard/base/error.h"
+#include "reshard/format/layout.h"
+#include "reshard/format/rank_file_format.h"
+#include "reshard/ops/build_info.h"
+#include "reshard/ops/convert.h"
+#include "reshard/ops/export.h"
+#include "reshard/ops/inspect.h"
+#include "reshard/ops/verify.h"
 
 namespace {
 

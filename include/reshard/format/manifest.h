@@ -1,0 +1,53 @@
+// The output directory's manifest (formats/manifest.md). Read, written and rebuilt from the
+// rank files in OUT by reshard/io/manifest.h.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "reshard/format/layout.h"
+#include "reshard/format/source.h"
+
+namespace reshard {
+
+inline constexpr std::string_view kManifestName = "reshard.json";
+inline constexpr std::string_view kManifestFormatName = "reshard.manifest";
+inline constexpr uint32_t kManifestVersion = 1;
+inline constexpr std::string_view kLockName = ".reshard.lock";
+
+struct ManifestRank {
+  uint32_t rank = 0;
+  std::string file;
+  uint64_t size = 0;
+  uint64_t header_xxh3 = 0;
+};
+
+struct ManifestLayout {
+  std::string key;
+  LayoutKind kind = LayoutKind::kFsdp2;
+  uint32_t world_size = 1;
+  std::string dtype = "keep";
+  std::vector<std::string> wrap;  // FSDP1 (LayoutSpec)
+  bool use_orig_params = false;
+  std::string param_dtype;
+  std::string dir;
+  std::vector<ManifestRank> ranks;
+  bool complete = false;
+
+  LayoutSpec Layout() const;
+};
+
+struct Manifest {
+  std::string writer;
+  SourceFingerprint source;
+  std::vector<std::string> aux_files;
+  std::map<std::string, ManifestLayout> layouts;
+};
+
+std::string SerializeManifest(const Manifest& manifest);
+Manifest ParseManifest(std::string_view json, const std::string& path);
+
+}  // namespace reshard

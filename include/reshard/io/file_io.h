@@ -1,0 +1,74 @@
+// Thin POSIX file helpers. Every failure throws reshard::Error naming the path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace reshard {
+
+class File {
+ public:
+  File() = default;
+  static File OpenRead(const std::filesystem::path& path, bool direct = false);
+  /// Creates (truncating) a file for writing.
+  static File Create(const std::filesystem::path& path);
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File();
+
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  uint64_t Size() const;
+
+  /// Reads exactly `size` bytes at `offset`; a short read is kDataLoss ("truncated").
+  void PReadExact(void* buf, size_t size, uint64_t offset) const;
+  /// Reads up to `size` bytes; returns how many were read (stops at end of file).
+  size_t PReadUpTo(void* buf, size_t size, uint64_t offset) const;
+  void PWriteExact(const void* buf, size_t size, uint64_t offset) const;
+  void Truncate(uint64_t size) const;
+  void Sync() const;
+  void Close();
+
+ private:
+  File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+/// fsync of a directory, so that a rename inside it is durable.
+void SyncDirectory(const std::filesystem::path& dir);
+
+/// Writes `contents` to `path` atomically: temporary file in the same directory, fsync,
+/// rename, fsync of the directory.
+void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents);
+
+/// This machine's host name with every character but [A-Za-z0-9._] replaced by '_' ("host"
+/// when unknown): part of temporary file names, so that a crashed writer's temporaries can be
+/// told from a live one's on another host sharing the directory.
+std::string SafeHostName();
+/// ".tmp-<host>-<pid>": the suffix of this process's temporary files.
+std::string TempSuffix();
+
+std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size);
+
+/// Fraction of the file's pages in the page cache (mincore over a sample of pages).
+double PageCacheResidency(const std::string& path);
+
+/// An exclusive advisory lock (flock) held for the object's lifetime. Waits up to
+/// `wait_seconds` for another process to release it, then throws kBusy.
+class DirectoryLock {
+ public:
+  explicit DirectoryLock(const std::filesystem::path& lock_file, double wait_seconds = 0);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace reshard

@@ -1,0 +1,58 @@
+// Conversion of a Hugging Face checkpoint into per-rank files.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "reshard/format/layout.h"
+#include "reshard/format/rank_file_format.h"
+
+namespace reshard {
+
+struct ConvertOptions {
+  std::filesystem::path source;
+  std::filesystem::path out;
+  LayoutSpec layout;
+  /// FSDP1 layouts: the model manifest (formats/model-manifest.md). When unset, SOURCE/ and
+  /// then OUT/reshard-model.json are used. layout.wrap empty: the manifest's no_split_modules.
+  std::optional<std::filesystem::path> model_manifest;
+  std::optional<std::pair<uint32_t, uint32_t>> ranks;  // inclusive range; all when unset
+  unsigned threads = 0;                                 // 0: hardware concurrency
+  Codec codec = Codec::kRaw;
+  int zstd_level = 3;
+  uint64_t chunk_size = kDefaultChunkSize;
+  /// How long to wait for another conversion into the same OUT to release the manifest lock
+  /// (held only while the manifest is read at the start and rewritten at the end, so that
+  /// conversions of disjoint --ranks can run at the same time, e.g. one per machine).
+  double lock_wait_seconds = 60;
+  /// Called now and then with (bytes done, bytes total) from the converting thread.
+  std::function<void(uint64_t, uint64_t)> progress;
+};
+
+struct ConvertResult {
+  std::string layout_key;
+  std::filesystem::path layout_dir;
+  std::vector<uint32_t> ranks_written;
+  std::vector<uint32_t> ranks_up_to_date;  // already complete, left alone
+  uint64_t bytes_read = 0;        // source tensor bytes read
+  uint64_t bytes_decoded = 0;     // tensor bytes in the written files
+  uint64_t bytes_stored = 0;      // bytes written to rank files (after compression)
+  double seconds = 0;
+  bool layout_complete = false;   // every rank of the layout present afterwards
+  uint32_t world_size = 0;
+  std::vector<std::string> unused_tensors;  // FSDP1: source tensors the model does not use
+  std::vector<std::string> wrap;            // FSDP1: the wrap classes used
+};
+
+/// Converts `options.source` into `options.out/<layout key>/rank-*.reshard` and updates the
+/// manifest. Rank files already present and valid for the same source and layout are left
+/// alone. OUT's lock is held while the manifest is read and while it is rebuilt; rank files
+/// are written to temporaries named by host and pid and renamed into place. Throws
+/// reshard::Error.
+ConvertResult Convert(const ConvertOptions& options);
+
+}  // namespace reshard

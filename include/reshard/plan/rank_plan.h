@@ -1,0 +1,56 @@
+// Layout planning: which bytes of which source tensor each rank owns, and where they go in
+// the rank file. Pure: plans from the checkpoint's description (reshard/format/checkpoint.h)
+// and the layout's identity (reshard/format/layout.h); reads no file.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "reshard/base/dtype.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/layout.h"
+
+namespace reshard {
+
+/// One tensor's part in one rank file.
+struct PlannedTensor {
+  size_t source_index = 0;  // into Checkpoint::tensors
+  std::string name;
+  DType dtype;              // as stored in the rank file (after the dtype policy)
+  DType source_dtype;       // as in the source; differs from dtype when converted
+  std::vector<uint64_t> global_shape;
+  bool sharded = false;     // false: stored whole (0-dim)
+  RowRange rows;            // valid when sharded
+  std::vector<uint64_t> local_shape;
+  uint64_t nbytes = 0;         // bytes in the rank file
+  uint64_t source_nbytes = 0;  // bytes of this rank's part in the source (= nbytes unless converted)
+  uint64_t source_offset = 0;  // absolute offset of this rank's bytes in the source file
+  uint64_t offset = 0;         // in the data region (raw codec; 4096-aligned)
+  // FSDP1 flat shards: the unit (shared by the plans of every rank); source_* then describe
+  // the first source bytes (for read ordering) and the bytes come from FillFlatShard.
+  std::shared_ptr<const FlatInfo> flat;
+
+  bool converted() const { return dtype != source_dtype; }
+};
+
+struct RankPlan {
+  uint32_t rank = 0;
+  std::vector<PlannedTensor> tensors;  // file order = source order (file, offset)
+  uint64_t data_size = 0;              // data region size for the raw codec
+};
+
+/// Plans rank `rank` of `layout` for `ckpt`, applying the layout's dtype policy (stored dtype
+/// and sizes). Throws kInvalidArgument for an unknown dtype policy, kUnsupported when a tensor
+/// cannot be split into whole bytes per row (sub-byte dtypes with odd rows).
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank);
+
+struct Fsdp1Plan;  // fsdp1.h
+/// FSDP1: the rank's flat shards (one per unit, in unit construction order) followed by the
+/// model's persistent buffers, stored whole.
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1Plan& units,
+                  uint32_t rank);
+
+}  // namespace reshard

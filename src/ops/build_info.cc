@@ -1,0 +1,45 @@
+#include "reshard/ops/build_info.h"
+
+#include <xxhash.h>
+#include <zstd.h>
+
+#include <string>
+
+#include "reshard/base/version.h"
+#include "reshard/format/rank_file_format.h"
+
+namespace reshard {
+
+BuildInfo GetBuildInfo() {
+  BuildInfo b;
+  b.version = std::string(kVersion);
+  b.format_version = kRankFileVersion;
+  b.cuda = RESHARD_BUILD_WITH_CUDA != 0;
+  b.cuda_version = RESHARD_BUILD_CUDA_VERSION;
+  b.zstd_version = ZSTD_versionString();
+  b.openmp = RESHARD_BUILD_WITH_OPENMP != 0;
+  b.openmp_version = RESHARD_BUILD_OPENMP_VERSION;
+  b.xxhash_version = std::to_string(XXH_VERSION_MAJOR) + "." + std::to_string(XXH_VERSION_MINOR) +
+                     "." + std::to_string(XXH_VERSION_RELEASE);
+  b.compiler = RESHARD_BUILD_COMPILER;
+  b.build_type = RESHARD_BUILD_TYPE;
+  b.torch_version = RESHARD_BUILD_TORCH_VERSION;
+  return b;
+}
+
+std::string VersionText() {
+  const BuildInfo b = GetBuildInfo();
+  std::string t = "reshard " + b.version + "\n";
+  t += "rank file format: " + std::to_string(b.format_version) + "\n";
+  t += "CUDA: " + (b.cuda ? "yes (" + b.cuda_version + ")" : std::string("no (CPU-only build)")) +
+       "\n";
+  t += "zstd: " + b.zstd_version + "\n";
+  t += "OpenMP: " + (b.openmp ? "yes (" + b.openmp_version + ")" : std::string("no")) + "\n";
+  t += "xxhash: " + b.xxhash_version + "\n";
+  t += "compiler: " + b.compiler + "\n";
+  t += "build type: " + (b.build_type.empty() ? std::string("(none)") : b.build_type) + "\n";
+  t += "torch (Python extension built for): " +
+       (b.torch_version.empty() ? std::string("(extension not built)") : b.torch_version);
+  return t;
+}
+}  // namespace reshard

@@ -1,0 +1,552 @@
+#include "reshard/ops/convert.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <zstd.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+
+#include "reshard/base/checksum.h"
+#include "reshard/base/dtype_convert.h"
+#include "reshard/base/error.h"
+#include "reshard/base/version.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/plan/fsdp1.h"
+#include "reshard/plan/rank_plan.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// At most this many rank files are open for writing at once.
+constexpr size_t kMaxOpenRankFiles = 64;
+
+struct RankWriter {
+  uint32_t rank = 0;
+  RankPlan plan;
+  RankFileHeader header;
+  fs::path tmp_path;
+  fs::path final_path;
+  File file;
+  uint64_t cursor = 0;  // zstd: next free byte in the data region
+};
+
+// One chunk of one tensor of one rank file: `length` bytes of the rank file made from
+// `source_length` bytes of the source (the same unless the dtype policy converts; a chunk then
+// covers a whole number of elements on both sides).
+struct WorkItem {
+  uint32_t writer = 0;     // index into the group's writers
+  uint32_t tensor = 0;     // index into the writer's plan
+  uint64_t chunk = 0;
+  uint64_t source_offset = 0;
+  uint64_t source_length = 0;
+  uint64_t length = 0;
+  size_t file_index = 0;
+};
+
+// Removes temporary files on scope exit unless released.
+class TempFiles {
+ public:
+  void Add(const fs::path& p) { paths_.push_back(p); }
+  void Clear() { paths_.clear(); }
+  ~TempFiles() {
+    for (const auto& p : paths_) {
+      std::error_code ec;
+      fs::remove(p, ec);
+    }
+  }
+
+ private:
+  std::vector<fs::path> paths_;
+};
+
+bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source,
+              const RankPlan& plan) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return false;
+  try {
+    RankFileReader r = RankFileReader::Open(path);
+    const RankFileHeader& h = r.header();
+    if (!(h.source == source) || h.layout_key != o.layout.Key() ||
+        h.world_size != o.layout.world_size || h.dtype_policy != o.layout.dtype ||
+        h.chunk_size != o.chunk_size) {
+      return false;
+    }
+    for (const auto& t : h.tensors) {
+      if (t.nbytes > 0 && t.codec != o.codec) return false;
+    }
+    if (h.kind != o.layout.kind || h.wrap != o.layout.wrap ||
+        h.use_orig_params != o.layout.use_orig_params || h.param_dtype != o.layout.param_dtype ||
+        h.tensors.size() != plan.tensors.size()) {
+      return false;
+    }
+    for (size_t i = 0; i < plan.tensors.size(); ++i) {
+      const auto& want = plan.tensors[i];
+      const auto& have = h.tensors[i];
+      if (have.name != want.name || have.dtype != want.dtype ||
+          have.global_shape != want.global_shape || have.local_shape != want.local_shape ||
+          (want.flat == nullptr) != (have.flat == nullptr) ||
+          (want.flat && !(*want.flat == *have.flat))) {
+        return false;
+      }
+    }
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
+  for (const auto& name : ckpt.aux_files) {
+    const std::string contents = ReadWholeFile(ckpt.dir / name, 1ull << 30);
+    std::error_code ec;
+    if (fs::exists(out / name, ec)) {
+      try {
+        if (ReadWholeFile(out / name, 1ull << 30) == contents) continue;
+      } catch (const Error&) {
+      }
+    }
+    WriteFileAtomic(out / name, contents);
+  }
+}
+
+class Converter {
+ public:
+  Converter(const ConvertOptions& o, const Checkpoint& ckpt, unsigned threads,
+            const Fsdp1Plan* units)
+      : o_(o), ckpt_(ckpt), threads_(threads), units_(units) {
+    for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
+    if (units_) {
+      for (const auto& u : units_->units) {
+        auto& v = flat_sources_[u.get()];
+        for (const auto& p : u->params) v.push_back(ckpt.Find(p.key));
+      }
+    }
+  }
+
+  RankPlan Plan(uint32_t rank) const {
+    return units_ ? PlanRank(ckpt_, o_.layout, *units_, rank) : PlanRank(ckpt_, o_.layout, rank);
+  }
+
+  void Run(std::vector<uint32_t> ranks, ConvertResult& result) {
+    for (size_t g = 0; g < ranks.size(); g += kMaxOpenRankFiles) {
+      std::vector<uint32_t> group(ranks.begin() + g,
+                                  ranks.begin() + std::min(ranks.size(), g + kMaxOpenRankFiles));
+      RunGroup(group, result);
+    }
+  }
+
+  uint64_t total_bytes = 0;
+  std::atomic<uint64_t> done_bytes_{0};
+
+ private:
+  void RunGroup(const std::vector<uint32_t>& ranks, ConvertResult& result) {
+    TempFiles temps;
+    std::vector<RankWriter> writers(ranks.size());
+    std::vector<WorkItem> items;
+    uint64_t max_source_length = 0;
+    bool any_converted = false;
+    const fs::path dir = o_.out / o_.layout.Key();
+    for (size_t w = 0; w < ranks.size(); ++w) {
+      RankWriter& rw = writers[w];
+      rw.rank = ranks[w];
+      rw.plan = Plan(rw.rank);
+      rw.final_path = dir / RankFileName(rw.rank, o_.layout.world_size);
+      rw.tmp_path = dir / ("." + rw.final_path.filename().string() + TempSuffix());
+      temps.Add(rw.tmp_path);
+      rw.file = File::Create(rw.tmp_path);
+      RankFileHeader& h = rw.header;
+      h.writer = std::string(WriterString());
+      h.layout_key = o_.layout.Key();
+      h.kind = o_.layout.kind;
+      h.world_size = o_.layout.world_size;
+      h.dtype_policy = o_.layout.dtype;
+      h.wrap = o_.layout.wrap;
+      h.use_orig_params = o_.layout.use_orig_params;
+      h.param_dtype = o_.layout.param_dtype;
+      h.rank = rw.rank;
+      h.source = ckpt_.fingerprint;
+      h.chunk_size = o_.chunk_size;
+      for (uint32_t ti = 0; ti < rw.plan.tensors.size(); ++ti) {
+        const PlannedTensor& p = rw.plan.tensors[ti];
+        TensorEntry e;
+        e.name = p.name;
+        e.dtype = p.dtype;
+        e.global_shape = p.global_shape;
+        e.sharded = p.sharded;
+        e.rows = p.rows;
+        e.local_shape = p.local_shape;
+        e.nbytes = p.nbytes;
+        e.offset = p.offset;
+        e.stored_size = p.nbytes;
+        e.codec = p.nbytes == 0 ? Codec::kRaw : o_.codec;
+        e.flat = p.flat;
+        const uint64_t n = e.ChunkCount(o_.chunk_size);
+        e.chunk_xxh3.resize(n);
+        if (e.codec == Codec::kZstd) e.frames.resize(n);
+        const uint64_t out_item = Info(p.dtype).bits / 8;
+        const uint64_t in_item = Info(p.source_dtype).bits / 8;
+        for (uint64_t c = 0; c < n; ++c) {
+          const uint64_t begin = c * o_.chunk_size;
+          const uint64_t length = std::min(o_.chunk_size, p.nbytes - begin);
+          WorkItem it{static_cast<uint32_t>(w), ti, c, p.source_offset + begin, length, length,
+                      ckpt_.tensors[p.source_index].file_index};
+          if (p.flat) {  // ordered by the first source bytes the chunk reads
+            std::tie(it.file_index, it.source_offset) =
+                FlatSourcePosition(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
+                                   flat_sources_.at(p.flat.get()), begin);
+          } else if (p.converted()) {  // chunk_size is a multiple of 4096: whole elements
+            it.source_offset = p.source_offset + begin / out_item * in_item;
+            it.source_length = length / out_item * in_item;
+          }
+          max_source_length = std::max(max_source_length, it.source_length);
+          any_converted |= p.converted();
+          items.push_back(it);
+        }
+        h.tensors.push_back(std::move(e));
+      }
+      if (o_.codec == Codec::kRaw) rw.file.Truncate(kDataOffset + rw.plan.data_size);
+    }
+    std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+      return a.file_index != b.file_index ? a.file_index < b.file_index
+                                          : a.source_offset < b.source_offset;
+    });
+
+    // Workers take items in source order from one counter: no barrier between chunks.
+    // Raw chunks go straight to their precomputed offsets. zstd frames are compressed in
+    // parallel and appended to their rank file in file order: a worker whose frame is not
+    // next for that file waits (blocking, not spinning) until it is; the smallest unwritten
+    // item is always held by a running worker, so this cannot deadlock.
+    const size_t bound = ZSTD_compressBound(o_.chunk_size);
+    const bool zstd = o_.codec == Codec::kZstd;
+    std::vector<uint64_t> seq(items.size());
+    {
+      std::vector<uint64_t> per_writer(writers.size(), 0);
+      for (size_t i = 0; i < items.size(); ++i) seq[i] = per_writer[items[i].writer]++;
+    }
+    std::vector<uint64_t> next_seq(writers.size(), 0);
+    std::mutex write_mu;
+    std::condition_variable write_cv;
+    std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};
+    std::atomic<uint64_t> stored{0}, read{0};
+    std::mutex error_mu, progress_mu;
+    std::exception_ptr error;
+    const unsigned workers = static_cast<unsigned>(
+        std::max<size_t>(1, std::min<size_t>(threads_, items.size())));
+    const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
+      sources_[file].PReadExact(dst, n, at);
+    };
+
+    auto worker = [&]() {
+      ZSTD_CCtx* cctx = nullptr;
+      try {
+        std::unique_ptr<char[]> in(new char[std::max(o_.chunk_size, max_source_length)]);
+        std::unique_ptr<char[]> conv(any_converted ? new char[o_.chunk_size] : nullptr);
+        std::unique_ptr<char[]> packed(zstd ? new char[bound] : nullptr);
+        std::vector<char> flat_scratch;
+        if (zstd) cctx = ZSTD_createCCtx();
+        while (!failed.load(std::memory_order_relaxed)) {
+          const size_t i = next.fetch_add(1);
+          if (i >= items.size()) break;
+          const WorkItem& it = items[i];
+          RankWriter& rw = writers[it.writer];
+          TensorEntry& e = rw.header.tensors[it.tensor];
+          const PlannedTensor& p = rw.plan.tensors[it.tensor];
+          const char* data = in.get();
+          if (p.flat) {
+            FillFlatShard(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
+                          flat_sources_.at(p.flat.get()), read_source, it.chunk * o_.chunk_size,
+                          it.length, in.get(), flat_scratch);
+          } else {
+            sources_[it.file_index].PReadExact(in.get(), it.source_length, it.source_offset);
+          }
+          if (p.converted()) {
+            ConvertElements(p.source_dtype, p.dtype, in.get(), conv.get(),
+                            it.length / (Info(p.dtype).bits / 8));
+            data = conv.get();
+          }
+          e.chunk_xxh3[it.chunk] = Xxh3(data, it.length);
+          if (!zstd) {
+            rw.file.PWriteExact(data, it.length, kDataOffset + e.offset + it.chunk * o_.chunk_size);
+            stored += it.length;
+          } else {
+            const size_t n = ZSTD_compressCCtx(cctx, packed.get(), bound, data, it.length,
+                                               o_.zstd_level);
+            if (ZSTD_isError(n)) {
+              Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
+            }
+            std::unique_lock<std::mutex> lock(write_mu);
+            write_cv.wait(lock, [&] { return next_seq[it.writer] == seq[i] || failed.load(); });
+            if (failed.load()) break;
+            if (it.chunk == 0) {
+              rw.cursor = AlignUp(rw.cursor, kDataAlignment);
+              e.offset = rw.cursor;
+            }
+            const uint64_t at = rw.cursor;
+            rw.cursor += n;
+            e.frames[it.chunk] = {at - e.offset, n};
+            e.stored_size = rw.cursor - e.offset;
+            // Written under the lock: file order is the order of the cursor.
+            rw.file.PWriteExact(packed.get(), n, kDataOffset + at);
+            ++next_seq[it.writer];
+            lock.unlock();
+            write_cv.notify_all();
+            stored += n;
+          }
+          read += it.source_length;
+          done_bytes_ += it.length;
+          if (o_.progress) {
+            // Serialized, and skipped while another worker reports: the value read under the
+            // lock only grows, so reports are monotonic whichever worker makes them.
+            std::unique_lock<std::mutex> report(progress_mu, std::try_to_lock);
+            if (report.owns_lock()) o_.progress(done_bytes_.load(), total_bytes);
+          }
+        }
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> g(error_mu);
+          if (!error) error = std::current_exception();
+        }
+        {
+          std::lock_guard<std::mutex> g(write_mu);
+          failed = true;
+        }
+        write_cv.notify_all();
+      }
+      if (cctx) ZSTD_freeCCtx(cctx);
+    };
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < workers; ++t) pool.emplace_back(worker);
+    worker();
+    for (auto& t : pool) t.join();
+    if (error) std::rethrow_exception(error);
+    result.bytes_read += read.load();
+    result.bytes_stored += stored.load();
+    if (o_.progress) o_.progress(done_bytes_.load(), total_bytes);
+
+    for (RankWriter& rw : writers) {
+      uint64_t data_size = rw.plan.data_size;
+      if (o_.codec == Codec::kZstd) {
+        // Place empty tensors (no chunks) right after their predecessor, keeping offsets sorted.
+        uint64_t end = 0;
+        for (auto& e : rw.header.tensors) {
+          if (e.nbytes == 0) e.offset = AlignUp(end, kDataAlignment);
+          end = e.offset + e.stored_size;
+        }
+        data_size = AlignUp(rw.cursor, kDataAlignment);
+      }
+      for (auto& e : rw.header.tensors) {
+        e.xxh3 = CombineChunkChecksums(e.chunk_xxh3);
+        result.bytes_decoded += e.nbytes;
+      }
+      const std::string header = SerializeHeader(rw.header);
+      Preamble p;
+      p.data_size = data_size;
+      p.header_offset = kDataOffset + data_size;
+      p.header_size = header.size();
+      p.header_xxh3 = Xxh3(header);
+      rw.file.PWriteExact(header.data(), header.size(), p.header_offset);
+      rw.file.Truncate(p.header_offset + p.header_size);
+      const auto pre = EncodePreamble(p);
+      rw.file.PWriteExact(pre.data(), pre.size(), 0);
+      rw.file.Sync();
+      rw.file.Close();
+      if (::rename(rw.tmp_path.c_str(), rw.final_path.c_str()) != 0) {
+        Fail(ErrorCode::kIo, rw.final_path.string() + ": cannot rename into place");
+      }
+      result.ranks_written.push_back(rw.rank);
+    }
+    temps.Clear();
+    SyncDirectory(dir);
+  }
+
+  const ConvertOptions& o_;
+  const Checkpoint& ckpt_;
+  unsigned threads_;
+  const Fsdp1Plan* units_;
+  std::vector<File> sources_;
+  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
+};
+
+// The model manifest of an FSDP1 conversion: the option, else SOURCE/ or OUT/reshard-model.json.
+fs::path FindModelManifest(const ConvertOptions& o) {
+  if (o.model_manifest) return *o.model_manifest;
+  std::error_code ec;
+  const fs::path src_dir = fs::is_directory(o.source, ec) ? o.source : o.source.parent_path();
+  for (const fs::path& dir : {src_dir, o.out}) {
+    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
+  }
+  Fail(ErrorCode::kNotFound,
+       "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
+       "not hold (its keys are sorted). Capture them once with: python -m reshard.manifest " +
+           o.source.string() + " -o " + (o.out / kModelManifestName).string() +
+           "  (or pass --model-manifest FILE)");
+}
+
+// Removes temporaries left by dead conversions on this host ("...tmp-<host>-<pid>", or the
+// older "...tmp-<pid>"); a live process's, or another host's, are left alone.
+void RemoveStaleTemporaries(const fs::path& dir) {
+  const std::string host = SafeHostName();
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    const auto at = name.find(".tmp-");
+    if (!name.starts_with(".rank-") || at == std::string::npos) continue;
+    const std::string owner = name.substr(at + 5);
+    const auto dash = owner.rfind('-');
+    const std::string owner_host = dash == std::string::npos ? host : owner.substr(0, dash);
+    const std::string pid_text = dash == std::string::npos ? owner : owner.substr(dash + 1);
+    if (owner_host != host) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(pid_text.c_str(), &end, 10);
+    const bool alive = end && *end == '\0' && pid > 0 &&
+                       (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
+                        errno == EPERM);
+    if (alive) continue;
+    std::error_code ec;
+    fs::remove(e.path(), ec);
+  }
+}
+
+}  // namespace
+
+ConvertResult Convert(const ConvertOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ConvertOptions o = options;
+  std::optional<ModelManifest> model;
+  fs::path model_path;
+  if (o.layout.kind == LayoutKind::kFsdp1) {
+    model_path = FindModelManifest(o);
+    model = ReadModelManifest(model_path);
+    if (o.layout.wrap.empty()) o.layout.wrap = model->no_split_modules;
+  }
+  o.layout.Normalize();
+  if (o.layout.world_size == 0) {
+    Fail(ErrorCode::kInvalidArgument, "--world-size must be at least 1");
+  }
+  // Rank file names spell rank and world size in five digits (rank-RRRRR-of-WWWWW.reshard);
+  // a larger world size would give names that ScanLayout and the manifest cannot parse.
+  if (o.layout.world_size > 99999) {
+    Fail(ErrorCode::kInvalidArgument,
+         "world size " + std::to_string(o.layout.world_size) +
+             " is too large: rank file names allow at most 99999 ranks");
+  }
+  if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0) {
+    Fail(ErrorCode::kInvalidArgument, "chunk size must be a positive multiple of 4096");
+  }
+  if (!ParseDTypePolicy(o.layout.dtype)) {
+    Fail(ErrorCode::kInvalidArgument,
+         "--dtype " + o.layout.dtype + " is not one of keep, bf16, fp16, fp32");
+  }
+  uint32_t first = 0, last = o.layout.world_size - 1;
+  if (o.ranks) {
+    std::tie(first, last) = *o.ranks;
+    if (first > last || last >= o.layout.world_size) {
+      Fail(ErrorCode::kInvalidArgument,
+           "--ranks " + std::to_string(first) + "-" + std::to_string(last) +
+               " is not a range inside 0-" + std::to_string(o.layout.world_size - 1));
+    }
+  }
+  unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+
+  Checkpoint ckpt = OpenCheckpoint(o.source);
+  std::optional<Fsdp1Plan> units;
+  if (model) units = PlanFsdp1(ckpt, *model, o.layout);
+  std::error_code ec;
+  fs::create_directories(o.out, ec);
+  if (ec || !fs::is_directory(o.out)) {
+    Fail(ErrorCode::kIo, o.out.string() + ": cannot create the output directory" +
+                             (ec ? " (" + ec.message() + ")" : std::string()));
+  }
+  auto lock = std::make_unique<DirectoryLock>(o.out / kLockName, o.lock_wait_seconds);
+  std::optional<Manifest> manifest = ReadManifest(o.out);
+  if (manifest && !(manifest->source == ckpt.fingerprint)) {
+    Fail(ErrorCode::kMismatch,
+         o.out.string() + ": holds layouts of another source (fingerprint " +
+             Hex16(manifest->source.fingerprint) + ", this source is " +
+             Hex16(ckpt.fingerprint.fingerprint) + "); convert into an empty directory");
+  }
+  const fs::path dir = o.out / o.layout.Key();
+  fs::create_directories(dir, ec);
+  if (ec) Fail(ErrorCode::kIo, dir.string() + ": cannot create (" + ec.message() + ")");
+  RemoveStaleTemporaries(dir);
+  lock.reset();  // rank files need no lock: each is written under a private name and renamed
+
+  ConvertResult result;
+  if (units) {
+    result.unused_tensors = units->unused;
+    result.wrap = o.layout.wrap;
+  }
+  result.layout_key = o.layout.Key();
+  result.layout_dir = dir;
+  result.world_size = o.layout.world_size;
+  std::vector<uint32_t> todo;
+  Converter converter(o, ckpt, threads, units ? &*units : nullptr);
+  for (uint32_t r = first; r <= last; ++r) {
+    const RankPlan plan = converter.Plan(r);
+    if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint, plan)) {
+      result.ranks_up_to_date.push_back(r);
+    } else {
+      todo.push_back(r);
+      for (const auto& t : plan.tensors) converter.total_bytes += t.nbytes;
+    }
+  }
+  converter.Run(todo, result);
+
+  lock = std::make_unique<DirectoryLock>(o.out / kLockName, std::max(o.lock_wait_seconds, 600.0));
+  manifest = ReadManifest(o.out);  // another conversion may have rewritten it meanwhile
+  if (manifest && !(manifest->source == ckpt.fingerprint)) {
+    Fail(ErrorCode::kMismatch, o.out.string() + ": another source was converted into this "
+                                                "directory during this conversion");
+  }
+  CopyAuxFiles(ckpt, o.out);
+  Manifest m = manifest.value_or(Manifest{});
+  if (model) {
+    // Kept beside the layouts: later FSDP1 conversions into OUT find it there.
+    const std::string name(kModelManifestName);
+    if (!fs::equivalent(model_path, o.out / name, ec)) {
+      WriteFileAtomic(o.out / name, ReadWholeFile(model_path, 256ull << 20));
+    }
+    if (std::find(m.aux_files.begin(), m.aux_files.end(), name) == m.aux_files.end()) {
+      m.aux_files.push_back(name);
+    }
+  }
+  m.writer = std::string(WriterString());
+  m.source = ckpt.fingerprint;
+  for (const auto& a : ckpt.aux_files) {
+    if (std::find(m.aux_files.begin(), m.aux_files.end(), a) == m.aux_files.end()) {
+      m.aux_files.push_back(a);
+    }
+  }
+  ManifestLayout entry = ScanLayout(o.out, o.layout, ckpt.fingerprint);
+  result.layout_complete = entry.complete;
+  m.layouts[entry.key] = std::move(entry);
+  WriteManifest(o.out, m);
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
+}
+
+}  // namespace reshard

@@ -1,0 +1,279 @@
+#include "reshard/ops/inspect.h"
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "reshard/base/checksum.h"
+#include "reshard/base/error.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+json RankFileJson(const RankFileReader& r, bool with_tensors) {
+  const RankFileHeader& h = r.header();
+  uint64_t nbytes = 0, stored = 0;
+  json tensors = json::array();
+  for (const auto& t : h.tensors) {
+    nbytes += t.nbytes;
+    stored += t.stored_size;
+    if (!with_tensors) continue;
+    json e = {{"name", t.name},         {"dtype", Name(t.dtype)},
+              {"global_shape", t.global_shape}, {"local_shape", t.local_shape},
+              {"nbytes", t.nbytes},     {"stored_size", t.stored_size},
+              {"codec", CodecName(t.codec)}, {"offset", t.offset}, {"xxh3", Hex16(t.xxh3)}};
+    e["rows"] = t.sharded ? json::array({t.rows.start, t.rows.end}) : json(nullptr);
+    if (t.flat) {
+      json params = json::array();
+      for (const auto& p : t.flat->params) {
+        params.push_back({{"fqn", p.fqn}, {"key", p.key}, {"shape", p.shape},
+                          {"offset", p.offset}, {"numel", p.numel}});
+      }
+      e["flat"] = {{"unit", t.flat->unit}, {"numel", t.flat->numel},
+                   {"aligned_numel", t.flat->aligned_numel}, {"params", params},
+                   {"shared", t.flat->shared}};
+    }
+    tensors.push_back(std::move(e));
+  }
+  const LayoutSpec spec = h.Layout();
+  json j = {{"kind", "rank_file"},
+            {"path", r.path()},
+            {"layout", h.layout_key},
+            {"layout_kind", spec.KindName()},
+            {"world_size", h.world_size},
+            {"rank", h.rank},
+            {"dtype_policy", h.dtype_policy},
+            {"source_fingerprint", Hex16(h.source.fingerprint)},
+            {"chunk_size", h.chunk_size},
+            {"file_size", r.file_size()},
+            {"tensor_count", h.tensors.size()},
+            {"nbytes", nbytes},
+            {"stored_size", stored},
+            {"writer", h.writer}};
+  if (h.kind == LayoutKind::kFsdp1) {
+    j["wrap"] = h.wrap;
+    j["use_orig_params"] = h.use_orig_params;
+    j["param_dtype"] = h.param_dtype;
+  }
+  if (with_tensors) j["tensors"] = std::move(tensors);
+  return j;
+}
+
+json LayoutJson(const fs::path& dir, uint32_t world_size_hint) {
+  json ranks = json::array();
+  uint32_t ws = world_size_hint;
+  std::string key = dir.filename().string();
+  std::vector<fs::path> files;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    Fail(ErrorCode::kNotFound, dir.string() + ": layout directory " + key +
+                                   " (listed in the manifest) is missing");
+  }
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const auto n = e.path().filename().string();
+    if (n.starts_with("rank-") && n.ends_with(".reshard")) files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  uint64_t total = 0, stored = 0;
+  for (const auto& p : files) {
+    RankFileReader r = RankFileReader::Open(p);
+    json rj = RankFileJson(r, false);
+    ws = r.header().world_size;
+    total += rj["nbytes"].get<uint64_t>();
+    stored += rj["stored_size"].get<uint64_t>();
+    ranks.push_back({{"rank", rj["rank"]},
+                     {"file", p.filename().string()},
+                     {"file_size", rj["file_size"]},
+                     {"nbytes", rj["nbytes"]},
+                     {"stored_size", rj["stored_size"]},
+                     {"tensor_count", rj["tensor_count"]}});
+  }
+  return {{"kind", "layout"},     {"path", dir.string()},  {"key", key},
+          {"world_size", ws},     {"ranks", ranks},        {"nbytes", total},
+          {"stored_size", stored}, {"complete", ws > 0 && files.size() == ws}};
+}
+
+json SourceJson(const fs::path& path) {
+  Checkpoint ckpt = OpenCheckpoint(path);
+  json files = json::array();
+  for (size_t i = 0; i < ckpt.files.size(); ++i) {
+    files.push_back({{"name", ckpt.fingerprint.files[i].name},
+                     {"size", ckpt.files[i].file_size},
+                     {"tensor_count", ckpt.files[i].tensors.size()}});
+  }
+  json tensors = json::array();
+  std::map<std::string, uint64_t> by_dtype;
+  uint64_t total = 0;
+  for (const auto& t : ckpt.tensors) {
+    tensors.push_back({{"name", t.name},
+                       {"dtype", Name(t.dtype)},
+                       {"shape", t.shape},
+                       {"nbytes", t.nbytes},
+                       {"file", ckpt.fingerprint.files[t.file_index].name}});
+    by_dtype[std::string(Name(t.dtype))] += t.nbytes;
+    total += t.nbytes;
+  }
+  return {{"kind", "source"},
+          {"path", path.string()},
+          {"format", ckpt.format == WeightFormat::kTorchZip ? "torch-zip" : "safetensors"},
+          {"index_file", ckpt.index_file},
+          {"fingerprint", Hex16(ckpt.fingerprint.fingerprint)},
+          {"files", files},
+          {"aux_files", ckpt.aux_files},
+          {"tensor_count", ckpt.tensors.size()},
+          {"nbytes", total},
+          {"nbytes_by_dtype", by_dtype},
+          {"tensors", tensors}};
+}
+
+std::string Bytes(uint64_t n) {
+  char buf[32];
+  if (n >= 1000000000ull) std::snprintf(buf, sizeof buf, "%.2f GB", n / 1e9);
+  else if (n >= 1000000ull) std::snprintf(buf, sizeof buf, "%.2f MB", n / 1e6);
+  else if (n >= 1000ull) std::snprintf(buf, sizeof buf, "%.1f kB", n / 1e3);
+  else std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(n));
+  return buf;
+}
+
+std::string Shape(const json& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i].get<uint64_t>());
+  return out + "]";
+}
+
+}  // namespace
+
+json Inspect(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    Fail(ErrorCode::kNotFound, path.string() + ": no such file or directory");
+  }
+  if (fs::is_regular_file(path)) {
+    const auto ext = path.extension();
+    if (ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
+      return SourceJson(path);
+    }
+    return RankFileJson(RankFileReader::Open(path), true);
+  }
+  if (fs::exists(path / kManifestName)) {
+    std::optional<Manifest> m = ReadManifest(path);
+    json layouts = json::object();
+    for (const auto& [key, l] : m->layouts) {
+      json lj = LayoutJson(path / l.dir, l.world_size);
+      lj["manifest_complete"] = l.complete;
+      lj["layout_kind"] = l.Layout().KindName();
+      if (l.kind == LayoutKind::kFsdp1) {
+        lj["wrap"] = l.wrap;
+        lj["use_orig_params"] = l.use_orig_params;
+        lj["param_dtype"] = l.param_dtype;
+      }
+      layouts[key] = std::move(lj);
+    }
+    return {{"kind", "output"},
+            {"path", path.string()},
+            {"source_fingerprint", Hex16(m->source.fingerprint)},
+            {"source_files", m->source.files.size()},
+            {"aux_files", m->aux_files},
+            {"layouts", layouts}};
+  }
+  for (const auto& e : fs::directory_iterator(path)) {
+    const auto n = e.path().filename().string();
+    if (n.starts_with("rank-") && n.ends_with(".reshard")) return LayoutJson(path, 0);
+  }
+  return SourceJson(path);
+}
+
+std::string RenderInspect(const json& d) {
+  std::ostringstream o;
+  const std::string kind = d["kind"];
+  auto ranks_table = [&](const json& l) {
+    o << "  layout " << l["key"].get<std::string>() << ": world size " << l["world_size"]
+      << ", " << l["ranks"].size() << " rank files"
+      << (l["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", "
+      << Bytes(l["nbytes"]) << " of tensor data";
+    if (l["stored_size"] != l["nbytes"]) o << ", " << Bytes(l["stored_size"]) << " stored";
+    o << "\n";
+    if (l.contains("wrap")) {
+      o << "    FSDP1: wrap";
+      for (const auto& w : l["wrap"]) o << " " << w.get<std::string>();
+      if (l["wrap"].empty()) o << " (root only)";
+      o << ", use_orig_params " << (l["use_orig_params"].get<bool>() ? "True" : "False");
+      if (!l["param_dtype"].get<std::string>().empty()) {
+        o << ", param_dtype " << l["param_dtype"].get<std::string>();
+      }
+      o << "\n";
+    }
+    for (const auto& r : l["ranks"]) {
+      o << "    rank " << r["rank"] << "  " << r["file"].get<std::string>() << "  "
+        << Bytes(r["nbytes"]) << "  (" << r["tensor_count"] << " tensors, file "
+        << Bytes(r["file_size"]) << ")\n";
+    }
+  };
+  if (kind == "output") {
+    o << d["path"].get<std::string>() << ": reshard output of source "
+      << d["source_fingerprint"].get<std::string>() << " (" << d["source_files"]
+      << " weight files)\n";
+    o << "  aux files: ";
+    for (const auto& a : d["aux_files"]) o << a.get<std::string>() << " ";
+    o << "\n";
+    for (const auto& [key, l] : d["layouts"].items()) ranks_table(l);
+  } else if (kind == "layout") {
+    o << d["path"].get<std::string>() << ":\n";
+    ranks_table(d);
+  } else if (kind == "rank_file") {
+    o << d["path"].get<std::string>() << ": rank " << d["rank"] << " of " << d["world_size"]
+      << ", layout " << d["layout"].get<std::string>() << ", source "
+      << d["source_fingerprint"].get<std::string>() << "\n  " << d["tensor_count"]
+      << " tensors, " << Bytes(d["nbytes"]) << " of data, file " << Bytes(d["file_size"])
+      << ", chunk size " << Bytes(d["chunk_size"]) << ", written by "
+      << d["writer"].get<std::string>() << "\n";
+    if (d.contains("wrap")) {
+      o << "  FSDP1: wrap";
+      for (const auto& w : d["wrap"]) o << " " << w.get<std::string>();
+      o << ", use_orig_params " << (d["use_orig_params"].get<bool>() ? "True" : "False") << "\n";
+    }
+    for (const auto& t : d["tensors"]) {
+      o << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << " "
+        << Shape(t["global_shape"]);
+      if (t.contains("flat")) {
+        o << " flat [" << t["rows"][0] << ", " << t["rows"][1] << ") -> " << Shape(t["local_shape"])
+          << "  " << Bytes(t["nbytes"]) << ", " << t["flat"]["params"].size() << " params\n";
+        for (const auto& p : t["flat"]["params"]) {
+          o << "      " << p["fqn"].get<std::string>() << " " << Shape(p["shape"]) << " at "
+            << p["offset"] << "\n";
+        }
+        continue;
+      }
+      if (!t["rows"].is_null()) o << " rows [" << t["rows"][0] << ", " << t["rows"][1] << ")";
+      else o << " whole";
+      o << " -> " << Shape(t["local_shape"]) << "  " << Bytes(t["nbytes"]);
+      if (t["codec"] != "raw") o << " (" << t["codec"].get<std::string>() << ", " << Bytes(t["stored_size"]) << ")";
+      o << "\n";
+    }
+  } else {
+    o << d["path"].get<std::string>() << ": Hugging Face checkpoint, " << d["tensor_count"]
+      << " tensors, " << Bytes(d["nbytes"]) << " in " << d["files"].size()
+      << (d.value("format", "safetensors") == "torch-zip" ? " torch zip (pytorch_model.bin) file(s)"
+                                                          : " safetensors file(s)")
+      << ", fingerprint " << d["fingerprint"].get<std::string>() << "\n";
+    o << "  by dtype:";
+    for (const auto& [k, v] : d["nbytes_by_dtype"].items()) o << " " << k << " " << Bytes(v);
+    o << "\n";
+    for (const auto& t : d["tensors"]) {
+      o << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << " "
+        << Shape(t["shape"]) << "  " << Bytes(t["nbytes"]) << "\n";
+    }
+  }
+  return o.str();
+}
+
+}  // namespace reshard

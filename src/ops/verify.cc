@@ -1,0 +1,491 @@
+#include "reshard/ops/verify.h"
+
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "format/json_util.h"
+#include "reshard/base/checksum.h"
+#include "reshard/base/dtype_convert.h"
+#include "reshard/base/error.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/plan/fsdp1.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct LayoutFiles {
+  std::string key;
+  std::filesystem::path dir;  // where the layout's rank files live
+  uint32_t world_size = 0;  // 0: unknown (no manifest, no readable file)
+  std::vector<fs::path> files;
+};
+
+struct ChunkItem {
+  size_t reader;
+  size_t tensor;
+  uint64_t chunk;
+};
+
+class Verifier {
+ public:
+  explicit Verifier(const VerifyOptions& o) : o_(o) {
+    threads_ = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
+  }
+
+  VerifyReport Run() {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::error_code ec;
+    if (!fs::exists(o_.path, ec)) {
+      Fail(ErrorCode::kNotFound, o_.path.string() + ": no such file or directory");
+    }
+    if (o_.source) {
+      try {
+        ckpt_ = OpenCheckpoint(*o_.source);
+      } catch (const Error& e) {
+        Problem(o_.source->string(), "", std::string("cannot read the source: ") + e.what());
+      }
+    }
+    std::vector<LayoutFiles> layouts;
+    if (fs::is_regular_file(o_.path)) {
+      layouts.push_back({"", o_.path.parent_path(), 0, {o_.path}});
+    } else if (fs::exists(o_.path / kManifestName)) {
+      CollectFromManifest(layouts);
+    } else {
+      ReadRankState();
+      LayoutFiles l;
+      l.key = o_.path.filename().string();
+      l.dir = o_.path;
+      for (const auto& e : fs::directory_iterator(o_.path)) {
+        const auto name = e.path().filename().string();
+        if (name.starts_with("rank-") && name.ends_with(".reshard")) l.files.push_back(e.path());
+      }
+      std::sort(l.files.begin(), l.files.end());
+      if (l.files.empty()) {
+        Problem(o_.path.string(), "",
+                "no reshard.json and no rank-*.reshard files: not a reshard output directory");
+      }
+      layouts.push_back(std::move(l));
+    }
+    for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/!fs::is_regular_file(o_.path));
+    report_.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return std::move(report_);
+  }
+
+ private:
+  void Problem(std::string file, std::string tensor, std::string message) {
+    // Library errors already begin with "<file>: " (and "tensor \"<name>\" "); say each once.
+    if (message.starts_with(file + ": ")) message.erase(0, file.size() + 2);
+    const std::string t = "tensor \"" + tensor + "\" ";
+    if (!tensor.empty() && message.starts_with(t)) message.erase(0, t.size());
+    std::lock_guard<std::mutex> g(mu_);
+    report_.problems.push_back({std::move(file), std::move(tensor), std::move(message)});
+  }
+
+  // An optimizer directory of a saved FSDP1 checkpoint (OUT/KEY/optim) holds per-rank
+  // ("local") state: its optimizer.json lists, per shard coordinate, the parameters with state
+  // and their state tensors ("rank_state", formats/manifest.md). Under use_orig_params the
+  // ranks hold state for different parameters, so each rank file is checked against its own
+  // list rather than against rank 0's file.
+  void ReadRankState() {
+    const fs::path meta = o_.path / "optimizer.json";
+    std::error_code ec;
+    if (!fs::is_regular_file(meta, ec)) return;
+    const std::string mpath = meta.string();
+    try {
+      const nlohmann::json j =
+          internal::ParseStrictJson(ReadWholeFile(meta, 256ull << 20), mpath, "optimizer.json");
+      if (!j.is_object() || !j.contains("rank_state")) return;  // FSDP2: one state layout
+      const nlohmann::json& ranks = internal::GetArray(j["rank_state"], mpath, "rank_state");
+      std::vector<std::set<std::string>> names;
+      for (size_t r = 0; r < ranks.size(); ++r) {
+        const std::string field = "rank_state[" + std::to_string(r) + "]";
+        std::set<std::string> n;
+        for (const auto& [param, desc] : internal::GetObject(ranks[r], mpath, field).items()) {
+          const std::string pf = field + "[\"" + param + "\"]";
+          const nlohmann::json& tensors =
+              internal::GetObject(internal::Member(internal::GetObject(desc, mpath, pf), "tensors", mpath, pf + ".tensors"),
+                                  mpath, pf + ".tensors");
+          for (const auto& [k, kind] : tensors.items()) {
+            internal::GetString(kind, mpath, pf + ".tensors[\"" + k + "\"]");
+            n.insert(param + "#" + k);
+          }
+        }
+        names.push_back(std::move(n));
+      }
+      rank_state_ = std::move(names);
+      rank_state_path_ = mpath;
+    } catch (const Error& e) {
+      Problem(mpath, "", e.what());
+    }
+  }
+
+  void CollectFromManifest(std::vector<LayoutFiles>& layouts) {
+    const std::string mpath = (o_.path / kManifestName).string();
+    std::optional<Manifest> m;
+    try {
+      m = ReadManifest(o_.path);
+    } catch (const Error& e) {
+      Problem(mpath, "", e.what());
+      return;
+    }
+    manifest_source_ = m->source;
+    if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
+    for (const auto& [key, ml] : m->layouts) {
+      LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}};
+      if (!ml.complete || ml.ranks.size() != ml.world_size) {
+        Problem(mpath, "", "layout " + key + " is incomplete: " + std::to_string(ml.ranks.size()) +
+                               " of " + std::to_string(ml.world_size) +
+                               " rank files; run reshard convert for the missing ranks");
+      }
+      for (const auto& r : ml.ranks) {
+        const fs::path p = o_.path / ml.dir / r.file;
+        std::error_code ec;
+        if (!fs::exists(p, ec)) {
+          Problem(p.string(), "", "listed in the manifest but missing");
+          continue;
+        }
+        const uint64_t size = fs::file_size(p, ec);
+        if (size != r.size) {
+          Problem(p.string(), "", "size " + std::to_string(size) + " bytes, the manifest says " +
+                                      std::to_string(r.size));
+        }
+        l.files.push_back(p);
+      }
+      layouts.push_back(std::move(l));
+    }
+    for (const auto& a : m->aux_files) {
+      if (!fs::exists(o_.path / a)) Problem((o_.path / a).string(), "", "listed in the manifest but missing");
+    }
+  }
+
+  void VerifyLayout(LayoutFiles& l, bool whole_layout) {
+    std::vector<RankFileReader> readers;
+    std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
+    for (const auto& p : l.files) {
+      try {
+        readers.push_back(RankFileReader::Open(p));
+        ++report_.files;
+      } catch (const Error& e) {
+        Problem(p.string(), "", e.what());
+        const std::string name = p.filename().string();
+        uint32_t r = 0;
+        if (name.size() > 10 && std::from_chars(name.data() + 5, name.data() + 10, r).ec == std::errc()) {
+          unreadable.insert(r);
+        }
+      }
+    }
+    if (readers.empty()) return;
+    const RankFileHeader& h0 = readers.front().header();
+    if (l.key.empty()) l.key = h0.layout_key;
+    report_.layouts.push_back(l.key);
+    const uint32_t ws = l.world_size ? l.world_size : h0.world_size;
+    std::set<uint32_t> seen;
+    std::map<std::string, const TensorEntry*> names0;
+    for (const auto& t : h0.tensors) names0[t.name] = &t;
+    // Per-rank state: each state tensor's first appearance (entry, file), to compare the
+    // other ranks' with.
+    std::map<std::string, std::pair<const TensorEntry*, std::string>> state_first;
+    for (const auto& r : readers) {
+      const RankFileHeader& h = r.header();
+      if (h.layout_key != h0.layout_key || h.world_size != ws || h.kind != h0.kind) {
+        Problem(r.path(), "", "layout " + h.layout_key + " (world size " +
+                                  std::to_string(h.world_size) + "), expected " + h0.layout_key +
+                                  " (world size " + std::to_string(ws) + ")");
+      }
+      if (!seen.insert(h.rank).second) Problem(r.path(), "", "rank " + std::to_string(h.rank) + " appears twice");
+      const fs::path expected_name = RankFileName(h.rank, h.world_size);
+      if (fs::path(r.path()).filename() != expected_name) {
+        Problem(r.path(), "", "holds rank " + std::to_string(h.rank) + ", expected file name " +
+                                  expected_name.string());
+      }
+      if (!(h.source == h0.source)) {
+        Problem(r.path(), "", "converted from source " + Hex16(h.source.fingerprint) + ", but " +
+                                  readers.front().path() + " from " + Hex16(h0.source.fingerprint));
+      }
+      if (manifest_source_ && !(h.source == *manifest_source_)) {
+        Problem(r.path(), "", "converted from source " + Hex16(h.source.fingerprint) +
+                                  ", the manifest names " + Hex16(manifest_source_->fingerprint));
+      }
+      if (rank_state_) {
+        // Per-rank state (see ReadRankState): this file's tensors are exactly its list.
+        if (h.rank >= rank_state_->size()) {
+          Problem(r.path(), "", "rank " + std::to_string(h.rank) + ": " + rank_state_path_ +
+                                    " lists state for " + std::to_string(rank_state_->size()) +
+                                    " shard coordinates");
+          continue;
+        }
+        const std::set<std::string>& want = (*rank_state_)[h.rank];
+        std::set<std::string> have;
+        for (const auto& t : h.tensors) {
+          have.insert(t.name);
+          if (!want.count(t.name)) {
+            Problem(r.path(), t.name, "not listed for rank " + std::to_string(h.rank) + " in " + rank_state_path_);
+          }
+          // A state tensor present on several ranks has one dtype; without use_orig_params
+          // (each rank's state is its flat shard's) one shape too.
+          auto [first, fresh] = state_first.emplace(t.name, std::make_pair(&t, r.path()));
+          if (fresh) continue;
+          const TensorEntry& u = *first->second.first;
+          if (u.dtype != t.dtype || (!h.use_orig_params && u.global_shape != t.global_shape)) {
+            Problem(r.path(), t.name,
+                    std::string(u.dtype != t.dtype ? "dtype" : "shape") + " differs from " + first->second.second);
+          }
+        }
+        for (const auto& n : want) {
+          if (!have.count(n)) {
+            Problem(r.path(), n, "missing (" + rank_state_path_ + " lists it for rank " + std::to_string(h.rank) + ")");
+          }
+        }
+        continue;
+      }
+      std::set<std::string> names;
+      for (const auto& t : h.tensors) {
+        names.insert(t.name);
+        auto it = names0.find(t.name);
+        if (it == names0.end()) {
+          Problem(r.path(), t.name, "not present in " + readers.front().path());
+        } else if (it->second->global_shape != t.global_shape || it->second->dtype != t.dtype) {
+          Problem(r.path(), t.name, "global shape or dtype differs from " + readers.front().path());
+        } else if ((it->second->flat == nullptr) != (t.flat == nullptr) ||
+                   (t.flat && !(*t.flat == *it->second->flat))) {
+          Problem(r.path(), t.name,
+                  "the flat parameter's layout (parameters, offsets, padding) differs from " +
+                      readers.front().path());
+        }
+      }
+      for (const auto& [n, _] : names0) {
+        if (!names.count(n)) Problem(r.path(), n, "missing (present in " + readers.front().path() + ")");
+      }
+    }
+    if (rank_state_ && rank_state_->size() != ws) {
+      Problem(rank_state_path_, "", "rank_state lists " + std::to_string(rank_state_->size()) +
+                                        " shard coordinates, the layout has " + std::to_string(ws));
+    }
+    if (whole_layout) {
+      for (uint32_t rank = 0; rank < ws; ++rank) {
+        if (!seen.count(rank) && !unreadable.count(rank)) {
+          Problem((l.dir / RankFileName(rank, ws)).string(), "",
+                  "rank " + std::to_string(rank) + " of " + std::to_string(ws) +
+                      " is missing; run reshard convert --ranks " + std::to_string(rank) + "-" +
+                      std::to_string(rank));
+        }
+      }
+    }
+    const bool compare = ckpt_.has_value();
+    if (compare) {
+      if (!(h0.source == ckpt_->fingerprint)) {
+        Problem(readers.front().path(), "",
+                "converted from source " + Hex16(h0.source.fingerprint) + ", but " +
+                    o_.source->string() + " is " + Hex16(ckpt_->fingerprint.fingerprint) +
+                    " (another checkpoint, or it changed)");
+      }
+      if (h0.kind == LayoutKind::kFsdp2) {
+        for (const auto& t : ckpt_->tensors) {
+          if (!names0.count(t.name)) {
+            Problem(readers.front().path(), t.name, "source tensor missing from the layout");
+          }
+        }
+      }
+      // FSDP1 files hold the model's parameters and persistent buffers; the source's other
+      // tensors (if any) are not part of the layout.
+      for (const auto& [n, t] : names0) {
+        if (t->flat) continue;
+        if (!ckpt_->Find(n)) Problem(readers.front().path(), n, "not a tensor of the source");
+      }
+      for (const auto& f : ckpt_->files) sources_.push_back(File::OpenRead(f.path));
+      for (const auto& r : readers) {
+        for (const auto& t : r.header().tensors) {
+          if (!t.flat || flat_sources_.count(t.flat.get())) continue;
+          std::vector<const SourceTensor*> v;
+          for (const auto& p : t.flat->params) {
+            const SourceTensor* s = ckpt_->Find(p.key);
+            if (!s || s->shape != p.shape) {
+              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
+                                            (s ? " has another shape" : " is not in the source"));
+              v.clear();
+              break;
+            }
+            if (s->dtype != t.dtype && (!IsConvertibleFloat(s->dtype) ||
+                                        r.header().dtype_policy == "keep")) {
+              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
+                                            " is " + std::string(Name(s->dtype)) +
+                                            ", the flat parameter " + std::string(Name(t.dtype)));
+              v.clear();
+              break;
+            }
+            v.push_back(s);
+          }
+          flat_sources_[t.flat.get()] = std::move(v);
+        }
+      }
+    }
+    std::vector<ChunkItem> items;
+    for (size_t ri = 0; ri < readers.size(); ++ri) {
+      const auto& h = readers[ri].header();
+      for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
+        report_.tensors++;
+        for (uint64_t c = 0; c < h.tensors[ti].ChunkCount(h.chunk_size); ++c) {
+          items.push_back({ri, ti, c});
+        }
+      }
+    }
+    std::vector<std::optional<DTypePolicy>> policies;
+    for (const auto& r : readers) {
+      policies.push_back(ParseDTypePolicy(r.header().dtype_policy));
+      if (compare && !policies.back()) {
+        Problem(r.path(), "", "unknown dtype policy \"" + r.header().dtype_policy +
+                                  "\": cannot compare with the source");
+      }
+    }
+    std::vector<uint64_t> bytes(items.size(), 0), compared(items.size(), 0);
+    const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
+      sources_[file].PReadExact(dst, n, at);
+    };
+#pragma omp parallel num_threads(threads_)
+    {
+      std::string scratch;
+      std::vector<char> flat_scratch;
+      std::unique_ptr<char[]> buf, src, conv;
+      uint64_t cap = 0;
+#pragma omp for schedule(dynamic, 4)
+      for (size_t i = 0; i < items.size(); ++i) {
+        const auto& it = items[i];
+        const RankFileReader& r = readers[it.reader];
+        const TensorEntry& t = r.header().tensors[it.tensor];
+        try {
+          const uint64_t cs = r.header().chunk_size;
+          // Sized by this chunk's length, not chunk_size: a header may say 16 GiB chunks.
+          const uint64_t need = ChunkLength(t, cs, it.chunk);
+          if (cap < need) {
+            buf.reset(new char[need]);
+            src.reset(new char[4 * need]);  // a converted chunk reads up to 4x (F64 -> BF16)
+            conv.reset(new char[need]);
+            cap = need;
+          }
+          const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
+          bytes[i] = len;
+          if (compare && t.flat) {
+            const auto& sources = flat_sources_.at(t.flat.get());
+            if (!sources.empty()) {
+              FillFlatShard(*t.flat, t.dtype, r.header().world_size, r.header().rank, sources,
+                            read_source, it.chunk * cs, len, conv.get(), flat_scratch);
+              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && conv[k] == buf[k]) ++k;
+                const uint64_t item = Info(t.dtype).bits / 8;
+                const uint64_t e = t.rows.start + (it.chunk * cs + k) / item;
+                std::string what = e >= t.flat->numel ? "zero padding past the flat parameter"
+                                                      : "padding (42)";
+                for (const auto& p : t.flat->params) {
+                  if (e >= p.offset && e < p.offset + p.numel) {
+                    what = "parameter " + p.fqn + " (source " + p.key + ", element " +
+                           std::to_string(e - p.offset) + ")";
+                  }
+                }
+                Problem(r.path(), t.name,
+                        "differs from the source at flat element " + std::to_string(e) + ": " + what);
+              }
+              compared[i] = len;
+            }
+          } else if (compare) {
+            const SourceTensor* s = ckpt_->Find(t.name);
+            const auto& policy = policies[it.reader];
+            const DType stored = s && policy ? StoredDType(s->dtype, *policy) : DType::kU8;
+            if (!policy) {
+              // reported once per file above
+            } else if (s && s->dtype != t.dtype && stored == t.dtype &&
+                       s->shape == t.global_shape) {
+              // Converted by the dtype policy: convert the source's elements the same way.
+              const uint64_t out_item = Info(t.dtype).bits / 8;
+              const uint64_t in_item = Info(s->dtype).bits / 8;
+              uint64_t row_numel = 1;
+              for (size_t d = 1; d < s->shape.size(); ++d) row_numel *= s->shape[d];
+              const uint64_t first = (t.sharded ? t.rows.start * row_numel : 0) +
+                                     it.chunk * cs / out_item;
+              const uint64_t n = len / out_item;
+              const uint64_t at = s->offset + first * in_item;
+              sources_[s->file_index].PReadExact(src.get(), n * in_item, at);
+              ConvertElements(s->dtype, t.dtype, src.get(), conv.get(), n);
+              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && conv[k] == buf[k]) ++k;
+                Problem(r.path(), t.name,
+                        "differs from the source converted to " + std::string(Name(t.dtype)) +
+                            " at byte " + std::to_string(it.chunk * cs + k) +
+                            " of this rank's part (element " + std::to_string(first + k / out_item) +
+                            " of the tensor; source file " + ckpt_->files[s->file_index].path +
+                            ", offset " + std::to_string(at + k / out_item * in_item) + ")");
+              }
+              compared[i] = len;
+            } else if (s && s->dtype == t.dtype && stored == t.dtype &&
+                       s->shape == t.global_shape) {
+              uint64_t row_bytes = 0;
+              if (t.sharded && t.global_shape[0] > 0) row_bytes = s->nbytes / t.global_shape[0];
+              const uint64_t start = s->offset + (t.sharded ? t.rows.start * row_bytes : 0);
+              const uint64_t at = start + it.chunk * cs;
+              sources_[s->file_index].PReadExact(src.get(), len, at);
+              if (std::memcmp(src.get(), buf.get(), len) != 0) {
+                uint64_t k = 0;
+                while (k < len && src[k] == buf[k]) ++k;
+                Problem(r.path(), t.name,
+                        "differs from the source at byte " + std::to_string(it.chunk * cs + k) +
+                            " of this rank's part (source file " +
+                            ckpt_->files[s->file_index].path + ", offset " +
+                            std::to_string(at + k) + ")");
+              }
+              compared[i] = len;
+            } else if (s && it.chunk == 0) {
+              Problem(r.path(), t.name,
+                      "dtype or shape differs from the source (the file holds " +
+                          std::string(Name(t.dtype)) + ", dtype policy " +
+                          r.header().dtype_policy + " stores the source's " +
+                          std::string(Name(s->dtype)) + " as " + std::string(Name(stored)) + ")");
+            }
+          }
+        } catch (const std::exception& e) {
+          Problem(r.path(), t.name, e.what());
+        }
+      }
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      report_.bytes += bytes[i];
+      report_.source_bytes_compared += compared[i];
+    }
+    sources_.clear();
+    flat_sources_.clear();  // keyed by headers of this layout's readers, destroyed now
+  }
+
+  const VerifyOptions& o_;
+  unsigned threads_;
+  std::optional<Checkpoint> ckpt_;
+  std::optional<SourceFingerprint> manifest_source_;
+  std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
+  std::string rank_state_path_;
+  std::vector<File> sources_;
+  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
+  std::mutex mu_;
+  VerifyReport report_;
+};
+
+}  // namespace
+
+VerifyReport Verify(const VerifyOptions& options) { return Verifier(options).Run(); }
+
+}  // namespace reshard

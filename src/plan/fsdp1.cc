@@ -1,0 +1,269 @@
+#include "reshard/plan/fsdp1.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+#include <unordered_map>
+
+#include "reshard/base/dtype_convert.h"
+#include "reshard/base/error.h"
+
+namespace reshard {
+
+namespace {
+
+uint64_t NumelOf(const std::vector<uint64_t>& shape, const std::string& what) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) n = CheckedMul(n, d, what);
+  return n;
+}
+
+std::string ParentName(const std::string& name) {
+  const auto dot = name.rfind('.');
+  return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+bool InSubtree(const std::string& root, const std::string& name) {
+  return root.empty() || name == root ||
+         (name.size() > root.size() && name.starts_with(root) && name[root.size()] == '.');
+}
+
+}  // namespace
+
+const SourceTensor* FindSourceTensor(const Checkpoint& ckpt, const std::string& name,
+                                     const std::string& prefix) {
+  if (const SourceTensor* t = ckpt.Find(name)) return t;
+  if (!prefix.empty()) {
+    if (name.starts_with(prefix + ".")) {
+      if (const SourceTensor* t = ckpt.Find(name.substr(prefix.size() + 1))) return t;
+    }
+    if (const SourceTensor* t = ckpt.Find(prefix + "." + name)) return t;
+  }
+  return nullptr;
+}
+
+Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const LayoutSpec& layout) {
+  const auto policy = ParseDTypePolicy(layout.dtype);
+  if (!policy) Fail(ErrorCode::kInvalidArgument, "unknown dtype policy \"" + layout.dtype + "\"");
+  std::optional<DType> param_dtype;
+  if (layout.use_orig_params && !layout.param_dtype.empty()) {
+    const auto pd = ParseDTypePolicy(layout.param_dtype);
+    if (!pd || *pd == DTypePolicy::kKeep) {
+      Fail(ErrorCode::kInvalidArgument,
+           "--param-dtype " + layout.param_dtype + " is not one of bf16, fp16, fp32");
+    }
+    param_dtype = StoredDType(DType::kF32, *pd);
+  }
+  // Every wrap class must name a module class of the model: a typo would otherwise silently
+  // give one unit for the whole model.
+  std::set<std::string> classes;
+  for (const auto& mod : model.modules) classes.insert(mod.cls);
+  for (const auto& w : layout.wrap) {
+    if (!classes.count(w)) {
+      std::string have;
+      for (const auto& c : classes) have += (have.empty() ? "" : ", ") + c;
+      Fail(ErrorCode::kInvalidArgument, "--wrap " + w + ": the model (" + model.model_class +
+                                            ") has no module of that class; its classes: " +
+                                            have);
+    }
+  }
+  const std::set<std::string> wrap(layout.wrap.begin(), layout.wrap.end());
+
+  // Each parameter's source tensor.
+  std::vector<const SourceTensor*> source(model.params.size(), nullptr);
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    const ModelParam& p = model.params[i];
+    for (const auto& n : p.names) {
+      if ((source[i] = FindSourceTensor(ckpt, n, model.base_model_prefix))) break;
+    }
+    if (!source[i]) {
+      Fail(ErrorCode::kMismatch, ckpt.dir.string() + ": parameter " + p.names.front() +
+                                     " of the model (" + model.model_class +
+                                     ") is not in the checkpoint; is the model manifest of "
+                                     "another model?");
+    }
+    if (source[i]->shape != p.shape) {
+      std::string a, b;
+      for (auto d : p.shape) a += (a.empty() ? "" : ", ") + std::to_string(d);
+      for (auto d : source[i]->shape) b += (b.empty() ? "" : ", ") + std::to_string(d);
+      Fail(ErrorCode::kMismatch, ckpt.dir.string() + ": tensor " + source[i]->name + " has shape [" +
+                                     b + "], the model's parameter " + p.names.front() +
+                                     " has [" + a + "]");
+    }
+  }
+
+  // Children lists (pre-order kept), then the wrapped modules in post-order.
+  std::unordered_map<std::string, size_t> index;
+  std::vector<std::vector<size_t>> children(model.modules.size());
+  for (size_t i = 0; i < model.modules.size(); ++i) {
+    index[model.modules[i].name] = i;
+    if (i > 0) children[index.at(ParentName(model.modules[i].name))].push_back(i);
+  }
+  std::vector<size_t> post;
+  {
+    std::vector<std::pair<size_t, size_t>> stack{{0, 0}};
+    while (!stack.empty()) {
+      auto& [m, next] = stack.back();
+      if (next < children[m].size()) {
+        const size_t c = children[m][next++];
+        stack.emplace_back(c, 0);
+      } else {
+        if (m == 0 || wrap.count(model.modules[m].cls)) post.push_back(m);
+        stack.pop_back();
+      }
+    }
+  }
+
+  Fsdp1Plan plan;
+  std::vector<bool> taken(model.params.size(), false);
+  for (size_t u : post) {
+    const std::string& unit_name = model.modules[u].name;
+    auto flat = std::make_shared<FlatInfo>();
+    flat->unit = unit_name;
+    std::vector<bool> in_unit(model.params.size(), false);
+    std::optional<DType> unit_dtype;
+    std::string first_param;
+    uint64_t total = 0;
+    for (size_t m = u; m < model.modules.size(); ++m) {
+      const ModelModule& mod = model.modules[m];
+      // Pre-order: the unit's subtree is the run of modules starting at the unit's module.
+      if (!InSubtree(unit_name, mod.name)) break;
+      const std::string rel =
+          unit_name.empty() ? mod.name
+                            : (mod.name.size() == unit_name.size()
+                                   ? std::string()
+                                   : mod.name.substr(unit_name.size() + 1));
+      for (const auto& [local, pi] : mod.params) {
+        const std::string fqn = rel.empty() ? local : rel + "." + local;
+        if (taken[pi] && !in_unit[pi]) continue;  // flattened by a nested unit
+        if (in_unit[pi]) {
+          flat->shared.push_back(fqn);
+          continue;
+        }
+        const SourceTensor* s = source[pi];
+        const DType stored = StoredDType(s->dtype, *policy);
+        if (!unit_dtype) {
+          unit_dtype = stored;
+          first_param = fqn;
+          if (stored != DType::kF32 && stored != DType::kF64 && stored != DType::kF16 &&
+              stored != DType::kBF16) {
+            Fail(ErrorCode::kUnsupported,
+                 "unit \"" + unit_name + "\": parameter " + fqn + " is " +
+                     std::string(Name(stored)) +
+                     "; FSDP1 flat parameters of F16, BF16, F32 or F64 are supported");
+          }
+        } else if (stored != *unit_dtype) {
+          Fail(ErrorCode::kInvalidArgument,
+               "unit \"" + unit_name + "\" mixes dtypes (" + first_param + " is " +
+                   std::string(Name(*unit_dtype)) + ", " + fqn + " is " +
+                   std::string(Name(stored)) +
+                   "); FSDP1 flattens one dtype per unit: pass --dtype bf16|fp16|fp32");
+        }
+        if (layout.use_orig_params) {
+          const uint64_t a = 16 / (Info(param_dtype.value_or(stored)).bits / 8);
+          flat->aligned_numel = a;
+          const uint64_t pad = a - total % a;
+          if (pad > 0 && pad < a) total += pad;
+        }
+        FlatParamInfo info;
+        info.fqn = fqn;
+        info.key = s->name;
+        info.shape = s->shape;
+        info.numel = NumelOf(s->shape, "parameter " + fqn);
+        info.offset = total;
+        total = CheckedAdd(total, info.numel, "unit \"" + unit_name + "\" numel");
+        flat->params.push_back(std::move(info));
+        taken[pi] = in_unit[pi] = true;
+      }
+    }
+    if (flat->params.empty()) continue;  // FSDP1 gives such a unit no FlatParameter
+    if (layout.use_orig_params) {
+      const uint64_t pad = layout.world_size - total % layout.world_size;
+      if (pad > 0 && pad < layout.world_size) total += pad;
+    }
+    flat->numel = total;
+    plan.units.push_back(std::move(flat));
+  }
+
+  std::set<std::string> used;
+  for (const auto* s : source) used.insert(s->name);
+  for (const auto& b : model.buffers) {
+    if (!b.persistent) continue;
+    const SourceTensor* s = FindSourceTensor(ckpt, b.name, model.base_model_prefix);
+    if (!s) continue;  // the loader reports it when the model needs it
+    if (s->shape != b.shape) {
+      Fail(ErrorCode::kMismatch, ckpt.dir.string() + ": buffer " + b.name +
+                                     " has another shape in the checkpoint (" + s->name + ")");
+    }
+    if (used.insert(s->name).second) plan.buffers.push_back(s - ckpt.tensors.data());
+  }
+  for (const auto& t : ckpt.tensors) {
+    if (!used.count(t.name)) plan.unused.push_back(t.name);
+  }
+  return plan;
+}
+
+uint64_t FlatPaddingBits(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return 0x42280000u;
+    case DType::kF64: return 0x4045000000000000ull;
+    case DType::kBF16: return 0x4228u;
+    case DType::kF16: return 0x5140u;
+    default:
+      Fail(ErrorCode::kUnsupported,
+           "FSDP1 flat parameters of " + std::string(Name(dtype)) + " are not supported");
+  }
+}
+
+void FillFlatShard(const FlatInfo& flat, DType dtype, uint32_t world_size, uint32_t rank,
+                   const std::vector<const SourceTensor*>& sources, const SourceRead& read,
+                   uint64_t begin, uint64_t length, char* out, std::vector<char>& scratch) {
+  const uint64_t item = Info(dtype).bits / 8;
+  const uint64_t c = CeilDiv(flat.numel, world_size);
+  const uint64_t lo = rank * c + begin / item;  // flat elements [lo, hi)
+  const uint64_t hi = lo + length / item;
+  // Padding first: 42 inside the flat parameter, 0 past its end.
+  const uint64_t pad = FlatPaddingBits(dtype);
+  const uint64_t pad_end = std::clamp(flat.numel, lo, hi);
+  for (uint64_t e = lo; e < pad_end; ++e) std::memcpy(out + (e - lo) * item, &pad, item);
+  if (hi > pad_end) std::memset(out + (pad_end - lo) * item, 0, (hi - pad_end) * item);
+  auto it = std::upper_bound(flat.params.begin(), flat.params.end(), lo,
+                             [](uint64_t v, const FlatParamInfo& p) { return v < p.offset; });
+  if (it != flat.params.begin()) --it;
+  for (; it != flat.params.end() && it->offset < hi; ++it) {
+    const uint64_t a = std::max(lo, it->offset);
+    const uint64_t b = std::min(hi, it->offset + it->numel);
+    if (a >= b) continue;
+    const SourceTensor* s = sources[it - flat.params.begin()];
+    const uint64_t in_item = Info(s->dtype).bits / 8;
+    const uint64_t at = s->offset + (a - it->offset) * in_item;
+    char* dst = out + (a - lo) * item;
+    if (s->dtype == dtype) {
+      read(s->file_index, at, (b - a) * item, dst);
+    } else {
+      scratch.resize((b - a) * in_item);
+      read(s->file_index, at, scratch.size(), scratch.data());
+      ConvertElements(s->dtype, dtype, scratch.data(), dst, b - a);
+    }
+  }
+}
+
+std::pair<size_t, uint64_t> FlatSourcePosition(const FlatInfo& flat, DType dtype,
+                                               uint32_t world_size, uint32_t rank,
+                                               const std::vector<const SourceTensor*>& sources,
+                                               uint64_t begin) {
+  const uint64_t item = Info(dtype).bits / 8;
+  const uint64_t lo = rank * CeilDiv(flat.numel, world_size) + begin / item;
+  for (size_t i = 0; i < flat.params.size(); ++i) {
+    const FlatParamInfo& p = flat.params[i];
+    if (p.offset + p.numel <= lo) continue;
+    const uint64_t first = lo > p.offset ? lo - p.offset : 0;
+    const SourceTensor* s = sources[i];
+    return {s->file_index, s->offset + first * (Info(s->dtype).bits / 8)};
+  }
+  return {0, 0};
+}
+
+}  // namespace reshard

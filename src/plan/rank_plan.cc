@@ -1,0 +1,145 @@
+#include "reshard/plan/rank_plan.h"
+
+#include <algorithm>
+#include <string>
+
+#include "reshard/base/dtype_convert.h"
+#include "reshard/base/error.h"
+#include "reshard/format/rank_file_format.h"
+#include "reshard/plan/fsdp1.h"
+
+namespace reshard {
+
+namespace {
+
+// The checks both PlanRank overloads start with; returns the layout's dtype policy.
+DTypePolicy CheckRankAndPolicy(const LayoutSpec& layout, uint32_t rank) {
+  if (layout.world_size == 0 || rank >= layout.world_size) {
+    Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) +
+                                          " is outside world size " +
+                                          std::to_string(layout.world_size));
+  }
+  const auto policy = ParseDTypePolicy(layout.dtype);
+  if (!policy) {
+    Fail(ErrorCode::kInvalidArgument,
+         "dtype policy \"" + layout.dtype + "\" is not one of keep, bf16, fp16, fp32");
+  }
+  return *policy;
+}
+
+}  // namespace
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1Plan& units,
+                  uint32_t rank) {
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
+  RankPlan plan;
+  plan.rank = rank;
+  uint64_t offset = 0;
+  for (const auto& flat : units.units) {
+    const SourceTensor& first = *ckpt.Find(flat->params.front().key);
+    PlannedTensor t;
+    t.source_index = &first - ckpt.tensors.data();
+    t.name = FlatEntryName(flat->unit);
+    t.dtype = StoredDType(first.dtype, policy);
+    t.source_dtype = t.dtype;  // per parameter inside FillFlatShard
+    t.global_shape = {flat->numel};
+    t.sharded = true;
+    const uint64_t c = CeilDiv(flat->numel, layout.world_size);
+    t.rows = ChunkRows(flat->numel, layout.world_size, rank);  // the rest of the c is zeros
+    t.local_shape = {c};
+    t.nbytes = CheckedMul(c, Info(t.dtype).bits / 8, "unit \"" + flat->unit + "\"");
+    t.source_nbytes = t.nbytes;
+    t.source_offset = first.offset;
+    t.flat = flat;
+    t.offset = offset;
+    offset = AlignUp(offset + t.nbytes, kDataAlignment);
+    plan.tensors.push_back(std::move(t));
+  }
+  for (size_t i : units.buffers) {
+    const SourceTensor& src = ckpt.tensors[i];
+    PlannedTensor t;
+    t.source_index = i;
+    t.name = src.name;
+    t.source_dtype = src.dtype;
+    t.dtype = StoredDType(src.dtype, policy);
+    t.global_shape = t.local_shape = src.shape;
+    t.sharded = false;
+    t.source_nbytes = src.nbytes;
+    t.nbytes = src.nbytes;
+    if (t.converted()) {
+      uint64_t numel = 1;
+      for (uint64_t d : src.shape) numel = CheckedMul(numel, d, "buffer " + src.name);
+      t.nbytes = CheckedMul(numel, Info(t.dtype).bits / 8, "buffer " + src.name);
+    }
+    t.source_offset = src.offset;
+    t.offset = offset;
+    offset = AlignUp(offset + t.nbytes, kDataAlignment);
+    plan.tensors.push_back(std::move(t));
+  }
+  plan.data_size = offset;
+  return plan;
+}
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank) {
+  if (layout.kind != LayoutKind::kFsdp2) {
+    Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " needs the model's units");
+  }
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
+  RankPlan plan;
+  plan.rank = rank;
+  // File order is source order (file, offset): the converter then reads every source file
+  // front to back and writes every rank file front to back.
+  std::vector<size_t> order(ckpt.tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const auto& x = ckpt.tensors[a];
+    const auto& y = ckpt.tensors[b];
+    if (x.file_index != y.file_index) return x.file_index < y.file_index;
+    if (x.offset != y.offset) return x.offset < y.offset;
+    return a < b;  // tensors sharing bytes (torch archives): name order
+  });
+  uint64_t offset = 0;
+  for (size_t i : order) {
+    const SourceTensor& src = ckpt.tensors[i];
+    PlannedTensor t;
+    t.source_index = i;
+    t.name = src.name;
+    t.source_dtype = src.dtype;
+    t.dtype = StoredDType(src.dtype, policy);
+    t.global_shape = src.shape;
+    t.local_shape = src.shape;
+    if (src.shape.empty()) {
+      t.sharded = false;
+      t.source_nbytes = src.nbytes;
+      t.nbytes = t.converted() ? Info(t.dtype).bits / 8 : src.nbytes;  // one element
+      t.source_offset = src.offset;
+    } else {
+      t.sharded = true;
+      t.rows = ChunkRows(src.shape[0], layout.world_size, rank);
+      t.local_shape[0] = t.rows.size();
+      uint64_t row_numel = 1;
+      for (size_t d = 1; d < src.shape.size(); ++d) row_numel *= src.shape[d];
+      auto row_bytes = BytesFor(src.dtype, row_numel);
+      if (!row_bytes) {
+        Fail(ErrorCode::kUnsupported,
+             "tensor \"" + src.name + "\": a dim-0 row of " + std::to_string(row_numel) + " " +
+                 std::string(Name(src.dtype)) +
+                 " elements is not a whole number of bytes, so it cannot be split by rows");
+      }
+      t.source_nbytes = *row_bytes * t.rows.size();
+      t.nbytes = t.source_nbytes;
+      if (t.converted()) {
+        t.nbytes = CheckedMul(CheckedMul(row_numel, t.rows.size(), "tensor \"" + src.name + "\""),
+                              Info(t.dtype).bits / 8, "tensor \"" + src.name + "\"");
+      }
+      t.source_offset = src.offset + *row_bytes * t.rows.start;
+    }
+    t.offset = offset;
+    offset = AlignUp(offset + t.nbytes, kDataAlignment);
+    plan.tensors.push_back(std::move(t));
+  }
+  plan.data_size = offset;
+  return plan;
+}
+
+}  // namespace reshard
