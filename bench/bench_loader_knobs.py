@@ -11,7 +11,7 @@ For each rank file given, into preallocated CUDA tensors, GB = 1e9 bytes landed:
   sequential-read ceiling (reshard_bench_ceilings read: 1 thread, 16 MiB, buffered) measured
   cold in the same loop.
 
-The defaults in include/reshard/loader.h are chosen from this (bench/HISTORY.md §7). Prints a
+The defaults in include/reshard/runtime/loader.h are chosen from this (bench/HISTORY.md §7). Prints a
 table per file and writes JSON (--json-out).
 
   PYTHONPATH=python python3 bench/bench_loader_knobs.py FILE [FILE ...] --json-out knobs.json
