@@ -31,6 +31,7 @@
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
+#include "reshard/plan/byte_map.h"
 #include "reshard/plan/fsdp1.h"
 #include "reshard/plan/rank_plan.h"
 
@@ -47,21 +48,21 @@ struct RankWriter {
   uint32_t rank = 0;
   RankPlan plan;
   RankFileHeader header;
+  std::vector<EntryMap> maps;  // one per entry: where its bytes come from
   fs::path tmp_path;
   fs::path final_path;
   File file;
   uint64_t cursor = 0;  // zstd: next free byte in the data region
 };
 
-// One chunk of one tensor of one rank file: `length` bytes of the rank file made from
-// `source_length` bytes of the source (the same unless the dtype policy converts; a chunk then
-// covers a whole number of elements on both sides).
+// One chunk of one tensor of one rank file: `length` bytes of the rank file, filled by the
+// entry's byte map; (file_index, source_offset) is the first source byte it reads (for
+// ordering the reads).
 struct WorkItem {
   uint32_t writer = 0;     // index into the group's writers
   uint32_t tensor = 0;     // index into the writer's plan
   uint64_t chunk = 0;
   uint64_t source_offset = 0;
-  uint64_t source_length = 0;
   uint64_t length = 0;
   size_t file_index = 0;
 };
@@ -138,12 +139,6 @@ class Converter {
             const Fsdp1Plan* units)
       : o_(o), ckpt_(ckpt), threads_(threads), units_(units) {
     for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
-    if (units_) {
-      for (const auto& u : units_->units) {
-        auto& v = flat_sources_[u.get()];
-        for (const auto& p : u->params) v.push_back(ckpt.Find(p.key));
-      }
-    }
   }
 
   RankPlan Plan(uint32_t rank) const {
@@ -166,8 +161,7 @@ class Converter {
     TempFiles temps;
     std::vector<RankWriter> writers(ranks.size());
     std::vector<WorkItem> items;
-    uint64_t max_source_length = 0;
-    bool any_converted = false;
+    const SourceLookup lookup = [this](std::string_view name) { return ckpt_.Find(name); };
     const fs::path dir = o_.out / o_.layout.Key();
     for (size_t w = 0; w < ranks.size(); ++w) {
       RankWriter& rw = writers[w];
@@ -206,23 +200,15 @@ class Converter {
         const uint64_t n = e.ChunkCount(o_.chunk_size);
         e.chunk_xxh3.resize(n);
         if (e.codec == Codec::kZstd) e.frames.resize(n);
-        const uint64_t out_item = Info(p.dtype).bits / 8;
-        const uint64_t in_item = Info(p.source_dtype).bits / 8;
+        rw.maps.push_back(MapEntry(e, h.kind, h.world_size, h.rank, rw.final_path.string()));
+        const EntryMap& map = rw.maps.back();
+        if (const std::string why = CheckSources(map, lookup); !why.empty()) {
+          Fail(ErrorCode::kMismatch, rw.final_path.string() + ": tensor \"" + e.name + "\": " + why);
+        }
         for (uint64_t c = 0; c < n; ++c) {
-          const uint64_t begin = c * o_.chunk_size;
-          const uint64_t length = std::min(o_.chunk_size, p.nbytes - begin);
-          WorkItem it{static_cast<uint32_t>(w), ti, c, p.source_offset + begin, length, length,
-                      ckpt_.tensors[p.source_index].file_index};
-          if (p.flat) {  // ordered by the first source bytes the chunk reads
-            std::tie(it.file_index, it.source_offset) =
-                FlatSourcePosition(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
-                                   flat_sources_.at(p.flat.get()), begin);
-          } else if (p.converted()) {  // chunk_size is a multiple of 4096: whole elements
-            it.source_offset = p.source_offset + begin / out_item * in_item;
-            it.source_length = length / out_item * in_item;
-          }
-          max_source_length = std::max(max_source_length, it.source_length);
-          any_converted |= p.converted();
+          const uint64_t begin = c * o_.chunk_size;  // a multiple of 4096: whole elements
+          WorkItem it{static_cast<uint32_t>(w), ti, c, 0, std::min(o_.chunk_size, p.nbytes - begin), 0};
+          std::tie(it.file_index, it.source_offset) = FirstSourceByte(map, lookup, begin);
           items.push_back(it);
         }
         h.tensors.push_back(std::move(e));
@@ -263,10 +249,9 @@ class Converter {
     auto worker = [&]() {
       ZSTD_CCtx* cctx = nullptr;
       try {
-        std::unique_ptr<char[]> in(new char[std::max(o_.chunk_size, max_source_length)]);
-        std::unique_ptr<char[]> conv(any_converted ? new char[o_.chunk_size] : nullptr);
+        std::unique_ptr<char[]> buf(new char[o_.chunk_size]);
         std::unique_ptr<char[]> packed(zstd ? new char[bound] : nullptr);
-        std::vector<char> flat_scratch;
+        std::vector<char> scratch;  // source elements of a converting chunk
         if (zstd) cctx = ZSTD_createCCtx();
         while (!failed.load(std::memory_order_relaxed)) {
           const size_t i = next.fetch_add(1);
@@ -274,20 +259,10 @@ class Converter {
           const WorkItem& it = items[i];
           RankWriter& rw = writers[it.writer];
           TensorEntry& e = rw.header.tensors[it.tensor];
-          const PlannedTensor& p = rw.plan.tensors[it.tensor];
-          const char* data = in.get();
-          if (p.flat) {
-            FillFlatShard(*p.flat, p.dtype, o_.layout.world_size, rw.rank,
-                          flat_sources_.at(p.flat.get()), read_source, it.chunk * o_.chunk_size,
-                          it.length, in.get(), flat_scratch);
-          } else {
-            sources_[it.file_index].PReadExact(in.get(), it.source_length, it.source_offset);
-          }
-          if (p.converted()) {
-            ConvertElements(p.source_dtype, p.dtype, in.get(), conv.get(),
-                            it.length / (Info(p.dtype).bits / 8));
-            data = conv.get();
-          }
+          const char* data = buf.get();
+          const uint64_t source_bytes = FillEntry(rw.maps[it.tensor], lookup, read_source,
+                                                  it.chunk * o_.chunk_size, it.length, buf.get(),
+                                                  scratch);
           e.chunk_xxh3[it.chunk] = Xxh3(data, it.length);
           if (!zstd) {
             rw.file.PWriteExact(data, it.length, kDataOffset + e.offset + it.chunk * o_.chunk_size);
@@ -316,7 +291,7 @@ class Converter {
             write_cv.notify_all();
             stored += n;
           }
-          read += it.source_length;
+          read += source_bytes;
           done_bytes_ += it.length;
           if (o_.progress) {
             // Serialized, and skipped while another worker reports: the value read under the
@@ -388,7 +363,6 @@ class Converter {
   unsigned threads_;
   const Fsdp1Plan* units_;
   std::vector<File> sources_;
-  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
 };
 
 // The model manifest of an FSDP1 conversion: the option, else SOURCE/ or OUT/reshard-model.json.

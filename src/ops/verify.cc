@@ -21,7 +21,7 @@
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
-#include "reshard/plan/fsdp1.h"
+#include "reshard/plan/byte_map.h"
 
 namespace reshard {
 
@@ -310,29 +310,41 @@ class Verifier {
         if (!ckpt_->Find(n)) Problem(readers.front().path(), n, "not a tensor of the source");
       }
       for (const auto& f : ckpt_->files) sources_.push_back(File::OpenRead(f.path));
-      for (const auto& r : readers) {
-        for (const auto& t : r.header().tensors) {
-          if (!t.flat || flat_sources_.count(t.flat.get())) continue;
-          std::vector<const SourceTensor*> v;
-          for (const auto& p : t.flat->params) {
-            const SourceTensor* s = ckpt_->Find(p.key);
-            if (!s || s->shape != p.shape) {
-              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
-                                            (s ? " has another shape" : " is not in the source"));
-              v.clear();
-              break;
+    }
+    // Each entry's byte map (reshard/plan/byte_map.h), and whether its sources fit: only then
+    // are its bytes compared with what the map says they hold.
+    const SourceLookup lookup = [this](std::string_view name) { return ckpt_->Find(name); };
+    std::vector<std::vector<std::optional<EntryMap>>> maps(readers.size());
+    for (size_t ri = 0; compare && ri < readers.size(); ++ri) {
+      const RankFileHeader& h = readers[ri].header();
+      const auto policy = ParseDTypePolicy(h.dtype_policy);
+      maps[ri].resize(h.tensors.size());
+      for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
+        const TensorEntry& t = h.tensors[ti];
+        if (!policy) break;  // reported below
+        if (!t.flat && !ckpt_->Find(t.name)) continue;  // reported above
+        try {
+          EntryMap map = MapEntry(t, h.kind, h.world_size, h.rank, readers[ri].path());
+          std::string why = CheckSources(map, lookup);
+          for (const EntrySegment& seg : map.segments) {
+            if (!why.empty()) break;
+            if (seg.kind != EntrySegment::Kind::kSource) continue;
+            const SourceTensor* src = ckpt_->Find(seg.source);
+            if (StoredDType(src->dtype, *policy) != t.dtype) {
+              why = "dtype or shape differs from the source (the file holds " +
+                    std::string(Name(t.dtype)) + ", dtype policy " + h.dtype_policy +
+                    " stores the source's " + std::string(Name(src->dtype)) + " as " +
+                    std::string(Name(StoredDType(src->dtype, *policy))) + ")" +
+                    (seg.source != t.name ? ": source tensor " + seg.source : std::string());
             }
-            if (s->dtype != t.dtype && (!IsConvertibleFloat(s->dtype) ||
-                                        r.header().dtype_policy == "keep")) {
-              Problem(r.path(), t.name, "parameter " + p.fqn + ": source tensor " + p.key +
-                                            " is " + std::string(Name(s->dtype)) +
-                                            ", the flat parameter " + std::string(Name(t.dtype)));
-              v.clear();
-              break;
-            }
-            v.push_back(s);
           }
-          flat_sources_[t.flat.get()] = std::move(v);
+          if (why.empty()) {
+            maps[ri][ti] = std::move(map);
+          } else {
+            Problem(readers[ri].path(), t.name, why);
+          }
+        } catch (const Error& e) {
+          Problem(readers[ri].path(), t.name, e.what());
         }
       }
     }
@@ -346,10 +358,8 @@ class Verifier {
         }
       }
     }
-    std::vector<std::optional<DTypePolicy>> policies;
     for (const auto& r : readers) {
-      policies.push_back(ParseDTypePolicy(r.header().dtype_policy));
-      if (compare && !policies.back()) {
+      if (compare && !ParseDTypePolicy(r.header().dtype_policy)) {
         Problem(r.path(), "", "unknown dtype policy \"" + r.header().dtype_policy +
                                   "\": cannot compare with the source");
       }
@@ -361,8 +371,8 @@ class Verifier {
 #pragma omp parallel num_threads(threads_)
     {
       std::string scratch;
-      std::vector<char> flat_scratch;
-      std::unique_ptr<char[]> buf, src, conv;
+      std::vector<char> fill_scratch;
+      std::unique_ptr<char[]> buf, conv;
       uint64_t cap = 0;
 #pragma omp for schedule(dynamic, 4)
       for (size_t i = 0; i < items.size(); ++i) {
@@ -375,89 +385,32 @@ class Verifier {
           const uint64_t need = ChunkLength(t, cs, it.chunk);
           if (cap < need) {
             buf.reset(new char[need]);
-            src.reset(new char[4 * need]);  // a converted chunk reads up to 4x (F64 -> BF16)
             conv.reset(new char[need]);
             cap = need;
           }
           const uint64_t len = r.ReadChunk(t, it.chunk, buf.get(), scratch);
           bytes[i] = len;
-          if (compare && t.flat) {
-            const auto& sources = flat_sources_.at(t.flat.get());
-            if (!sources.empty()) {
-              FillFlatShard(*t.flat, t.dtype, r.header().world_size, r.header().rank, sources,
-                            read_source, it.chunk * cs, len, conv.get(), flat_scratch);
-              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
-                uint64_t k = 0;
-                while (k < len && conv[k] == buf[k]) ++k;
-                const uint64_t item = Info(t.dtype).bits / 8;
-                const uint64_t e = t.rows.start + (it.chunk * cs + k) / item;
-                std::string what = e >= t.flat->numel ? "zero padding past the flat parameter"
-                                                      : "padding (42)";
-                for (const auto& p : t.flat->params) {
-                  if (e >= p.offset && e < p.offset + p.numel) {
-                    what = "parameter " + p.fqn + " (source " + p.key + ", element " +
-                           std::to_string(e - p.offset) + ")";
-                  }
+          const EntryMap* map =
+              compare && maps[it.reader][it.tensor] ? &*maps[it.reader][it.tensor] : nullptr;
+          if (map) {
+            FillEntry(*map, lookup, read_source, it.chunk * cs, len, conv.get(), fill_scratch);
+            if (std::memcmp(conv.get(), buf.get(), len) != 0) {
+              uint64_t k = 0;
+              while (k < len && conv[k] == buf[k]) ++k;
+              const uint64_t at = it.chunk * cs + k;
+              bool converted = false;
+              for (const EntrySegment& seg : map->segments) {
+                if (seg.kind == EntrySegment::Kind::kSource) {
+                  converted |= ckpt_->Find(seg.source)->dtype != t.dtype;
                 }
-                Problem(r.path(), t.name,
-                        "differs from the source at flat element " + std::to_string(e) + ": " + what);
               }
-              compared[i] = len;
-            }
-          } else if (compare) {
-            const SourceTensor* s = ckpt_->Find(t.name);
-            const auto& policy = policies[it.reader];
-            const DType stored = s && policy ? StoredDType(s->dtype, *policy) : DType::kU8;
-            if (!policy) {
-              // reported once per file above
-            } else if (s && s->dtype != t.dtype && stored == t.dtype &&
-                       s->shape == t.global_shape) {
-              // Converted by the dtype policy: convert the source's elements the same way.
-              const uint64_t out_item = Info(t.dtype).bits / 8;
-              const uint64_t in_item = Info(s->dtype).bits / 8;
-              uint64_t row_numel = 1;
-              for (size_t d = 1; d < s->shape.size(); ++d) row_numel *= s->shape[d];
-              const uint64_t first = (t.sharded ? t.rows.start * row_numel : 0) +
-                                     it.chunk * cs / out_item;
-              const uint64_t n = len / out_item;
-              const uint64_t at = s->offset + first * in_item;
-              sources_[s->file_index].PReadExact(src.get(), n * in_item, at);
-              ConvertElements(s->dtype, t.dtype, src.get(), conv.get(), n);
-              if (std::memcmp(conv.get(), buf.get(), len) != 0) {
-                uint64_t k = 0;
-                while (k < len && conv[k] == buf[k]) ++k;
-                Problem(r.path(), t.name,
-                        "differs from the source converted to " + std::string(Name(t.dtype)) +
-                            " at byte " + std::to_string(it.chunk * cs + k) +
-                            " of this rank's part (element " + std::to_string(first + k / out_item) +
-                            " of the tensor; source file " + ckpt_->files[s->file_index].path +
-                            ", offset " + std::to_string(at + k / out_item * in_item) + ")");
-              }
-              compared[i] = len;
-            } else if (s && s->dtype == t.dtype && stored == t.dtype &&
-                       s->shape == t.global_shape) {
-              uint64_t row_bytes = 0;
-              if (t.sharded && t.global_shape[0] > 0) row_bytes = s->nbytes / t.global_shape[0];
-              const uint64_t start = s->offset + (t.sharded ? t.rows.start * row_bytes : 0);
-              const uint64_t at = start + it.chunk * cs;
-              sources_[s->file_index].PReadExact(src.get(), len, at);
-              if (std::memcmp(src.get(), buf.get(), len) != 0) {
-                uint64_t k = 0;
-                while (k < len && src[k] == buf[k]) ++k;
-                Problem(r.path(), t.name,
-                        "differs from the source at byte " + std::to_string(it.chunk * cs + k) +
-                            " of this rank's part (source file " +
-                            ckpt_->files[s->file_index].path + ", offset " +
-                            std::to_string(at + k) + ")");
-              }
-              compared[i] = len;
-            } else if (s && it.chunk == 0) {
               Problem(r.path(), t.name,
-                      "dtype or shape differs from the source (the file holds " +
-                          std::string(Name(t.dtype)) + ", dtype policy " +
-                          r.header().dtype_policy + " stores the source's " +
-                          std::string(Name(s->dtype)) + " as " + std::string(Name(stored)) + ")");
+                      "differs from the source" +
+                          (converted ? " converted to " + std::string(Name(t.dtype)) : std::string()) +
+                          " at byte " + std::to_string(at) + " of this rank's part (" +
+                          DescribeEntryByte(*map, at) + ")");
             }
+            compared[i] = len;
           }
         } catch (const std::exception& e) {
           Problem(r.path(), t.name, e.what());
@@ -469,7 +422,6 @@ class Verifier {
       report_.source_bytes_compared += compared[i];
     }
     sources_.clear();
-    flat_sources_.clear();  // keyed by headers of this layout's readers, destroyed now
   }
 
   const VerifyOptions& o_;
@@ -479,7 +431,6 @@ class Verifier {
   std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
   std::string rank_state_path_;
   std::vector<File> sources_;
-  std::map<const FlatInfo*, std::vector<const SourceTensor*>> flat_sources_;
   std::mutex mu_;
   VerifyReport report_;
 };

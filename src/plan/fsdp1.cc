@@ -217,53 +217,5 @@ uint64_t FlatPaddingBits(DType dtype) {
   }
 }
 
-void FillFlatShard(const FlatInfo& flat, DType dtype, uint32_t world_size, uint32_t rank,
-                   const std::vector<const SourceTensor*>& sources, const SourceRead& read,
-                   uint64_t begin, uint64_t length, char* out, std::vector<char>& scratch) {
-  const uint64_t item = Info(dtype).bits / 8;
-  const uint64_t c = CeilDiv(flat.numel, world_size);
-  const uint64_t lo = rank * c + begin / item;  // flat elements [lo, hi)
-  const uint64_t hi = lo + length / item;
-  // Padding first: 42 inside the flat parameter, 0 past its end.
-  const uint64_t pad = FlatPaddingBits(dtype);
-  const uint64_t pad_end = std::clamp(flat.numel, lo, hi);
-  for (uint64_t e = lo; e < pad_end; ++e) std::memcpy(out + (e - lo) * item, &pad, item);
-  if (hi > pad_end) std::memset(out + (pad_end - lo) * item, 0, (hi - pad_end) * item);
-  auto it = std::upper_bound(flat.params.begin(), flat.params.end(), lo,
-                             [](uint64_t v, const FlatParamInfo& p) { return v < p.offset; });
-  if (it != flat.params.begin()) --it;
-  for (; it != flat.params.end() && it->offset < hi; ++it) {
-    const uint64_t a = std::max(lo, it->offset);
-    const uint64_t b = std::min(hi, it->offset + it->numel);
-    if (a >= b) continue;
-    const SourceTensor* s = sources[it - flat.params.begin()];
-    const uint64_t in_item = Info(s->dtype).bits / 8;
-    const uint64_t at = s->offset + (a - it->offset) * in_item;
-    char* dst = out + (a - lo) * item;
-    if (s->dtype == dtype) {
-      read(s->file_index, at, (b - a) * item, dst);
-    } else {
-      scratch.resize((b - a) * in_item);
-      read(s->file_index, at, scratch.size(), scratch.data());
-      ConvertElements(s->dtype, dtype, scratch.data(), dst, b - a);
-    }
-  }
-}
-
-std::pair<size_t, uint64_t> FlatSourcePosition(const FlatInfo& flat, DType dtype,
-                                               uint32_t world_size, uint32_t rank,
-                                               const std::vector<const SourceTensor*>& sources,
-                                               uint64_t begin) {
-  const uint64_t item = Info(dtype).bits / 8;
-  const uint64_t lo = rank * CeilDiv(flat.numel, world_size) + begin / item;
-  for (size_t i = 0; i < flat.params.size(); ++i) {
-    const FlatParamInfo& p = flat.params[i];
-    if (p.offset + p.numel <= lo) continue;
-    const uint64_t first = lo > p.offset ? lo - p.offset : 0;
-    const SourceTensor* s = sources[i];
-    return {s->file_index, s->offset + first * (Info(s->dtype).bits / 8)};
-  }
-  return {0, 0};
-}
 
 }  // namespace reshard

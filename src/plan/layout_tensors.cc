@@ -6,120 +6,66 @@
 #include <unordered_map>
 
 #include "reshard/base/error.h"
+#include "reshard/plan/byte_map.h"
 
 namespace reshard {
 
 namespace {
 
-// ---- describing a layout -------------------------------------------------------------------
-
-uint64_t WholeBytes(const std::string& path, const TensorEntry& e) {
+uint64_t WholeBytes(const std::string& path, const std::string& name, DType dtype,
+                    const std::vector<uint64_t>& shape) {
   uint64_t numel = 1;
-  for (uint64_t d : e.global_shape) numel = CheckedMul(numel, d, path + ": tensor \"" + e.name + "\" global_shape");
-  auto n = BytesFor(e.dtype, numel);
+  for (uint64_t d : shape) numel = CheckedMul(numel, d, path + ": tensor \"" + name + "\" shape");
+  auto n = BytesFor(dtype, numel);
   if (!n) {
-    Fail(ErrorCode::kDataLoss, path + ": tensor \"" + e.name + "\": " + std::to_string(numel) +
-                                   " elements of " + std::string(Name(e.dtype)) +
+    Fail(ErrorCode::kDataLoss, path + ": tensor \"" + name + "\": " + std::to_string(numel) +
+                                   " elements of " + std::string(Name(dtype)) +
                                    " are not a whole number of bytes");
   }
   return *n;
 }
 
-// FSDP2 (formats/rank-file.md, "FSDP2 shard rule"): rank r holds rows [start, end) of dim 0,
-// the contiguous bytes [start·R, end·R); 0-dim tensors are stored whole on every rank.
-void DescribeFsdp2(const std::vector<const RankFileHeader*>& headers,
-                   const std::vector<std::string>& paths,
-                   const std::vector<std::unordered_map<std::string_view, size_t>>& index,
-                   std::vector<TensorLocation>& out) {
-  const RankFileHeader& h0 = *headers[0];
-  for (size_t i = 0; i < h0.tensors.size(); ++i) {
-    const TensorEntry& t0 = h0.tensors[i];
-    TensorLocation loc;
-    loc.name = t0.name;
-    loc.dtype = t0.dtype;
-    loc.shape = t0.global_shape;
-    loc.nbytes = WholeBytes(paths[0], t0);
-    if (!t0.sharded) {
-      if (t0.nbytes != loc.nbytes) {
-        FailField(paths[0], "tensor \"" + t0.name + "\" nbytes", std::to_string(t0.nbytes),
-                  std::to_string(loc.nbytes) + " (a tensor stored whole)");
-      }
-      if (loc.nbytes > 0) loc.pieces.push_back({0, i, 0, 0, loc.nbytes});
-      out.push_back(std::move(loc));
-      continue;
+// Every entry's byte map (reshard/plan/byte_map.h), inverted: each source segment of an entry
+// is a piece of its source tensor. The tensors come in the order rank 0's header names them
+// (an FSDP1 flat entry: its parameters in flat order). A whole entry is on every rank; rank
+// 0's copy is used.
+void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
+                    const std::vector<std::string>& paths, std::vector<TensorLocation>& out) {
+  std::unordered_map<std::string, size_t> where;  // source tensor -> index into out
+  auto add = [&](const std::string& name, DType dtype, const std::vector<uint64_t>& shape) {
+    if (!where.emplace(name, out.size()).second) {
+      Fail(ErrorCode::kDataLoss, paths[0] + ": tensor \"" + name + "\" is held by two entries");
     }
-    const uint64_t rows = loc.shape.empty() ? 0 : loc.shape[0];
-    const uint64_t row_bytes = rows ? loc.nbytes / rows : 0;
-    if (rows && loc.nbytes % rows != 0) {
-      Fail(ErrorCode::kDataLoss, paths[0] + ": tensor \"" + t0.name +
-                                     "\": dim-0 rows are not a whole number of bytes");
+    out.push_back({name, dtype, shape, WholeBytes(paths[0], name, dtype, shape), {}});
+  };
+  for (const TensorEntry& e : headers[0]->tensors) {
+    if (e.flat && headers[0]->kind == LayoutKind::kFsdp1) {
+      for (const FlatParamInfo& p : e.flat->params) add(p.key, e.dtype, p.shape);
+    } else {
+      add(e.name, e.dtype, e.global_shape);
     }
-    for (uint32_t r = 0; r < headers.size(); ++r) {
-      const size_t j = r == 0 ? i : index[r].at(t0.name);
-      const TensorEntry& e = headers[r]->tensors[j];
-      if (!e.sharded || e.rows.end > rows || e.nbytes != e.rows.size() * row_bytes) {
-        Fail(ErrorCode::kDataLoss,
-             paths[r] + ": tensor \"" + t0.name + "\": rows [" + std::to_string(e.rows.start) +
-                 ", " + std::to_string(e.rows.end) + ") of " + std::to_string(e.nbytes) +
-                 " bytes do not fit a dim-0 shard of " + std::to_string(rows) + " rows of " +
-                 std::to_string(row_bytes) + " bytes");
-      }
-      if (e.nbytes > 0) loc.pieces.push_back({r, j, 0, e.rows.start * row_bytes, e.nbytes});
-    }
-    out.push_back(std::move(loc));
   }
-}
-
-// FSDP1: each parameter of a flat entry is the part of flat [offset, offset + numel) that
-// every rank's shard [r·c, (r+1)·c) holds; whole entries (persistent buffers) are one piece.
-// Tensors come in unit construction order, each unit's parameters in flat order.
-void DescribeFsdp1(const std::vector<const RankFileHeader*>& headers,
-                   const std::vector<std::string>& paths,
-                   const std::vector<std::unordered_map<std::string_view, size_t>>& index,
-                   std::vector<TensorLocation>& out) {
-  const RankFileHeader& h0 = *headers[0];
-  const uint64_t ws = headers.size();
-  for (size_t i = 0; i < h0.tensors.size(); ++i) {
-    const TensorEntry& t0 = h0.tensors[i];
-    if (!t0.flat) {
-      TensorLocation loc;
-      loc.name = t0.name;
-      loc.dtype = t0.dtype;
-      loc.shape = t0.global_shape;
-      loc.nbytes = WholeBytes(paths[0], t0);
-      if (t0.sharded || t0.nbytes != loc.nbytes) {
-        Fail(ErrorCode::kDataLoss, paths[0] + ": tensor \"" + t0.name +
-                                       "\" of an FSDP1 layout is neither a flat parameter nor whole");
+  for (uint32_t r = 0; r < headers.size(); ++r) {
+    const RankFileHeader& h = *headers[r];
+    for (size_t i = 0; i < h.tensors.size(); ++i) {
+      const TensorEntry& e = h.tensors[i];
+      if (r > 0 && !e.sharded && !e.flat) continue;
+      const EntryMap map = MapEntry(e, h.kind, h.world_size, h.rank, paths[r]);
+      const uint32_t bits = Info(e.dtype).bits;
+      for (const EntrySegment& s : map.segments) {
+        if (s.kind != EntrySegment::Kind::kSource) continue;
+        auto it = where.find(s.source);
+        if (it == where.end()) {
+          Fail(ErrorCode::kMismatch, paths[r] + ": tensor \"" + s.source + "\" is not in " + paths[0]);
+        }
+        TensorLocation& loc = out[it->second];
+        if (loc.dtype != e.dtype || loc.shape != s.source_shape) {
+          Fail(ErrorCode::kMismatch, paths[r] + ": tensor \"" + s.source +
+                                         "\" is held with another dtype or shape than in " + paths[0]);
+        }
+        loc.pieces.push_back({r, i, s.element * bits / 8, s.source_element * bits / 8,
+                              s.count * bits / 8});
       }
-      if (loc.nbytes > 0) loc.pieces.push_back({0, i, 0, 0, loc.nbytes});
-      out.push_back(std::move(loc));
-      continue;
-    }
-    const FlatInfo& flat = *t0.flat;
-    const uint64_t item = Info(t0.dtype).bits / 8;
-    const uint64_t c = CeilDiv(flat.numel, ws);
-    std::vector<size_t> entry(ws);
-    for (uint32_t r = 0; r < ws; ++r) {
-      entry[r] = r == 0 ? i : index[r].at(t0.name);
-      const TensorEntry& e = headers[r]->tensors[entry[r]];
-      if (!e.flat || !(*e.flat == flat) || e.nbytes != c * item) {
-        Fail(ErrorCode::kMismatch, paths[r] + ": flat parameter \"" + t0.name +
-                                       "\" has another layout than in " + paths[0]);
-      }
-    }
-    for (const FlatParamInfo& p : flat.params) {
-      TensorLocation loc;
-      loc.name = p.key;
-      loc.dtype = t0.dtype;
-      loc.shape = p.shape;
-      loc.nbytes = CheckedMul(p.numel, item, paths[0] + ": " + p.key);
-      for (uint32_t r = 0; r < ws; ++r) {
-        const uint64_t a = std::max(p.offset, r * c);
-        const uint64_t b = std::min(p.offset + p.numel, (r + 1) * c);
-        if (a >= b) continue;
-        loc.pieces.push_back({r, entry[r], (a - r * c) * item, (a - p.offset) * item, (b - a) * item});
-      }
-      out.push_back(std::move(loc));
     }
   }
 }
@@ -198,10 +144,7 @@ std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFi
   }
   std::vector<TensorLocation> out;
   out.reserve(h0.tensors.size());
-  switch (h0.kind) {
-    case LayoutKind::kFsdp2: DescribeFsdp2(headers, paths, index, out); break;
-    case LayoutKind::kFsdp1: DescribeFsdp1(headers, paths, index, out); break;
-  }
+  DescribeByMaps(headers, paths, out);
   for (TensorLocation& loc : out) CheckPieces(loc, headers, paths);
   return out;
 }

@@ -41,7 +41,7 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
     t.source_index = &first - ckpt.tensors.data();
     t.name = FlatEntryName(flat->unit);
     t.dtype = StoredDType(first.dtype, policy);
-    t.source_dtype = t.dtype;  // per parameter inside FillFlatShard
+    t.source_dtype = t.dtype;  // per parameter: the byte map's (reshard/plan/byte_map.h)
     t.global_shape = {flat->numel};
     t.sharded = true;
     const uint64_t c = CeilDiv(flat->numel, layout.world_size);

@@ -1,7 +1,7 @@
 // FSDP1 (FullyShardedDataParallel) FlatParameter layouts: the replay of auto-wrapping and
 // flattening (../shared/docs/fsdp-layouts.md R14–R22) for a model manifest
-// (reshard/format/model_manifest.h), and the filler of a rank's flat shard bytes. Pure: the
-// source bytes come through the caller's SourceRead.
+// (reshard/format/model_manifest.h). Which bytes a rank's flat shard holds is the byte map's
+// (reshard/plan/byte_map.h). Pure.
 #pragma once
 
 #include <cstddef>
@@ -35,26 +35,6 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
 
 /// Bit pattern of FSDP1's padding value 42 in `dtype` (F16, BF16, F32, F64).
 uint64_t FlatPaddingBits(DType dtype);
-
-/// Reads exactly `size` bytes at absolute offset `offset` of source file `file_index`
-/// (Checkpoint::files order) into `dst`; a short read throws kDataLoss.
-using SourceRead = std::function<void(size_t file_index, uint64_t offset, size_t size, void* dst)>;
-
-/// Fills bytes [begin, begin + length) of rank `rank`'s shard of `flat` stored as `dtype`
-/// (`begin`, `length` multiples of the element size): each parameter's source elements
-/// (converted as Tensor.to() when its source dtype differs), 42 for padding, 0 past
-/// flat.numel. `sources[i]` is the source tensor of flat.params[i]; `read` reads the source
-/// files' bytes.
-void FillFlatShard(const FlatInfo& flat, DType dtype, uint32_t world_size, uint32_t rank,
-                   const std::vector<const SourceTensor*>& sources, const SourceRead& read,
-                   uint64_t begin, uint64_t length, char* out, std::vector<char>& scratch);
-
-/// (file index, absolute offset) of the first source byte that bytes [begin, ...) of the
-/// shard read, for ordering reads; (0, 0) when they hold only padding.
-std::pair<size_t, uint64_t> FlatSourcePosition(const FlatInfo& flat, DType dtype,
-                                               uint32_t world_size, uint32_t rank,
-                                               const std::vector<const SourceTensor*>& sources,
-                                               uint64_t begin);
 
 /// The checkpoint key holding `name` (exact, without or with the base model prefix), as
 /// transformers maps keys; nullptr when absent.

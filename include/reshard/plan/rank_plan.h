@@ -30,7 +30,7 @@ struct PlannedTensor {
   uint64_t source_offset = 0;  // absolute offset of this rank's bytes in the source file
   uint64_t offset = 0;         // in the data region (raw codec; 4096-aligned)
   // FSDP1 flat shards: the unit (shared by the plans of every rank); source_* then describe
-  // the first source bytes (for read ordering) and the bytes come from FillFlatShard.
+  // the first source bytes and the bytes come from the entry's byte map.
   std::shared_ptr<const FlatInfo> flat;
 
   bool converted() const { return dtype != source_dtype; }

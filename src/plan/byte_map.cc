@@ -1,0 +1,199 @@
+#include "reshard/plan/byte_map.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "reshard/base/dtype_convert.h"
+#include "reshard/base/error.h"
+#include "reshard/plan/fsdp1.h"
+
+namespace reshard {
+
+namespace {
+
+uint64_t Numel(const std::vector<uint64_t>& shape, const std::string& what) {
+  uint64_t n = 1;
+  for (uint64_t d : shape) n = CheckedMul(n, d, what);
+  return n;
+}
+
+// Bit position of element `e` as a byte offset; kDataLoss when it falls inside a byte.
+uint64_t ByteOf(uint64_t e, uint32_t bits, const std::string& what) {
+  const uint64_t b = CheckedMul(e, bits, what);
+  if (b % 8 != 0) {
+    Fail(ErrorCode::kDataLoss, what + ": element " + std::to_string(e) + " does not start a byte");
+  }
+  return b / 8;
+}
+
+// FSDP1: the rank's part [r·c, (r+1)·c) of the flat parameter.
+void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std::string& what,
+             EntryMap& m) {
+  const FlatInfo& flat = *e.flat;
+  const uint64_t c = CeilDiv(flat.numel, world_size);
+  if (m.numel != c) {
+    Fail(ErrorCode::kDataLoss, what + ": a flat shard of " + std::to_string(m.numel) +
+                                   " elements, expected ceil(" + std::to_string(flat.numel) + " / " +
+                                   std::to_string(world_size) + ") = " + std::to_string(c));
+  }
+  const uint64_t lo = CheckedMul(rank, c, what);
+  const uint64_t hi = lo + c;
+  uint64_t at = lo;  // next flat element to cover
+  auto pad = [&](uint64_t until) {
+    if (until <= at) return;
+    const uint64_t end_pad = std::clamp(flat.numel, at, until);  // 42 inside, zeros past numel
+    if (end_pad > at) {
+      m.segments.push_back({EntrySegment::Kind::kPadding, at - lo, end_pad - at, "", {}, 0});
+    }
+    if (until > end_pad) {
+      m.segments.push_back({EntrySegment::Kind::kZero, end_pad - lo, until - end_pad, "", {}, 0});
+    }
+    at = until;
+  };
+  for (const FlatParamInfo& p : flat.params) {
+    const uint64_t a = std::max(lo, p.offset);
+    const uint64_t b = std::min(hi, CheckedAdd(p.offset, p.numel, what));
+    if (a >= b) continue;
+    if (a < at) {
+      Fail(ErrorCode::kDataLoss, what + ": parameter " + p.fqn + " overlaps the one before it");
+    }
+    pad(a);
+    m.segments.push_back({EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset});
+    at = b;
+  }
+  pad(hi);
+}
+
+}  // namespace
+
+EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, uint32_t rank,
+                  const std::string& path) {
+  const std::string what = path + ": tensor \"" + e.name + "\"";
+  EntryMap m;
+  m.name = e.name;
+  m.dtype = e.dtype;
+  m.numel = Numel(e.local_shape, what + " local_shape");
+  m.nbytes = e.nbytes;
+  const uint32_t bits = Info(e.dtype).bits;
+  if (CheckedMul(m.numel, bits, what) != CheckedMul(e.nbytes, 8, what)) {
+    Fail(ErrorCode::kDataLoss, what + ": " + std::to_string(e.nbytes) + " bytes for " +
+                                   std::to_string(m.numel) + " elements of " +
+                                   std::string(Name(e.dtype)));
+  }
+  if (kind == LayoutKind::kFsdp1 && e.flat) {
+    MapFlat(e, world_size, rank, what, m);
+  } else if (!e.sharded) {
+    if (e.local_shape != e.global_shape) {
+      Fail(ErrorCode::kDataLoss, what + ": stored whole, but its local shape is not its global shape");
+    }
+    if (m.numel) m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape, 0});
+  } else {
+    // Rows [start, end) of dim 0 (formats/rank-file.md, FSDP2 shard rule).
+    const uint64_t rows = e.global_shape.empty() ? 0 : e.global_shape[0];
+    if (e.global_shape.empty() || e.rows.end > rows || e.rows.start > e.rows.end) {
+      Fail(ErrorCode::kDataLoss, what + ": rows [" + std::to_string(e.rows.start) + ", " +
+                                     std::to_string(e.rows.end) + ") are not rows of its global shape");
+    }
+    const uint64_t row_numel = rows ? Numel(e.global_shape, what) / rows : 0;
+    if (m.numel != CheckedMul(e.rows.size(), row_numel, what)) {
+      Fail(ErrorCode::kDataLoss, what + ": " + std::to_string(m.numel) + " elements for " +
+                                     std::to_string(e.rows.size()) + " rows of " +
+                                     std::to_string(row_numel));
+    }
+    if (m.numel) {
+      m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape,
+                            CheckedMul(e.rows.start, row_numel, what)});
+    }
+  }
+  for (const EntrySegment& s : m.segments) {
+    ByteOf(s.element, bits, what);
+    if (s.kind == EntrySegment::Kind::kSource) ByteOf(s.source_element, bits, what + " source " + s.source);
+  }
+  return m;
+}
+
+std::string CheckSources(const EntryMap& map, const SourceLookup& find) {
+  for (const EntrySegment& s : map.segments) {
+    if (s.kind != EntrySegment::Kind::kSource) continue;
+    const SourceTensor* t = find(s.source);
+    if (!t) return "source tensor " + s.source + " is not in the source";
+    if (t->shape != s.source_shape) return "source tensor " + s.source + " has another shape";
+    if (t->dtype != map.dtype && !(IsConvertibleFloat(t->dtype) && IsConvertibleFloat(map.dtype))) {
+      return "source tensor " + s.source + " is " + std::string(Name(t->dtype)) + ", the entry " +
+             std::string(Name(map.dtype));
+    }
+  }
+  return "";
+}
+
+uint64_t FillEntry(const EntryMap& map, const SourceLookup& find, const SourceRead& read,
+                   uint64_t begin, uint64_t length, char* out, std::vector<char>& scratch) {
+  const uint32_t bits = Info(map.dtype).bits;
+  const uint64_t end = begin + length;
+  uint64_t read_bytes = 0;
+  for (const EntrySegment& s : map.segments) {
+    const uint64_t s0 = s.element * bits / 8;
+    const uint64_t s1 = (s.element + s.count) * bits / 8;
+    const uint64_t a = std::max(begin, s0), b = std::min(end, s1);
+    if (a >= b) continue;
+    char* dst = out + (a - begin);
+    if (s.kind == EntrySegment::Kind::kZero) {
+      std::memset(dst, 0, b - a);
+      continue;
+    }
+    const uint64_t item = bits / 8;  // padding and conversions: byte-sized elements
+    if (s.kind == EntrySegment::Kind::kPadding) {
+      const uint64_t pad = FlatPaddingBits(map.dtype);
+      for (uint64_t at = 0; at < b - a; at += item) std::memcpy(dst + at, &pad, item);
+      continue;
+    }
+    const SourceTensor* t = find(s.source);
+    if (!t) Fail(ErrorCode::kMismatch, "source tensor " + s.source + " is not in the source");
+    const uint64_t src0 = s.source_element * Info(t->dtype).bits / 8;  // the segment's start
+    if (t->dtype == map.dtype) {
+      read(t->file_index, t->offset + src0 + (a - s0), b - a, dst);
+      read_bytes += b - a;
+    } else {
+      const uint64_t in_item = Info(t->dtype).bits / 8;
+      const uint64_t first = (a - s0) / item, n = (b - a) / item;  // whole elements (chunking)
+      scratch.resize(n * in_item);
+      read(t->file_index, t->offset + src0 + first * in_item, scratch.size(), scratch.data());
+      ConvertElements(t->dtype, map.dtype, scratch.data(), dst, n);
+      read_bytes += scratch.size();
+    }
+  }
+  return read_bytes;
+}
+
+std::pair<size_t, uint64_t> FirstSourceByte(const EntryMap& map, const SourceLookup& find,
+                                            uint64_t begin) {
+  const uint32_t bits = Info(map.dtype).bits;
+  for (const EntrySegment& s : map.segments) {
+    if (s.kind != EntrySegment::Kind::kSource) continue;
+    const uint64_t s0 = s.element * bits / 8, s1 = (s.element + s.count) * bits / 8;
+    if (s1 <= begin) continue;
+    const SourceTensor* t = find(s.source);
+    if (!t) return {0, 0};
+    const uint64_t skip = begin > s0 ? (begin - s0) * 8 / bits : 0;  // elements before begin
+    return {t->file_index, t->offset + (s.source_element + skip) * Info(t->dtype).bits / 8};
+  }
+  return {0, 0};
+}
+
+std::string DescribeEntryByte(const EntryMap& map, uint64_t at) {
+  const uint64_t e = at * 8 / Info(map.dtype).bits;
+  for (const EntrySegment& s : map.segments) {
+    if (e < s.element || e >= s.element + s.count) continue;
+    switch (s.kind) {
+      case EntrySegment::Kind::kZero: return "zero padding past the flat parameter";
+      case EntrySegment::Kind::kPadding: return "padding (42)";
+      case EntrySegment::Kind::kSource:
+        return "element " + std::to_string(s.source_element + (e - s.element)) + " of source tensor " +
+               s.source;
+    }
+  }
+  return "byte " + std::to_string(at) + ", past the entry";
+}
+
+}  // namespace reshard
