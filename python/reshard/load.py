@@ -130,8 +130,12 @@ def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: 
             used.add(key_in_file)
             if e.shard is not None and e.local_shape != e.global_shape:
                 raise LayoutMismatchError(
-                    f"buffer {name} is stored sharded in {path}; buffers must be whole on every "
-                    "rank (not supported yet for world size > 1)")
+                    f"buffer {name} is stored sharded in {path}: FSDP2 keeps buffers whole on every rank, "
+                    "and this layout was converted without the model manifest (which names the persistent "
+                    "buffers, to store them whole). Convert again with Python (reshard, transformers) "
+                    f"importable: reshard convert <checkpoint> -o {os.path.dirname(os.path.dirname(path))} "
+                    "--world-size N (or first: python -m reshard.model_manifest <checkpoint> -o "
+                    f"{os.path.join(os.path.dirname(os.path.dirname(path)), 'reshard-model.json')})")
             targets.append((key_in_file, b))
         else:
             # Non-persistent buffers are never in a checkpoint; a persistent one that the
@@ -238,9 +242,17 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                     "floating-point dtypes are converted at load time")
             converted.append((key_in_file, local))
     if missing:
-        raise LayoutMismatchError(
-            f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
-            f"{' ...' if len(missing) > 8 else ''}. Is OUT converted from this model's checkpoint? {convert_cmd}")
+        from .conversion import hub_names_cause
+
+        head = (f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
+                f"{' ...' if len(missing) > 8 else ''}. ")
+        cause = hub_names_cause(model, [k for k in entries if k not in used], missing)
+        if cause:
+            raise LayoutMismatchError(
+                head + cause[0].upper() + cause[1:] + f". Convert again with Python (reshard, transformers) importable, which captures "
+                f"it: {convert_cmd} (or first: python -m reshard.model_manifest <checkpoint> -o "
+                f"{os.path.join(out, 'reshard-model.json')})")
+        raise LayoutMismatchError(head + "Is OUT converted from this model's checkpoint? " + convert_cmd)
 
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
     unexpected = sorted(set(entries) - used)

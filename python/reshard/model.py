@@ -5,7 +5,7 @@ the buffers' values as from_pretrained leaves them."""
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -130,6 +130,34 @@ def weights_dtype(out: str) -> Optional[torch.dtype]:
     return None
 
 
+def keep_in_fp32_as_from_pretrained(model: nn.Module, dtype: torch.dtype) -> List[str]:
+    """from_pretrained loads the state-dict entries of the model's `_keep_in_fp32_modules`
+    (fp16 only) and `_keep_in_fp32_modules_strict` (fp16 and bf16) in fp32 (its dtype plan,
+    regex-searched on each name); from_config does not. The same here, on parameters (meta)
+    and persistent buffers; returns the names cast."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return []
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, _, _ = build_glob_alternation(list(plan.keys()))
+    cast = []
+    persistent = persistent_buffer_names(model)
+    for mname, m in model.named_modules():
+        for pname, p in list(m._parameters.items()):
+            full = f"{mname}.{pname}" if mname else pname
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32 and alternation.search(full):
+                m._parameters[pname] = nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
+                cast.append(full)
+        for bname, b in list(m._buffers.items()):
+            full = f"{mname}.{bname}" if mname else bname
+            if (b is not None and full in persistent and b.is_floating_point() and b.dtype != torch.float32
+                    and alternation.search(full)):
+                m._buffers[bname] = b.to(torch.float32)
+                cast.append(full)
+    return cast
+
+
 def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
     """Builds the Hugging Face model described by OUT/config.json with parameters on the
     meta device and buffers computed for real, ready for fully_shard → to_empty → load."""
@@ -153,6 +181,9 @@ def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
         else:
             model = model_class._from_config(config, dtype=dtype)
     # transformers v5 ties weights in from_pretrained, not in from_config.
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    keep_in_fp32_as_from_pretrained(model, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     init_buffers_as_from_pretrained(model)

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 
 FORMAT = "reshard.model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _no_split_modules(model: nn.Module) -> List[str]:
@@ -26,8 +26,10 @@ def _no_split_modules(model: nn.Module) -> List[str]:
     return sorted(set(names))
 
 
-def model_manifest(model: nn.Module) -> Dict[str, Any]:
-    """The manifest of `model` (any nn.Module; parameters may be on the meta device)."""
+def model_manifest(model: nn.Module, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+    """The manifest of `model` (any nn.Module; parameters may be on the meta device); with
+    `checkpoint` (a Hugging Face checkpoint directory or weight file), also the conversion of
+    its tensors into the model's names and shapes (reshard.conversion)."""
     param_index: Dict[int, int] = {}
     params: List[Dict[str, Any]] = []
     modules: List[Dict[str, Any]] = []
@@ -48,7 +50,7 @@ def model_manifest(model: nn.Module) -> Dict[str, Any]:
     persistent = set(model.state_dict().keys())
     buffers = [{"name": n, "shape": list(b.shape), "persistent": n in persistent}
                for n, b in model.named_buffers()]
-    return {
+    out = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "model_class": type(model).__name__,
@@ -58,6 +60,12 @@ def model_manifest(model: nn.Module) -> Dict[str, Any]:
         "params": params,
         "buffers": buffers,
     }
+    if checkpoint is not None:
+        from . import _C
+        from .conversion import capture_conversion
+
+        out["conversion"] = capture_conversion(model, _C.checkpoint_tensors(checkpoint))
+    return out
 
 
 def build_meta_model(src: str, model_class: Optional[str] = None) -> nn.Module:
@@ -104,11 +112,14 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 3
     model = build_meta_model(args.src, args.model_class)
-    m = model_manifest(model)
+    m = model_manifest(model, checkpoint=args.src)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_manifest(m, args.out)
+    conv = m["conversion"]
     print(f"wrote {args.out}: {m['model_class']}, {len(m['params'])} parameters, "
-          f"{len(m['modules'])} modules, default wrap {m['no_split_modules'] or '(root only)'}")
+          f"{len(m['modules'])} modules, default wrap {m['no_split_modules'] or '(root only)'}, "
+          f"{len(conv['targets'])} tensor(s) converted from the checkpoint's names"
+          + (f", {len(conv['refused'])} refused" if conv["refused"] else ""))
     return 0
 
 

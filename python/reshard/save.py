@@ -140,8 +140,8 @@ def _model_entries(model: nn.Module, world: int, coord: int):
         keep.append(t)
     persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
-        if name in persistent:
-            e, t = save_entry(name, b.detach(), list(b.shape), world, coord, sharded_like_param=world == 1)
+        if name in persistent:  # whole on every rank, as FSDP2 holds them (and convert stores them)
+            e, t = raw_save_entry(name, b.detach(), list(b.shape), False, 0, 0)
             entries.append(e)
             keep.append(t)
     return entries, keep

@@ -1,5 +1,6 @@
 #include "reshard/format/model_manifest.h"
 
+#include <algorithm>
 #include <set>
 
 #include "format/json_util.h"
@@ -31,12 +32,139 @@ uint64_t NumelOf(const std::vector<uint64_t>& shape, const std::string& what) {
   return n;
 }
 
+std::string ShapeString(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Conversion trees are shallow (a stack inside a cat, a slice of a key); deeper is not a
+// capture's output.
+constexpr int kMaxConversionDepth = 16;
+
+ConversionExpr ParseExpr(const json& v, const std::string& path, const std::string& f, int depth) {
+  if (depth > kMaxConversionDepth) {
+    FailField(path, f, "a conversion nested deeper than " + std::to_string(kMaxConversionDepth),
+              "at most " + std::to_string(kMaxConversionDepth) + " levels");
+  }
+  internal::GetObject(v, path, f);
+  ConversionExpr x;
+  const std::string op = GetString(Member(v, "op", path, f), path, f + ".op");
+  if (op == "key") {
+    x.op = ConversionExpr::Op::kKey;
+    x.key = GetString(Member(v, "key", path, f), path, f + ".key");
+    x.dtype = GetString(Member(v, "dtype", path, f), path, f + ".dtype");
+    x.shape = ShapeOf(Member(v, "shape", path, f), path, f + ".shape");
+    NumelOf(x.shape, path + ": " + f + ".shape");
+    return x;
+  }
+  if (op == "stack") {
+    x.op = ConversionExpr::Op::kStack;
+  } else if (op == "cat") {
+    x.op = ConversionExpr::Op::kCat;
+  } else if (op == "slice") {
+    x.op = ConversionExpr::Op::kSlice;
+  } else {
+    FailField(path, f + ".op", "\"" + op + "\"", "one of key, stack, cat, slice");
+  }
+  x.dim = static_cast<uint32_t>(std::min<uint64_t>(GetU64(Member(v, "dim", path, f), path, f + ".dim"), 1u << 20));
+  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
+  if (of.empty()) FailField(path, f + ".of", "an empty list", "at least one operand");
+  for (size_t i = 0; i < of.size(); ++i) {
+    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
+  }
+  const std::vector<uint64_t>& s0 = x.of[0].shape;
+  if (x.op == ConversionExpr::Op::kStack) {
+    if (x.dim > s0.size()) {
+      FailField(path, f + ".dim", std::to_string(x.dim), "at most " + std::to_string(s0.size()));
+    }
+    for (size_t i = 1; i < x.of.size(); ++i) {
+      if (x.of[i].shape != s0) {
+        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeString(x.of[i].shape),
+                  ShapeString(s0) + " (stacked operands have one shape)");
+      }
+    }
+    x.shape = s0;
+    x.shape.insert(x.shape.begin() + x.dim, x.of.size());
+  } else if (x.op == ConversionExpr::Op::kCat) {
+    if (x.dim >= s0.size()) {
+      FailField(path, f + ".dim", std::to_string(x.dim), "below " + std::to_string(s0.size()));
+    }
+    x.shape = s0;
+    for (size_t i = 1; i < x.of.size(); ++i) {
+      std::vector<uint64_t> si = x.of[i].shape;
+      if (si.size() == s0.size()) si[x.dim] = s0[x.dim];
+      if (si != s0) {
+        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeString(x.of[i].shape),
+                  "the shape of the first operand but for dim " + std::to_string(x.dim));
+      }
+      x.shape[x.dim] += x.of[i].shape[x.dim];
+    }
+  } else {
+    if (x.of.size() != 1) {
+      FailField(path, f + ".of", std::to_string(x.of.size()) + " operands", "one (a slice)");
+    }
+    if (x.dim >= s0.size()) {
+      FailField(path, f + ".dim", std::to_string(x.dim), "below " + std::to_string(s0.size()));
+    }
+    x.start = GetU64(Member(v, "start", path, f), path, f + ".start");
+    x.stop = GetU64(Member(v, "stop", path, f), path, f + ".stop");
+    if (x.start > x.stop || x.stop > s0[x.dim]) {
+      FailField(path, f, "slice [" + std::to_string(x.start) + ", " + std::to_string(x.stop) + ")",
+                "a range inside dim " + std::to_string(x.dim) + " of " + ShapeString(s0));
+    }
+    x.shape = s0;
+    x.shape[x.dim] = x.stop - x.start;
+  }
+  NumelOf(x.shape, path + ": " + f + ".shape");
+  return x;
+}
+
+Conversion ParseConversion(const json& v, const std::string& path) {
+  internal::GetObject(v, path, "conversion");
+  Conversion c;
+  c.transformers_version =
+      GetString(Member(v, "transformers", path, "conversion"), path, "conversion.transformers");
+  const json& targets = GetArray(Member(v, "targets", path, "conversion"), path, "conversion.targets");
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const std::string f = "conversion.targets[" + std::to_string(i) + "]";
+    ConversionTarget t;
+    t.name = GetString(Member(targets[i], "name", path, f), path, f + ".name");
+    const std::vector<uint64_t> shape = ShapeOf(Member(targets[i], "shape", path, f), path, f + ".shape");
+    t.expr = ParseExpr(Member(targets[i], "expr", path, f), path, f + ".expr", 0);
+    if (t.expr.shape != shape) {
+      FailField(path, f + ".shape", ShapeString(shape),
+                ShapeString(t.expr.shape) + " (the shape its expr gives)");
+    }
+    c.targets.push_back(std::move(t));
+  }
+  std::sort(c.targets.begin(), c.targets.end(),
+            [](const ConversionTarget& a, const ConversionTarget& b) { return a.name < b.name; });
+  for (size_t i = 1; i < c.targets.size(); ++i) {
+    if (c.targets[i].name == c.targets[i - 1].name) {
+      FailField(path, "conversion.targets", "\"" + c.targets[i].name + "\" a second time",
+                "each target once");
+    }
+  }
+  const json& refused = GetArray(Member(v, "refused", path, "conversion"), path, "conversion.refused");
+  for (size_t i = 0; i < refused.size(); ++i) {
+    c.refused.push_back(GetString(refused[i], path, "conversion.refused[" + std::to_string(i) + "]"));
+  }
+  return c;
+}
+
 std::string ParentName(const std::string& name) {
   const auto dot = name.rfind('.');
   return dot == std::string::npos ? std::string() : name.substr(0, dot);
 }
 
 }  // namespace
+
+const ConversionTarget* Conversion::Find(std::string_view name) const {
+  auto it = std::lower_bound(targets.begin(), targets.end(), name,
+                             [](const ConversionTarget& t, std::string_view n) { return t.name < n; });
+  return it != targets.end() && it->name == name ? &*it : nullptr;
+}
 
 ModelManifest ParseModelManifest(std::string_view text, const std::string& path) {
   json j = internal::ParseStrictJson(text, path, "model manifest");
@@ -47,9 +175,9 @@ ModelManifest ParseModelManifest(std::string_view text, const std::string& path)
   }
   const uint64_t version =
       GetU64(Member(j, "format_version", path, "model manifest"), path, "format_version");
-  if (version != kModelManifestVersion) {
+  if (version != 1 && version != kModelManifestVersion) {
     FailField(path, "format_version", std::to_string(version),
-              std::to_string(kModelManifestVersion));
+              "1 or " + std::to_string(kModelManifestVersion));
   }
   ModelManifest m;
   m.model_class = GetString(Member(j, "model_class", path, "model manifest"), path, "model_class");
@@ -124,6 +252,9 @@ ModelManifest ParseModelManifest(std::string_view text, const std::string& path)
     b.shape = ShapeOf(Member(buffers[i], "shape", path, f), path, f + ".shape");
     b.persistent = GetBool(Member(buffers[i], "persistent", path, f), path, f + ".persistent");
     m.buffers.push_back(std::move(b));
+  }
+  if (version >= 2 && j.contains("conversion") && !j["conversion"].is_null()) {
+    m.conversion = ParseConversion(j["conversion"], path);
   }
   return m;
 }

@@ -342,10 +342,10 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     }
     if (shard.is_null()) {
       t.sharded = false;
-      // FSDP1 layouts store buffers whole; FSDP2 only 0-dim tensors.
-      if (!t.global_shape.empty() && (h.kind != LayoutKind::kFsdp1 || is_flat)) {
-        FailField(path, f + ".shard", "null for a tensor of shape " + ShapeText(t.global_shape),
-                  "a shard (only 0-dim tensors are stored whole)");
+      // Stored whole on every rank: FSDP1's buffers, FSDP2's 0-dim tensors and persistent
+      // buffers (FSDP2 does not shard buffers); never a flat parameter.
+      if (is_flat) {
+        FailField(path, f + ".shard", "null for a flat parameter", "a shard");
       }
     } else {
       t.sharded = true;

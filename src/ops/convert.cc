@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 #include <atomic>
 #include <chrono>
@@ -32,6 +33,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/plan/byte_map.h"
+#include "reshard/plan/conversion.h"
 #include "reshard/plan/fsdp1.h"
 #include "reshard/plan/rank_plan.h"
 
@@ -106,7 +108,7 @@ bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerp
     for (size_t i = 0; i < plan.tensors.size(); ++i) {
       const auto& want = plan.tensors[i];
       const auto& have = h.tensors[i];
-      if (have.name != want.name || have.dtype != want.dtype ||
+      if (have.name != want.name || have.dtype != want.dtype || have.sharded != want.sharded ||
           have.global_shape != want.global_shape || have.local_shape != want.local_shape ||
           (want.flat == nullptr) != (have.flat == nullptr) ||
           (want.flat && !(*want.flat == *have.flat))) {
@@ -135,14 +137,19 @@ void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
 
 class Converter {
  public:
-  Converter(const ConvertOptions& o, const Checkpoint& ckpt, unsigned threads,
+  // `view`: the tensors the layout is planned over (the model's names and shapes: ckpt
+  // itself, or ModelView(ckpt, *conversion)); bytes always come from `ckpt`.
+  Converter(const ConvertOptions& o, const Checkpoint& ckpt, const Checkpoint& view,
+            const Conversion* conversion, const std::set<std::string>& whole, unsigned threads,
             const Fsdp1Plan* units)
-      : o_(o), ckpt_(ckpt), threads_(threads), units_(units) {
+      : o_(o), ckpt_(ckpt), view_(view), conversion_(conversion), whole_(whole),
+        threads_(threads), units_(units) {
     for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
   }
 
   RankPlan Plan(uint32_t rank) const {
-    return units_ ? PlanRank(ckpt_, o_.layout, *units_, rank) : PlanRank(ckpt_, o_.layout, rank);
+    return units_ ? PlanRank(view_, o_.layout, *units_, rank)
+                  : PlanRank(view_, o_.layout, rank, whole_);
   }
 
   void Run(std::vector<uint32_t> ranks, ConvertResult& result) {
@@ -201,6 +208,7 @@ class Converter {
         e.chunk_xxh3.resize(n);
         if (e.codec == Codec::kZstd) e.frames.resize(n);
         rw.maps.push_back(MapEntry(e, h.kind, h.world_size, h.rank, rw.final_path.string()));
+        if (conversion_) ExpandConversion(rw.maps.back(), *conversion_);
         const EntryMap& map = rw.maps.back();
         if (const std::string why = CheckSources(map, lookup); !why.empty()) {
           Fail(ErrorCode::kMismatch, rw.final_path.string() + ": tensor \"" + e.name + "\": " + why);
@@ -360,19 +368,28 @@ class Converter {
 
   const ConvertOptions& o_;
   const Checkpoint& ckpt_;
+  const Checkpoint& view_;
+  const Conversion* conversion_;
+  const std::set<std::string>& whole_;
   unsigned threads_;
   const Fsdp1Plan* units_;
   std::vector<File> sources_;
 };
 
-// The model manifest of an FSDP1 conversion: the option, else SOURCE/ or OUT/reshard-model.json.
-fs::path FindModelManifest(const ConvertOptions& o) {
+// The model manifest: the option, else SOURCE/ or OUT/reshard-model.json; empty when none.
+fs::path FindModelManifestIfAny(const ConvertOptions& o) {
   if (o.model_manifest) return *o.model_manifest;
   std::error_code ec;
   const fs::path src_dir = fs::is_directory(o.source, ec) ? o.source : o.source.parent_path();
   for (const fs::path& dir : {src_dir, o.out}) {
     if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
   }
+  return {};
+}
+
+// FSDP1 needs one.
+fs::path FindModelManifest(const ConvertOptions& o) {
+  if (fs::path p = FindModelManifestIfAny(o); !p.empty()) return p;
   Fail(ErrorCode::kNotFound,
        "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
        "not hold (its keys are sorted). Capture them once with: python -m reshard.manifest " +
@@ -413,8 +430,12 @@ ConvertResult Convert(const ConvertOptions& options) {
   fs::path model_path;
   if (o.layout.kind == LayoutKind::kFsdp1) {
     model_path = FindModelManifest(o);
-    model = ReadModelManifest(model_path);
-    if (o.layout.wrap.empty()) o.layout.wrap = model->no_split_modules;
+  } else {
+    model_path = FindModelManifestIfAny(o);
+  }
+  if (!model_path.empty()) model = ReadModelManifest(model_path);
+  if (model && o.layout.kind == LayoutKind::kFsdp1 && o.layout.wrap.empty()) {
+    o.layout.wrap = model->no_split_modules;
   }
   o.layout.Normalize();
   if (o.layout.world_size == 0) {
@@ -446,8 +467,34 @@ ConvertResult Convert(const ConvertOptions& options) {
   unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
 
   Checkpoint ckpt = OpenCheckpoint(o.source);
+  // The model's view of the checkpoint: transformers' renames and fusions applied
+  // (reshard/plan/conversion.h), so rank files hold the live model's names and shapes.
+  const Conversion* conversion = model && model->conversion ? &*model->conversion : nullptr;
+  if (conversion && !conversion->refused.empty()) {
+    std::string why;
+    for (size_t i = 0; i < conversion->refused.size() && i < 5; ++i) why += "\n  " + conversion->refused[i];
+    if (conversion->refused.size() > 5) {
+      why += "\n  (and " + std::to_string(conversion->refused.size() - 5) + " more)";
+    }
+    Fail(ErrorCode::kUnsupported,
+         o.source.string() + ": the model (" + model->model_class + ") is loaded from this "
+         "checkpoint through transformers " + conversion->transformers_version +
+         "' weight conversion, and " + std::to_string(conversion->refused.size()) +
+         " of its tensors cannot be converted (" + model_path.string() + "):" + why);
+  }
+  const Checkpoint view = conversion ? ModelView(ckpt, *conversion, model_path.string()) : ckpt;
+  // FSDP2 does not shard buffers: the model's persistent buffers are stored whole.
+  std::set<std::string> whole;
+  if (model && o.layout.kind == LayoutKind::kFsdp2) {
+    for (const ModelBuffer& b : model->buffers) {
+      if (!b.persistent) continue;
+      if (const SourceTensor* t = FindSourceTensor(view, b.name, model->base_model_prefix)) {
+        whole.insert(t->name);
+      }
+    }
+  }
   std::optional<Fsdp1Plan> units;
-  if (model) units = PlanFsdp1(ckpt, *model, o.layout);
+  if (model && o.layout.kind == LayoutKind::kFsdp1) units = PlanFsdp1(view, *model, o.layout);
   std::error_code ec;
   fs::create_directories(o.out, ec);
   if (ec || !fs::is_directory(o.out)) {
@@ -477,7 +524,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   result.layout_dir = dir;
   result.world_size = o.layout.world_size;
   std::vector<uint32_t> todo;
-  Converter converter(o, ckpt, threads, units ? &*units : nullptr);
+  Converter converter(o, ckpt, view, conversion, whole, threads, units ? &*units : nullptr);
   for (uint32_t r = first; r <= last; ++r) {
     const RankPlan plan = converter.Plan(r);
     if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint, plan)) {
@@ -498,7 +545,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   CopyAuxFiles(ckpt, o.out);
   Manifest m = manifest.value_or(Manifest{});
   if (model) {
-    // Kept beside the layouts: later FSDP1 conversions into OUT find it there.
+    // Kept beside the layouts: later conversions, verify and reshard.load find it there.
     const std::string name(kModelManifestName);
     if (!fs::equivalent(model_path, o.out / name, ec)) {
       WriteFileAtomic(o.out / name, ReadWholeFile(model_path, 256ull << 20));

@@ -22,6 +22,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/plan/byte_map.h"
+#include "reshard/plan/conversion.h"
 
 namespace reshard {
 
@@ -289,6 +290,27 @@ class Verifier {
       }
     }
     const bool compare = ckpt_.has_value();
+    // A conversion recorded beside the layouts (OUT/reshard-model.json): the rank files hold
+    // the model's names and shapes, each made of source tensors by it.
+    std::optional<ModelManifest> model;
+    std::optional<Checkpoint> view;
+    const Conversion* conversion = nullptr;
+    if (compare) {
+      const fs::path mm = l.dir.parent_path() / kModelManifestName;
+      std::error_code mec;
+      if (fs::exists(mm, mec)) {
+        try {
+          model = ReadModelManifest(mm);
+          if (model->conversion && !model->conversion->targets.empty()) {
+            conversion = &*model->conversion;
+            view = ModelView(*ckpt_, *conversion, mm.string());
+          }
+        } catch (const Error& e) {
+          Problem(mm.string(), "", e.what());
+        }
+      }
+    }
+    const Checkpoint* names = view ? &*view : ckpt_ ? &*ckpt_ : nullptr;
     if (compare) {
       if (!(h0.source == ckpt_->fingerprint)) {
         Problem(readers.front().path(), "",
@@ -297,7 +319,7 @@ class Verifier {
                     " (another checkpoint, or it changed)");
       }
       if (h0.kind == LayoutKind::kFsdp2) {
-        for (const auto& t : ckpt_->tensors) {
+        for (const auto& t : names->tensors) {
           if (!names0.count(t.name)) {
             Problem(readers.front().path(), t.name, "source tensor missing from the layout");
           }
@@ -307,7 +329,11 @@ class Verifier {
       // tensors (if any) are not part of the layout.
       for (const auto& [n, t] : names0) {
         if (t->flat) continue;
-        if (!ckpt_->Find(n)) Problem(readers.front().path(), n, "not a tensor of the source");
+        if (!names->Find(n)) {
+          Problem(readers.front().path(), n,
+                  view ? "not a tensor of the source, nor made of its tensors by the conversion"
+                       : "not a tensor of the source");
+        }
       }
       for (const auto& f : ckpt_->files) sources_.push_back(File::OpenRead(f.path));
     }
@@ -322,9 +348,10 @@ class Verifier {
       for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
         const TensorEntry& t = h.tensors[ti];
         if (!policy) break;  // reported below
-        if (!t.flat && !ckpt_->Find(t.name)) continue;  // reported above
+        if (!t.flat && !names->Find(t.name)) continue;  // reported above
         try {
           EntryMap map = MapEntry(t, h.kind, h.world_size, h.rank, readers[ri].path());
+          if (conversion) ExpandConversion(map, *conversion);
           std::string why = CheckSources(map, lookup);
           for (const EntrySegment& seg : map.segments) {
             if (!why.empty()) break;

@@ -80,7 +80,8 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
   return plan;
 }
 
-RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank) {
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank,
+                  const std::set<std::string>& whole) {
   if (layout.kind != LayoutKind::kFsdp2) {
     Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " needs the model's units");
   }
@@ -108,10 +109,15 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
     t.dtype = StoredDType(src.dtype, policy);
     t.global_shape = src.shape;
     t.local_shape = src.shape;
-    if (src.shape.empty()) {
+    if (src.shape.empty() || whole.count(src.name)) {
       t.sharded = false;
       t.source_nbytes = src.nbytes;
-      t.nbytes = t.converted() ? Info(t.dtype).bits / 8 : src.nbytes;  // one element
+      t.nbytes = src.nbytes;
+      if (t.converted()) {
+        uint64_t numel = 1;
+        for (uint64_t d : src.shape) numel = CheckedMul(numel, d, "tensor \"" + src.name + "\"");
+        t.nbytes = CheckedMul(numel, Info(t.dtype).bits / 8, "tensor \"" + src.name + "\"");
+      }
       t.source_offset = src.offset;
     } else {
       t.sharded = true;

@@ -22,6 +22,7 @@
 #include "reshard/format/layout.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/rank_file_format.h"
+#include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
@@ -367,6 +368,20 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("out"),
       "OUT/reshard.json parsed and checked by the core, as JSON text; None when absent.");
+
+  m.def(
+      "checkpoint_tensors",
+      [](const std::string& source) {
+        const reshard::Checkpoint ckpt = reshard::OpenCheckpoint(source);
+        std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>>> out;
+        for (const auto& t : ckpt.tensors) {
+          out.emplace_back(t.name, std::string(reshard::Name(t.dtype)), t.shape);
+        }
+        return out;
+      },
+      py::arg("source"),
+      "The tensors of a Hugging Face checkpoint (directory or weight file) as the core reads "
+      "them: (name, dtype name, shape), sorted by name; headers only.");
 
   m.def("build_info", [] {  // the same facts as `reshard --version` (reshard::GetBuildInfo)
     const reshard::BuildInfo b = reshard::GetBuildInfo();

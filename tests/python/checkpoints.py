@@ -26,7 +26,11 @@ from typing import Dict, List
 
 import torch
 
-ARCHS = ("llama", "qwen2", "gpt2", "bert", "gptj", "codegen", "mixed")
+ARCHS = ("llama", "qwen2", "gpt2", "bert", "gptj", "codegen", "mixed",
+         "mixtral", "qwen3_moe", "deepseek_v3", "gpt_neox")
+# Checkpoints whose hub names differ from the model's (transformers renames or fuses them at
+# load): their persistent floating buffers are random too, so a buffer loaded wrong shows.
+HUB_LAYOUT_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_neox")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -94,6 +98,28 @@ def _config_and_class(arch: str):
         if arch == "gptj":
             return tr.GPTJConfig(**kw), tr.GPTJForCausalLM
         return tr.CodeGenConfig(n_ctx=256, **kw), tr.CodeGenForCausalLM
+    # Hub layouts (dims that are multiples of 8: grouped_mm needs 16-byte strides in bf16).
+    if arch == "mixtral":  # per-expert w1/w2/w3 -> experts.gate_up_proj / down_proj
+        return tr.MixtralConfig(vocab_size=37, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+                                num_experts_per_tok=2, max_position_embeddings=64,
+                                tie_word_embeddings=False), tr.MixtralForCausalLM
+    if arch == "qwen3_moe":
+        return tr.Qwen3MoeConfig(vocab_size=37, hidden_size=32, intermediate_size=24, moe_intermediate_size=16,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 num_experts=5, num_experts_per_tok=2, max_position_embeddings=64,
+                                 tie_word_embeddings=False), tr.Qwen3MoeForCausalLM
+    if arch == "deepseek_v3":  # + persistent e_score_correction_bias (kept in fp32 by from_pretrained)
+        return tr.DeepseekV3Config(vocab_size=37, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                   first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                   qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+                                   max_position_embeddings=64, tie_word_embeddings=False), tr.DeepseekV3ForCausalLM
+    if arch == "gpt_neox":  # embed_out -> lm_head (every Pythia checkpoint)
+        return tr.GPTNeoXConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=64,
+                                tie_word_embeddings=False), tr.GPTNeoXForCausalLM
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -111,6 +137,11 @@ def _build_transformers(path: str, arch: str, dtype: torch.dtype, sharded: bool,
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32))
+        if arch in HUB_LAYOUT_ARCHS:
+            persistent = set(model.state_dict())
+            for n, b in model.named_buffers():
+                if n in persistent and b.is_floating_point():
+                    b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float32))
     model = model.to(dtype)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if sharded:

@@ -33,6 +33,12 @@ except ImportError:
 
 import checkpoints  # noqa: E402
 
+# `reshard convert` captures the model manifest by running Python (~10 s on 2 cores); off for
+# the suite at large, on in the tests of capture (env={"RESHARD_MODEL_CAPTURE": "1"}), with this
+# interpreter.
+os.environ.setdefault("RESHARD_MODEL_CAPTURE", "0")
+os.environ.setdefault("RESHARD_PYTHON", sys.executable)
+
 DEFAULT_BIN = "/work/main/build/reshard"
 
 

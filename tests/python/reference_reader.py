@@ -771,8 +771,8 @@ def parse_header(raw: bytes, preamble: Preamble, path: str) -> Tuple[Dict[str, A
         expected_local = list(gshape)
         shard = None
         if jshard is None:
-            if gshape:
-                _fail(path, f"{w}.shard", f"null for shape {gshape}", "a shard (0-dim only whole)")
+            if "flat" in e:  # whole: 0-dim tensors, persistent buffers; never a flat parameter
+                _fail(path, f"{w}.shard", "null for a flat parameter", "a shard")
         else:
             ws_ = f"{w}.shard"
             F.obj(jshard, ws_)

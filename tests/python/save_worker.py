@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hsdp", type=int, default=0)
+    ap.add_argument("--dump", default="", help="rank 0 writes the trained model's full state_dict "
+                    "(parameters and persistent buffers) here, as safetensors")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
@@ -71,6 +73,17 @@ def main():
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
     losses = [step(model, opt, ids) for _ in range(args.steps)]
+
+    if args.dump:
+        from safetensors.torch import save_file
+
+        full = {}
+        for name, v in model.state_dict().items():  # collective: every rank gathers
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            full[name] = v.detach().cpu().contiguous().clone()
+        if rank == 0:
+            save_file(full, args.dump)
+        dist.barrier()
 
     if args.mode == "interrupted":
         with open(os.path.join(args.result, f"pid-{rank}"), "w") as f:

@@ -1,6 +1,10 @@
 // The reshard command line: each command parses flags, calls one library function, and maps
 // the result to an exit code and a short message. Exit codes: 0 success, 1 verification found
 // problems, 2 bad usage, 3 the operation failed (missing, corrupt or mismatched input, I/O).
+#include <fcntl.h>
+#include <cerrno>
+#include <cstdlib>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <charconv>
@@ -11,11 +15,17 @@
 #include <iostream>
 #include <string>
 
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "reshard/base/error.h"
 #include "reshard/format/layout.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/io/manifest.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/ops/build_info.h"
 #include "reshard/ops/convert.h"
@@ -75,6 +85,66 @@ std::string Gb(double bytes) {
 
 }  // namespace
 
+namespace fs = std::filesystem;
+
+// The model manifest convert would use without --model-manifest (SRC/ or OUT/
+// reshard-model.json) and whether it records the conversion; empty when there is none.
+fs::path ExistingModelManifest(const fs::path& src, const fs::path& out, bool* has_conversion) {
+  std::error_code ec;
+  const fs::path dir = fs::is_directory(src, ec) ? src : src.parent_path();
+  for (const fs::path& d : {dir, out}) {
+    const fs::path p = d / reshard::kModelManifestName;
+    if (!fs::exists(p, ec)) continue;
+    try {
+      *has_conversion = reshard::ReadModelManifest(p).conversion.has_value();
+    } catch (const reshard::Error&) {
+      *has_conversion = false;  // convert reports it
+    }
+    return p;
+  }
+  return {};
+}
+
+// Runs `python -m reshard.model_manifest SRC -o FILE` (RESHARD_PYTHON, else python3): the
+// model's modules, buffers and transformers' conversion of SRC's keys, which need torch and
+// transformers (the CLI links neither). Returns "" on success, else why not (its last line).
+std::string CaptureModelManifest(const fs::path& src, const fs::path& file) {
+  const char* py = std::getenv("RESHARD_PYTHON");
+  const std::string python = py && *py ? py : "python3";
+  const fs::path log = file.string() + ".log";
+  const pid_t pid = ::fork();
+  if (pid < 0) return "cannot start " + python;
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<std::string> args = {python, "-m", "reshard.model_manifest", src.string(), "-o",
+                                     file.string()};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "%s: not found\n", python.c_str());
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  std::string last;
+  {
+    std::ifstream in(log);
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty()) last = line;
+    }
+  }
+  std::error_code ec;
+  fs::remove(log, ec);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && fs::exists(file, ec)) return "";
+  return python + " -m reshard.model_manifest: " + (last.empty() ? "failed" : last);
+}
+
 int main(int argc, char** argv) {
   CLI::App app{
       "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
@@ -133,8 +203,15 @@ int main(int argc, char** argv) {
                       "(bf16, fp16, fp32); it sets the alignment padding")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   convert->add_option("--model-manifest", model_manifest,
-                      "fsdp1: the model's modules and parameter order, captured with python -m "
-                      "reshard.manifest SRC -o FILE (default: SRC/ or OUT/reshard-model.json)");
+                      "the model's modules, parameter order, buffers and transformers' "
+                      "conversion of the checkpoint's names (python -m reshard.model_manifest SRC "
+                      "-o FILE). Default: SRC/ or OUT/reshard-model.json, else captured now by "
+                      "$RESHARD_PYTHON (default python3) when it has reshard and transformers");
+  bool no_capture = false;
+  convert->add_flag("--no-capture", no_capture,
+                    "do not run Python to capture the model manifest (also "
+                    "RESHARD_MODEL_CAPTURE=0): names are kept as in the checkpoint and "
+                    "persistent buffers are sharded like parameters");
   convert->add_option("--dtype", dtype,
                       "dtype policy: keep (bytes as in the source), or bf16 / fp16 / fp32: "
                       "store every F16/BF16/F32/F64 tensor in that dtype, bit for bit as "
@@ -260,6 +337,43 @@ int main(int argc, char** argv) {
       co.layout.world_size = world_size;
       co.layout.dtype = dtype;
       if (!model_manifest.empty()) co.model_manifest = model_manifest;
+      // The model manifest: captured unless given, found with its conversion, or turned off.
+      fs::path captured;
+      const char* env_capture = std::getenv("RESHARD_MODEL_CAPTURE");
+      std::error_code fec;
+      const bool hf_dir = fs::exists((fs::is_directory(src, fec) ? fs::path(src) : fs::path(src).parent_path()) /
+                                     "config.json", fec);
+      bool has_conversion = false;
+      const fs::path existing = ExistingModelManifest(src, out, &has_conversion);
+      if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
+          (existing.empty() || !has_conversion)) {
+        fs::create_directories(out, fec);
+        captured = fs::path(out) / ("." + std::string(reshard::kModelManifestName) + ".capture-" +
+                                    std::to_string(::getpid()));
+        if (!convert_json) std::fprintf(stderr, "capturing the model manifest (python -m reshard.model_manifest)...\n");
+        const std::string why = CaptureModelManifest(src, captured);
+        if (why.empty()) {
+          co.model_manifest = captured;
+        } else {
+          std::error_code ec;
+          fs::remove(captured, ec);
+          captured.clear();
+          if (existing.empty()) {
+            std::fprintf(stderr,
+                         "reshard: note: no model manifest (%s); the rank files keep the "
+                         "checkpoint's names and persistent buffers are sharded. To capture it: "
+                         "python -m reshard.model_manifest %s -o %s/%s\n",
+                         why.c_str(), src.c_str(), out.c_str(), std::string(reshard::kModelManifestName).c_str());
+          }
+        }
+      }
+      struct RemoveCaptured {
+        fs::path p;
+        ~RemoveCaptured() {
+          std::error_code ec;
+          if (!p.empty()) fs::remove(p, ec);
+        }
+      } remove_captured{captured};
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
       ParseCompress(compress, co);
       const bool tty = ::isatty(2) && !convert_json;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -12,7 +13,7 @@
 namespace reshard {
 
 inline constexpr std::string_view kModelManifestFormatName = "reshard.model";
-inline constexpr uint32_t kModelManifestVersion = 1;
+inline constexpr uint32_t kModelManifestVersion = 2;  // 1 is read too (no conversion)
 inline constexpr std::string_view kModelManifestName = "reshard-model.json";
 
 struct ModelModule {
@@ -33,6 +34,35 @@ struct ModelBuffer {
   bool persistent = true;
 };
 
+/// How one tensor of the model is assembled from checkpoint tensors: a tree of pure
+/// rearrangements (formats/model-manifest.md, "conversion"). `shape` is every node's shape,
+/// given for keys and computed (and checked) for the others.
+struct ConversionExpr {
+  enum class Op : uint8_t { kKey, kStack, kCat, kSlice };
+  Op op = Op::kKey;
+  std::string key;                  // kKey: the checkpoint tensor
+  std::string dtype;                // kKey: its dtype as recorded at capture ("BF16", ...)
+  uint32_t dim = 0;                 // kStack, kCat, kSlice
+  uint64_t start = 0, stop = 0;     // kSlice: [start, stop) of dim
+  std::vector<ConversionExpr> of;   // kStack, kCat: ≥ 1 children; kSlice: exactly 1
+  std::vector<uint64_t> shape;
+};
+
+/// A model tensor whose checkpoint key or layout differs: transformers' renames and fusions
+/// (conversion_mapping.py, WeightConverter) resolved against the checkpoint's keys.
+struct ConversionTarget {
+  std::string name;
+  ConversionExpr expr;
+};
+
+struct Conversion {
+  std::string transformers_version;
+  std::vector<ConversionTarget> targets;  // sorted by name, unique
+  std::vector<std::string> refused;       // "why" lines: tensors the capture could not express
+  /// The target called `name`; nullptr when the tensor is not converted.
+  const ConversionTarget* Find(std::string_view name) const;
+};
+
 /// What `python -m reshard.manifest` records about a model: its modules in
 /// named_modules(remove_duplicate=False) pre-order, its distinct parameters, its buffers.
 struct ModelManifest {
@@ -42,6 +72,9 @@ struct ModelManifest {
   std::vector<ModelModule> modules;           // modules[0] is the root
   std::vector<ModelParam> params;
   std::vector<ModelBuffer> buffers;
+  /// Version 2: the checkpoint's conversion to the model's names and shapes (targets may be
+  /// empty: names already match); absent in version 1 or when captured without a checkpoint.
+  std::optional<Conversion> conversion;
 };
 
 /// Parses and checks a model manifest; throws kDataLoss naming `path` and the field.

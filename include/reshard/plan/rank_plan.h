@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,7 +46,10 @@ struct RankPlan {
 /// Plans rank `rank` of `layout` for `ckpt`, applying the layout's dtype policy (stored dtype
 /// and sizes). Throws kInvalidArgument for an unknown dtype policy, kUnsupported when a tensor
 /// cannot be split into whole bytes per row (sub-byte dtypes with odd rows).
-RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank);
+/// `whole`: tensors stored whole on every rank (FSDP2 does not shard buffers: the model's
+/// persistent buffers), besides 0-dim ones.
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank,
+                  const std::set<std::string>& whole = {});
 
 struct Fsdp1Plan;  // fsdp1.h
 /// FSDP1: the rank's flat shards (one per unit, in unit construction order) followed by the

@@ -1,0 +1,225 @@
+"""Captures transformers' checkpoint conversion for a model and a checkpoint: which model tensor
+is which checkpoint tensors, renamed, stacked, concatenated or split (formats/model-manifest.md,
+"conversion").
+
+transformers v5 renames and fuses checkpoint keys at load time (conversion_mapping.py,
+WeightConverter in core_model_loading.py) and reverts it at save_pretrained, so hub checkpoints
+keep their old layout (Mixtral's per-expert w1/w2/w3, GPT-NeoX's embed_out, ...). This module
+resolves the model's own conversion list against the checkpoint's real keys exactly as
+from_pretrained does (its own rename_source_key and key order), then runs each converter's ops
+on symbolic tensors: every op transformers uses for the architectures it ships is a pure
+rearrangement (stack, cat, chunk), so the result is a small expression per model tensor that the
+torch-free core executes with bounded memory (include/reshard/plan/conversion.h). Ops that are
+not pure rearrangements we can express (transpose, interleave, permutes, quantizer ops) are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+
+class UnsupportedOp(Exception):
+    """A conversion op (or torch function inside one) that the plan cannot express."""
+
+
+def _norm_dim(dim: int, rank: int) -> int:
+    d = dim + rank if dim < 0 else dim
+    if not 0 <= d < max(rank, 1):
+        raise UnsupportedOp(f"dim {dim} of a {rank}-dim tensor")
+    return d
+
+
+class Sym:
+    """A tensor known only by its shape and how it is made from checkpoint keys."""
+
+    __slots__ = ("expr", "shape")
+
+    def __init__(self, expr: Dict[str, Any], shape: Sequence[int]):
+        self.expr = expr
+        self.shape = tuple(int(s) for s in shape)
+
+    @classmethod
+    def key(cls, name: str, dtype: str, shape: Sequence[int]) -> "Sym":
+        return cls({"op": "key", "key": name, "dtype": dtype, "shape": [int(s) for s in shape]}, shape)
+
+    # The tensor methods the rearranging ops call.
+    def contiguous(self, *a, **k) -> "Sym":
+        return self
+
+    def size(self, dim: Optional[int] = None):
+        return self.shape if dim is None else self.shape[_norm_dim(dim, len(self.shape))]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getattr__(self, name):
+        raise UnsupportedOp(f"tensor.{name}")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        name = getattr(func, "__name__", str(func))
+        if name == "stack":
+            tensors, dim = (list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            return _stack(tensors, dim)
+        if name in ("cat", "concat", "concatenate"):
+            tensors, dim = (list(args[0]), args[1] if len(args) > 1 else kwargs.get("dim", 0))
+            return _cat(tensors, dim)
+        if name == "chunk":
+            t = args[0]
+            chunks = args[1] if len(args) > 1 else kwargs["chunks"]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            return _chunk(t, chunks, dim)
+        raise UnsupportedOp(f"torch.{name}")
+
+
+def _stack(tensors: List[Sym], dim: int) -> Sym:
+    if not tensors or not all(isinstance(t, Sym) for t in tensors):
+        raise UnsupportedOp("torch.stack of non-checkpoint tensors")
+    shape = tensors[0].shape
+    if any(t.shape != shape for t in tensors):
+        raise UnsupportedOp("torch.stack of tensors of different shapes")
+    d = _norm_dim(dim, len(shape) + 1)
+    return Sym({"op": "stack", "dim": d, "of": [t.expr for t in tensors]}, shape[:d] + (len(tensors),) + shape[d:])
+
+
+def _cat(tensors: List[Sym], dim: int) -> Sym:
+    if not tensors or not all(isinstance(t, Sym) for t in tensors):
+        raise UnsupportedOp("torch.cat of non-checkpoint tensors")
+    shape = list(tensors[0].shape)
+    d = _norm_dim(dim, len(shape))
+    for t in tensors[1:]:
+        if len(t.shape) != len(shape) or any(a != b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != d):
+            raise UnsupportedOp("torch.cat of tensors of incompatible shapes")
+    shape[d] = sum(t.shape[d] for t in tensors)
+    if len(tensors) == 1:
+        return tensors[0]
+    return Sym({"op": "cat", "dim": d, "of": [t.expr for t in tensors]}, shape)
+
+
+def _chunk(t: Sym, chunks: int, dim: int) -> Tuple[Sym, ...]:
+    """torch.chunk: pieces of ceil(n / chunks) along dim, the last one smaller, maybe fewer."""
+    d = _norm_dim(dim, len(t.shape))
+    n = t.shape[d]
+    size = -(-n // chunks) if chunks > 0 else 0
+    out = []
+    start = 0
+    while size and start < n:
+        stop = min(n, start + size)
+        shape = list(t.shape)
+        shape[d] = stop - start
+        out.append(Sym({"op": "slice", "dim": d, "start": start, "stop": stop, "of": [t.expr]}, shape))
+        start = stop
+    return tuple(out)
+
+
+def _natural_order(keys):
+    from transformers.core_model_loading import dot_natural_key
+
+    return sorted(keys, key=dot_natural_key)
+
+
+def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Sequence[int]]],
+                       key_mapping: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """The conversion of checkpoint `tensors` ((key, dtype name, shape), as
+    reshard._C.checkpoint_tensors gives them) into `model` (meta parameters are fine):
+    {"transformers", "targets": [{"name", "shape", "expr"}], "refused": [why, ...]}.
+    Only tensors whose key or layout changes are targets; keys that map to themselves, and
+    keys the model does not have (from_pretrained drops those), are left out."""
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping, hf_quantizer=None, add_legacy=True)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    info = {name: (dtype, list(shape)) for name, dtype, shape in tensors}
+
+    # The grouping loop of from_pretrained (core_model_loading.convert_and_load_state_dict_in_model).
+    groups: Dict[str, Dict[str, Any]] = {}
+    for key in _natural_order(info):
+        new, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if new not in meta and key in meta:
+            new, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=meta)
+        if new not in meta:
+            continue  # unexpected: from_pretrained drops it; convert keeps it under its own name
+        if pattern is not None:
+            g = groups.setdefault(new, {"converter": copy.deepcopy(by_pattern[pattern]), "keys": []})
+        else:
+            g = groups.setdefault(new, {"converter": None, "keys": []})
+        g["keys"].append((pattern, key))
+
+    targets: List[Dict[str, Any]] = []
+    refused: List[str] = []
+    for first, g in groups.items():
+        conv = g["converter"]
+        if conv is None:
+            key = g["keys"][0][1]
+            if key != first:
+                dtype, shape = info[key]
+                targets.append({"name": first, "shape": shape, "expr": Sym.key(key, dtype, shape).expr})
+            continue
+        ops = [type(o).__name__ for o in conv.operations]
+        for pattern, key in g["keys"]:
+            dtype, shape = info[key]
+            conv.add_tensor(first, key, pattern, (lambda s=Sym.key(key, dtype, shape): s))
+        try:
+            out = conv.convert(first, model=model, config=model.config)
+        except UnsupportedOp as e:
+            refused.append(f"{first}: op {'/'.join(ops)} of transformers' conversion is not supported ({e})")
+            continue
+        except Exception as e:  # transformers' own error (a missing expert, a shape it refuses)
+            refused.append(f"{first}: transformers' conversion {'/'.join(ops)} fails on this checkpoint: {e}")
+            continue
+        for name, value in out.items():
+            value = value[0] if isinstance(value, list) and len(value) == 1 else value
+            if not isinstance(value, Sym):
+                refused.append(f"{name}: op {'/'.join(ops)} of transformers' conversion is not supported")
+                continue
+            want = list(meta[name].shape) if name in meta else None
+            if want is None:
+                continue  # not a model tensor (from_pretrained reports it unexpected)
+            if list(value.shape) != want:
+                refused.append(f"{name}: transformers' conversion {'/'.join(ops)} gives shape "
+                               f"{list(value.shape)}, the model has {want}")
+                continue
+            targets.append({"name": name, "shape": list(value.shape), "expr": value.expr})
+    targets.sort(key=lambda t: t["name"])
+    return {"transformers": transformers.__version__, "targets": targets, "refused": refused}
+
+
+def hub_names_cause(model: nn.Module, file_keys: Sequence[str], missing: Sequence[str]) -> Optional[str]:
+    """Why the model's parameters `missing` are not among `file_keys` when the file holds
+    transformers' hub names for them (converted without the model manifest's conversion):
+    a sentence naming one example, or None when that is not the cause."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        transforms = get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None, add_legacy=True)
+    except Exception:
+        return None
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = set(missing)
+    model_names = {n for n, _ in model.named_parameters()}
+    for key in file_keys:
+        if key in model_names:
+            continue
+        new, pattern = rename_source_key(key, renamings, converters, None, None)
+        if new != key and (new in wanted or any(m.endswith(new) or new.endswith(m) for m in wanted)):
+            how = "fuses" if pattern is not None else "renames"
+            return (f"this checkpoint uses transformers' hub names for {type(model).__name__} (e.g. {key}, "
+                    f"which transformers {how} into {new} at load time), and the rank files keep them: they "
+                    "were converted without the model manifest's conversion")
+    return None

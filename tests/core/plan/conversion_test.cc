@@ -1,0 +1,164 @@
+// transformers' conversions as the plan layer executes them (reshard/plan/conversion.h): the
+// conversion section of a model manifest parsed and checked, the runs of checkpoint elements
+// that ExprSegments gives compared with an element-by-element index calculation on every
+// range of several trees (Mixtral's stack-then-cat, a chunk, nested slices), and ModelView's
+// refusals naming the key.
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/test_util.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/plan/conversion.h"
+
+namespace reshard {
+namespace {
+
+using test::ThrowsError;
+
+std::string Manifest(const std::string& targets) {
+  return R"({"format": "reshard.model", "format_version": 2, "model_class": "M",
+    "base_model_prefix": "model", "no_split_modules": [], "modules": [{"name": "", "class": "M",
+    "params": []}], "params": [], "buffers": [],
+    "conversion": {"transformers": "5.17.0", "refused": [], "targets": )" + targets + "}}";
+}
+
+std::string Key(const std::string& k, const std::string& shape) {
+  return R"({"op": "key", "key": ")" + k + R"(", "dtype": "BF16", "shape": )" + shape + "}";
+}
+
+// (key, element) of element `e` of `x`, computed from the multi-index.
+std::pair<std::string, uint64_t> Naive(const ConversionExpr& x, std::vector<uint64_t> idx) {
+  using Op = ConversionExpr::Op;
+  if (x.op == Op::kKey) {
+    uint64_t flat = 0;
+    for (size_t d = 0; d < idx.size(); ++d) flat = flat * x.shape[d] + idx[d];
+    return {x.key, flat};
+  }
+  if (x.op == Op::kStack) {
+    const uint64_t k = idx[x.dim];
+    idx.erase(idx.begin() + x.dim);
+    return Naive(x.of[k], idx);
+  }
+  if (x.op == Op::kCat) {
+    size_t i = 0;
+    while (idx[x.dim] >= x.of[i].shape[x.dim]) idx[x.dim] -= x.of[i].shape[x.dim], ++i;
+    return Naive(x.of[i], idx);
+  }
+  idx[x.dim] += x.start;
+  return Naive(x.of[0], idx);
+}
+
+std::vector<uint64_t> Unravel(uint64_t e, const std::vector<uint64_t>& shape) {
+  std::vector<uint64_t> idx(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) idx[d] = e % shape[d], e /= shape[d];
+  return idx;
+}
+
+void ExpectSameAsNaive(const ConversionExpr& x) {
+  uint64_t numel = 1;
+  for (uint64_t d : x.shape) numel *= d;
+  for (uint64_t begin = 0; begin <= numel; ++begin) {
+    for (uint64_t count = 0; begin + count <= numel; count += 1 + count / 3) {
+      std::vector<EntrySegment> segs;
+      ExprSegments(x, begin, count, 100, segs);
+      uint64_t covered = 0;
+      for (const auto& s : segs) {
+        ASSERT_EQ(s.element, 100 + covered) << "segments tile the range in order";
+        for (uint64_t i = 0; i < s.count; ++i) {
+          const auto want = Naive(x, Unravel(begin + covered + i, x.shape));
+          ASSERT_EQ(s.source, want.first) << "element " << begin + covered + i;
+          ASSERT_EQ(s.source_element + i, want.second) << "element " << begin + covered + i;
+        }
+        covered += s.count;
+      }
+      ASSERT_EQ(covered, count);
+    }
+  }
+}
+
+TEST(Conversion, MixtralGateUpIsStackThenCatAndMatchesIndexMath) {
+  // gate_up_proj [E=3, 2I=4, H=5] = cat(dim 1) of stack(dim 0) of w1 [2, 5] and of w3 [2, 5].
+  std::string w1 = "[" + Key("e0.w1", "[2, 5]") + "," + Key("e1.w1", "[2, 5]") + "," + Key("e2.w1", "[2, 5]") + "]";
+  std::string w3 = "[" + Key("e0.w3", "[2, 5]") + "," + Key("e1.w3", "[2, 5]") + "," + Key("e2.w3", "[2, 5]") + "]";
+  const ModelManifest m = ParseModelManifest(
+      Manifest(R"([{"name": "gate_up", "shape": [3, 4, 5], "expr": {"op": "cat", "dim": 1, "of": [
+        {"op": "stack", "dim": 0, "of": )" + w1 + R"(}, {"op": "stack", "dim": 0, "of": )" + w3 + "}]}}]"),
+      "m.json");
+  ASSERT_TRUE(m.conversion.has_value());
+  const ConversionTarget* t = m.conversion->Find("gate_up");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->expr.shape, (std::vector<uint64_t>{3, 4, 5}));
+  ExpectSameAsNaive(t->expr);
+  // Expert 1's rows: two whole runs, w1 then w3 (what a rank owning row 1 reads).
+  std::vector<EntrySegment> segs;
+  ExprSegments(t->expr, 20, 20, 0, segs);
+  ASSERT_EQ(segs.size(), 2u);
+  EXPECT_EQ(segs[0].source, "e1.w1");
+  EXPECT_EQ(segs[0].count, 10u);
+  EXPECT_EQ(segs[1].source, "e1.w3");
+  EXPECT_EQ(segs[1].source_element, 0u);
+}
+
+TEST(Conversion, ChunksSlicesAndStacksOnInnerDimsMatchIndexMath) {
+  const ModelManifest m = ParseModelManifest(
+      Manifest(R"([{"name": "a", "shape": [3, 2, 4], "expr": {"op": "stack", "dim": 1, "of": [)" +
+               Key("x", "[3, 4]") + "," + Key("y", "[3, 4]") + R"(]}},
+        {"name": "b", "shape": [2, 3], "expr": {"op": "slice", "dim": 1, "start": 1, "stop": 4, "of": [
+          {"op": "cat", "dim": 0, "of": [)" + Key("p", "[1, 5]") + "," + Key("q", "[1, 5]") + R"(]}]}},
+        {"name": "c", "shape": [0, 4], "expr": {"op": "slice", "dim": 0, "start": 2, "stop": 2, "of": [)" +
+               Key("x", "[3, 4]") + "]}}]"),
+      "m.json");
+  for (const auto& t : m.conversion->targets) ExpectSameAsNaive(t.expr);
+}
+
+TEST(Conversion, ParserRefusesShapesThatDoNotFit) {
+  EXPECT_TRUE(ThrowsError(
+      [] {
+        ParseModelManifest(Manifest(R"([{"name": "a", "shape": [2, 4], "expr": {"op": "stack", "dim": 0,
+          "of": [)" + Key("x", "[4]") + "," + Key("y", "[5]") + "]}}]"),
+                           "m.json");
+      },
+      ErrorCode::kDataLoss, {"m.json", "conversion.targets[0].expr.of[1]", "shape [5]"}));
+  EXPECT_TRUE(ThrowsError(
+      [] {
+        ParseModelManifest(Manifest(R"([{"name": "a", "shape": [9], "expr": )" + Key("x", "[4]") + "}]"),
+                           "m.json");
+      },
+      ErrorCode::kDataLoss, {"conversion.targets[0].shape", "found [9]", "[4]"}));
+  EXPECT_TRUE(ThrowsError(
+      [] {
+        ParseModelManifest(Manifest(R"([{"name": "a", "shape": [4], "expr": {"op": "transpose", "dim": 0,
+          "of": [)" + Key("x", "[4]") + "]}}]"),
+                           "m.json");
+      },
+      ErrorCode::kDataLoss, {"expr.op", "\"transpose\"", "one of key, stack, cat, slice"}));
+}
+
+TEST(Conversion, ModelViewNamesAMissingOrChangedKey) {
+  const ModelManifest m = ParseModelManifest(
+      Manifest(R"([{"name": "lm_head.weight", "shape": [2, 3], "expr": )" + Key("embed_out.weight", "[2, 3]") + "}]"),
+      "OUT/reshard-model.json");
+  Checkpoint ckpt;
+  ckpt.dir = "SRC";
+  SourceTensor other{"model.norm.weight", DType::kBF16, {3}, 0, 0, 6};
+  ckpt.tensors = {other};
+  EXPECT_TRUE(ThrowsError([&] { ModelView(ckpt, *m.conversion, "OUT/reshard-model.json"); },
+                          ErrorCode::kMismatch,
+                          {"SRC: no tensor \"embed_out.weight\"", "lm_head.weight", "model_manifest"}));
+  ckpt.tensors = {SourceTensor{"embed_out.weight", DType::kBF16, {3, 2}, 0, 0, 12}, other};
+  EXPECT_TRUE(ThrowsError([&] { ModelView(ckpt, *m.conversion, "OUT/reshard-model.json"); },
+                          ErrorCode::kMismatch, {"\"embed_out.weight\" is BF16 [3, 2]", "expects BF16 [2, 3]"}));
+  ckpt.tensors = {SourceTensor{"embed_out.weight", DType::kBF16, {2, 3}, 0, 64, 12}, other};
+  const Checkpoint view = ModelView(ckpt, *m.conversion, "OUT/reshard-model.json");
+  ASSERT_EQ(view.tensors.size(), 2u);
+  EXPECT_EQ(view.tensors[0].name, "lm_head.weight");
+  EXPECT_EQ(view.tensors[0].offset, 64u);
+  EXPECT_EQ(view.tensors[1].name, "model.norm.weight");
+}
+
+}  // namespace
+}  // namespace reshard
