@@ -196,8 +196,6 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_version"] = b.cuda_version;
     d["zstd"] = true;
     d["zstd_version"] = b.zstd_version;
-    d["openmp"] = b.openmp;
-    d["openmp_version"] = b.openmp_version;
     d["xxhash_version"] = b.xxhash_version;
     d["compiler"] = b.compiler;
     d["build_type"] = b.build_type;
