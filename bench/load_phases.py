@@ -5,7 +5,7 @@ in the same process (`2nd load`, and `reshard-tN-prepared-6loads`).
 
   python3 bench/load_phases.py OUTDIR/bench-load.json
 
-Fields (include/reshard/runtime/loader.h, LoadReport): seconds = the whole load; read = reading and
+Fields (include/reshard/runtime/loader.h, LoadStats and LoadDiagnostics): seconds = the whole load; read = reading and
 hashing, per reader thread; wait = waiting for a staging slot, per thread; sync = waiting for the
 copies still in flight after the reads; first_copy = when the first copy was issued;
 reads_done = when the last thread finished; lane_start = the latest thread start; lane_end = when

@@ -11,7 +11,7 @@
 # extension each carry their own copy, so neither needs an RPATH or a shared library next to
 # it, and a consumer links self-contained archives through reshard::core. Their private
 # dependencies travel with the exported targets as link-only entries, resolved in
-# reshardConfig.cmake: zstd (reshard::zstd, found again the same way) and OpenMP
+# reshardConfig.cmake: zstd (reshard::zstd, found again the same way) and Threads
 # (find_dependency); nlohmann_json is public (the inspect API returns nlohmann::json). xxhash
 # is compiled in (XXH_INLINE_ALL) and needs nothing at link time.
 #

@@ -5,8 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,19 +22,6 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
-// How pinned staging is made. kHostAlloc: cudaHostAlloc (the driver faults in and zeroes
-// every 4 KiB page, then pins it, on the calling thread). kRegister: anonymous memory with
-// transparent huge pages asked for, faulted in by several threads at once, then
-// cudaHostRegister'ed (fewer, larger pages to pin). RESHARD_PINNED=hostalloc|register picks
-// one; BENCHMARKS.md has what each costs on the GPU machine.
-enum class PinMode { kHostAlloc, kRegister };
-
-PinMode PinModeFromEnv() {
-  const char* v = std::getenv("RESHARD_PINNED");
-  if (v != nullptr && std::strcmp(v, "hostalloc") == 0) return PinMode::kHostAlloc;
-  return PinMode::kRegister;
-}
-
 class PinnedBlock {
  public:
   PinnedBlock() = default;
@@ -46,9 +31,9 @@ class PinnedBlock {
 
   void* data() const { return ptr_; }
 
-  void Allocate(size_t bytes, PinMode mode, unsigned touch_threads) {
+  void Allocate(size_t bytes, PinnedMemory mode, unsigned touch_threads) {
     Free();
-    if (mode == PinMode::kRegister && AllocateRegistered(bytes, touch_threads)) return;
+    if (mode == PinnedMemory::kRegister && AllocateRegistered(bytes, touch_threads)) return;
     Check(cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault), "cudaHostAlloc");
     registered_ = false;
   }
@@ -112,7 +97,13 @@ class PinnedBlock {
 
 class CudaCopier final : public DeviceCopier {
  public:
-  CudaCopier(int device, int lanes, int slots, int streams) : device_(device), slots_(slots) {
+  CudaCopier(int device, int lanes, int slots, int streams, PinnedMemory pinned)
+      : device_(device), slots_(slots), pinned_(pinned) {
+    if (lanes < 1 || slots < 1) {
+      Fail(ErrorCode::kInvalidArgument, "a CUDA copier needs at least one lane and one slot, not " +
+                                            std::to_string(lanes) + " lanes of " +
+                                            std::to_string(slots) + " slots");
+    }
     try {
       Check(cudaSetDevice(device), "cudaSetDevice");
       streams_.resize(streams > 0 ? std::min(streams, std::max(1, lanes)) : std::max(1, lanes));
@@ -140,7 +131,7 @@ class CudaCopier final : public DeviceCopier {
 
   void Warm(int lane) override {
     BindThread(lane);
-    Lane& l = lanes_.at(lane);
+    Lane& l = LaneAt(lane);
     const void* src = nullptr;
     {
       std::lock_guard<std::mutex> g(pool_mu_);
@@ -189,7 +180,7 @@ class CudaCopier final : public DeviceCopier {
       capacity_ = 0;
       slot_bytes_ = 0;
     }
-    pool_.Allocate(need, PinModeFromEnv(), static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
+    pool_.Allocate(need, pinned_, static_cast<unsigned>(std::min<size_t>(lanes_.size(), 16)));
     capacity_ = need;
     slot_bytes_ = bytes;
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -205,21 +196,23 @@ class CudaCopier final : public DeviceCopier {
   }
 
   void CopyAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
-    Lane& l = lanes_.at(lane);
+    Lane& l = LaneAt(lane);
     Check(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, l.stream), "cudaMemcpyAsync");
-    Check(cudaEventRecord(l.slots.at(slot).event, l.stream), "cudaEventRecord");
-    l.slots[slot].pending = true;
+    Slot& s = SlotAt(l, slot);
+    Check(cudaEventRecord(s.event, l.stream), "cudaEventRecord");
+    s.pending = true;
   }
 
   void CopyToHostAsync(int lane, int slot, void* dst, const void* src, size_t n) override {
-    Lane& l = lanes_.at(lane);
+    Lane& l = LaneAt(lane);
     Check(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, l.stream), "cudaMemcpyAsync");
-    Check(cudaEventRecord(l.slots.at(slot).event, l.stream), "cudaEventRecord");
-    l.slots[slot].pending = true;
+    Slot& s = SlotAt(l, slot);
+    Check(cudaEventRecord(s.event, l.stream), "cudaEventRecord");
+    s.pending = true;
   }
 
   void WaitSlot(int lane, int slot) override {
-    Slot& s = lanes_.at(lane).slots.at(slot);
+    Slot& s = SlotAt(LaneAt(lane), slot);
     if (s.pending) {
       Check(cudaEventSynchronize(s.event), "cudaEventSynchronize");
       s.pending = false;
@@ -240,6 +233,30 @@ class CudaCopier final : public DeviceCopier {
   }
 
  private:
+  struct Slot {
+    cudaEvent_t event = nullptr;
+    bool pending = false;
+  };
+  struct Lane {
+    cudaStream_t stream = nullptr;  // one of streams_
+    std::vector<Slot> slots;
+  };
+
+  Lane& LaneAt(int lane) {
+    if (lane < 0 || static_cast<size_t>(lane) >= lanes_.size()) {
+      Fail(ErrorCode::kInvalidArgument, "CUDA copier: lane " + std::to_string(lane) + " of a copier of " +
+                                            std::to_string(lanes_.size()) + " lanes");
+    }
+    return lanes_[lane];
+  }
+  Slot& SlotAt(Lane& l, int slot) {
+    if (slot < 0 || static_cast<size_t>(slot) >= l.slots.size()) {
+      Fail(ErrorCode::kInvalidArgument, "CUDA copier: slot " + std::to_string(slot) + " of a lane of " +
+                                            std::to_string(l.slots.size()) + " slots");
+    }
+    return l.slots[slot];
+  }
+
   // Everything the copier made (also what a failed constructor had made so far).
   void Release() noexcept {
     cudaSetDevice(device_);
@@ -261,17 +278,10 @@ class CudaCopier final : public DeviceCopier {
     scratch_ = nullptr;
   }
 
-  struct Slot {
-    cudaEvent_t event = nullptr;
-    bool pending = false;
-  };
-  struct Lane {
-    cudaStream_t stream = nullptr;  // one of streams_
-    std::vector<Slot> slots;
-  };
   static constexpr size_t kWarmBytes = 4096;
   int device_;
   int slots_;
+  PinnedMemory pinned_;
   void* scratch_ = nullptr;  // kWarmBytes per lane, for Warm (guarded by pool_mu_)
   bool scratch_failed_ = false;
   std::vector<cudaStream_t> streams_;
@@ -295,8 +305,9 @@ int CudaDeviceCount() {
 
 bool CudaAvailable() { return CudaDeviceCount() > 0; }
 
-std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots, int streams) {
-  return std::make_unique<CudaCopier>(device, lanes, slots, streams);
+std::unique_ptr<DeviceCopier> MakeCudaCopier(int device, int lanes, int slots, int streams,
+                                             PinnedMemory pinned) {
+  return std::make_unique<CudaCopier>(device, lanes, slots, streams, pinned);
 }
 
 void* CudaMalloc(int device, size_t bytes) {

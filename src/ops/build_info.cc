@@ -17,8 +17,6 @@ BuildInfo GetBuildInfo() {
   b.cuda = RESHARD_BUILD_WITH_CUDA != 0;
   b.cuda_version = RESHARD_BUILD_CUDA_VERSION;
   b.zstd_version = ZSTD_versionString();
-  b.openmp = RESHARD_BUILD_WITH_OPENMP != 0;
-  b.openmp_version = RESHARD_BUILD_OPENMP_VERSION;
   b.xxhash_version = std::to_string(XXH_VERSION_MAJOR) + "." + std::to_string(XXH_VERSION_MINOR) +
                      "." + std::to_string(XXH_VERSION_RELEASE);
   b.compiler = RESHARD_BUILD_COMPILER;
@@ -34,7 +32,6 @@ std::string VersionText() {
   t += "CUDA: " + (b.cuda ? "yes (" + b.cuda_version + ")" : std::string("no (CPU-only build)")) +
        "\n";
   t += "zstd: " + b.zstd_version + "\n";
-  t += "OpenMP: " + (b.openmp ? "yes (" + b.openmp_version + ")" : std::string("no")) + "\n";
   t += "xxhash: " + b.xxhash_version + "\n";
   t += "compiler: " + b.compiler + "\n";
   t += "build type: " + (b.build_type.empty() ? std::string("(none)") : b.build_type) + "\n";

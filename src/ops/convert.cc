@@ -15,7 +15,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -31,6 +30,7 @@
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
+#include "reshard/io/parallel_for.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/plan/byte_map.h"
 #include "reshard/plan/conversion.h"
@@ -243,27 +243,25 @@ class Converter {
     std::vector<uint64_t> next_seq(writers.size(), 0);
     std::mutex write_mu;
     std::condition_variable write_cv;
-    std::atomic<size_t> next{0};
-    std::atomic<bool> failed{false};
+    std::atomic<bool> failed{false};  // an item failed: wakes the workers waiting to write
     std::atomic<uint64_t> stored{0}, read{0};
-    std::mutex error_mu, progress_mu;
-    std::exception_ptr error;
-    const unsigned workers = static_cast<unsigned>(
-        std::max<size_t>(1, std::min<size_t>(threads_, items.size())));
     const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
       sources_[file].PReadExact(dst, n, at);
     };
-
-    auto worker = [&]() {
-      ZSTD_CCtx* cctx = nullptr;
-      try {
-        std::unique_ptr<char[]> buf(new char[o_.chunk_size]);
-        std::unique_ptr<char[]> packed(zstd ? new char[bound] : nullptr);
-        std::vector<char> scratch;  // source elements of a converting chunk
-        if (zstd) cctx = ZSTD_createCCtx();
-        while (!failed.load(std::memory_order_relaxed)) {
-          const size_t i = next.fetch_add(1);
-          if (i >= items.size()) break;
+    struct FreeCCtx {
+      void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
+    };
+    ParallelForOptions po;
+    po.threads = threads_;
+    if (o_.progress) po.progress = [&](uint64_t) { o_.progress(done_bytes_.load(), total_bytes); };
+    ParallelFor(items.size(), po, [&] {
+      return [&, buf = std::unique_ptr<char[]>(new char[o_.chunk_size]),
+              packed = std::unique_ptr<char[]>(zstd ? new char[bound] : nullptr),
+              scratch = std::vector<char>(),  // source elements of a converting chunk
+              cctx = std::unique_ptr<ZSTD_CCtx, FreeCCtx>(zstd ? ZSTD_createCCtx() : nullptr)](
+                 size_t i) mutable -> uint64_t {
+        if (failed.load()) return 0;  // the loop is ending
+        try {
           const WorkItem& it = items[i];
           RankWriter& rw = writers[it.writer];
           TensorEntry& e = rw.header.tensors[it.tensor];
@@ -276,14 +274,14 @@ class Converter {
             rw.file.PWriteExact(data, it.length, kDataOffset + e.offset + it.chunk * o_.chunk_size);
             stored += it.length;
           } else {
-            const size_t n = ZSTD_compressCCtx(cctx, packed.get(), bound, data, it.length,
+            const size_t n = ZSTD_compressCCtx(cctx.get(), packed.get(), bound, data, it.length,
                                                o_.zstd_level);
             if (ZSTD_isError(n)) {
               Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
             }
             std::unique_lock<std::mutex> lock(write_mu);
             write_cv.wait(lock, [&] { return next_seq[it.writer] == seq[i] || failed.load(); });
-            if (failed.load()) break;
+            if (failed.load()) return 0;
             if (it.chunk == 0) {
               rw.cursor = AlignUp(rw.cursor, kDataAlignment);
               e.offset = rw.cursor;
@@ -301,34 +299,19 @@ class Converter {
           }
           read += source_bytes;
           done_bytes_ += it.length;
-          if (o_.progress) {
-            // Serialized, and skipped while another worker reports: the value read under the
-            // lock only grows, so reports are monotonic whichever worker makes them.
-            std::unique_lock<std::mutex> report(progress_mu, std::try_to_lock);
-            if (report.owns_lock()) o_.progress(done_bytes_.load(), total_bytes);
+          return it.length;
+        } catch (...) {
+          {
+            std::lock_guard<std::mutex> g(write_mu);
+            failed = true;
           }
+          write_cv.notify_all();
+          throw;  // the loop's first error
         }
-      } catch (...) {
-        {
-          std::lock_guard<std::mutex> g(error_mu);
-          if (!error) error = std::current_exception();
-        }
-        {
-          std::lock_guard<std::mutex> g(write_mu);
-          failed = true;
-        }
-        write_cv.notify_all();
-      }
-      if (cctx) ZSTD_freeCCtx(cctx);
-    };
-    std::vector<std::thread> pool;
-    for (unsigned t = 1; t < workers; ++t) pool.emplace_back(worker);
-    worker();
-    for (auto& t : pool) t.join();
-    if (error) std::rethrow_exception(error);
+      };
+    });
     result.bytes_read += read.load();
     result.bytes_stored += stored.load();
-    if (o_.progress) o_.progress(done_bytes_.load(), total_bytes);
 
     for (RankWriter& rw : writers) {
       uint64_t data_size = rw.plan.data_size;

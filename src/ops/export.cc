@@ -13,14 +13,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -31,6 +28,7 @@
 #include "reshard/format/manifest.h"
 #include "reshard/format/safetensors.h"
 #include "reshard/io/file_io.h"
+#include "reshard/io/parallel_for.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/plan/layout_tensors.h"
@@ -565,64 +563,41 @@ ExportResult Export(const ExportOptions& o) {
     f.file.Truncate(f.size);
   }
 
-  const unsigned threads = std::max<unsigned>(
-      1, std::min<size_t>(o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency()),
-                          std::max<size_t>(1, items.size())));
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::atomic<uint64_t> done{0}, read{0};
-  std::mutex error_mu, progress_mu;
-  std::exception_ptr error;
+  std::atomic<uint64_t> read{0};
   const uint64_t total = result.total_size;
-  auto worker = [&]() {
-    try {
-      std::unique_ptr<char[]> buf(new char[max_chunk ? max_chunk : 1]);
-      std::unique_ptr<char[]> conv(max_conv ? new char[max_conv] : nullptr);
-      std::string scratch;
-      while (!failed.load(std::memory_order_relaxed)) {
-        const size_t i = next.fetch_add(1);
-        if (i >= items.size()) break;
-        const WorkItem& it = items[i];
-        const OutTensor& t = files[it.file].tensors[it.tensor];
-        const TensorPiece& p = t.loc->pieces[it.piece];
-        const RankFileReader& r = readers[p.rank];
-        const TensorEntry& e = r.header().tensors[p.entry];
-        const uint64_t cs = r.header().chunk_size;
-        const uint64_t len = r.ReadChunk(e, it.chunk, buf.get(), scratch);
-        read += len;
-        const uint64_t begin = it.chunk * cs;
-        const uint64_t lo = std::max(begin, p.src_offset);
-        const uint64_t hi = std::min(begin + len, p.src_offset + p.length);
-        const char* data = buf.get() + (lo - begin);
-        uint64_t n = hi - lo;
-        uint64_t dst = p.dst_offset + (lo - p.src_offset);
-        if (t.dtype != t.loc->dtype) {
-          const uint64_t in_item = Info(t.loc->dtype).bits / 8;
-          const uint64_t out_item = Info(t.dtype).bits / 8;
-          ConvertElements(t.loc->dtype, t.dtype, data, conv.get(), n / in_item);
-          data = conv.get();
-          dst = dst / in_item * out_item;
-          n = n / in_item * out_item;
-        }
-        files[it.file].file.PWriteExact(data, n, t.file_offset + dst);
-        done += n;
-        if (o.progress) {
-          std::unique_lock<std::mutex> report(progress_mu, std::try_to_lock);
-          if (report.owns_lock()) o.progress(done.load(), total);
-        }
+  ParallelForOptions po;
+  po.threads = o.threads;
+  if (o.progress) po.progress = [&](uint64_t done) { o.progress(done, total); };
+  ParallelFor(items.size(), po, [&] {
+    return [&, buf = std::unique_ptr<char[]>(new char[max_chunk ? max_chunk : 1]),
+            conv = std::unique_ptr<char[]>(max_conv ? new char[max_conv] : nullptr),
+            scratch = std::string()](size_t i) mutable -> uint64_t {
+      const WorkItem& it = items[i];
+      const OutTensor& t = files[it.file].tensors[it.tensor];
+      const TensorPiece& p = t.loc->pieces[it.piece];
+      const RankFileReader& r = readers[p.rank];
+      const TensorEntry& e = r.header().tensors[p.entry];
+      const uint64_t cs = r.header().chunk_size;
+      const uint64_t len = r.ReadChunk(e, it.chunk, buf.get(), scratch);
+      read += len;
+      const uint64_t begin = it.chunk * cs;
+      const uint64_t lo = std::max(begin, p.src_offset);
+      const uint64_t hi = std::min(begin + len, p.src_offset + p.length);
+      const char* data = buf.get() + (lo - begin);
+      uint64_t n = hi - lo;
+      uint64_t dst = p.dst_offset + (lo - p.src_offset);
+      if (t.dtype != t.loc->dtype) {
+        const uint64_t in_item = Info(t.loc->dtype).bits / 8;
+        const uint64_t out_item = Info(t.dtype).bits / 8;
+        ConvertElements(t.loc->dtype, t.dtype, data, conv.get(), n / in_item);
+        data = conv.get();
+        dst = dst / in_item * out_item;
+        n = n / in_item * out_item;
       }
-    } catch (...) {
-      std::lock_guard<std::mutex> g(error_mu);
-      if (!error) error = std::current_exception();
-      failed = true;
-    }
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
-  if (o.progress) o.progress(done.load(), total);
+      files[it.file].file.PWriteExact(data, n, t.file_offset + dst);
+      return n;
+    };
+  });
   result.bytes_read = read.load();
 
   for (OutFile& f : files) {

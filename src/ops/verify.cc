@@ -19,6 +19,7 @@
 #include "reshard/format/manifest.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
+#include "reshard/io/parallel_for.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/plan/byte_map.h"
@@ -395,14 +396,14 @@ class Verifier {
     const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
       sources_[file].PReadExact(dst, n, at);
     };
-#pragma omp parallel num_threads(threads_)
-    {
-      std::string scratch;
-      std::vector<char> fill_scratch;
-      std::unique_ptr<char[]> buf, conv;
-      uint64_t cap = 0;
-#pragma omp for schedule(dynamic, 4)
-      for (size_t i = 0; i < items.size(); ++i) {
+    // Each chunk's problem is recorded as it is found (an item never throws): every chunk
+    // is checked, whatever the others hold.
+    ParallelForOptions po;
+    po.threads = threads_;
+    ParallelFor(items.size(), po, [&] {
+      return [&, scratch = std::string(), fill_scratch = std::vector<char>(),
+              buf = std::unique_ptr<char[]>(), conv = std::unique_ptr<char[]>(),
+              cap = uint64_t{0}](size_t i) mutable -> uint64_t {
         const auto& it = items[i];
         const RankFileReader& r = readers[it.reader];
         const TensorEntry& t = r.header().tensors[it.tensor];
@@ -442,8 +443,9 @@ class Verifier {
         } catch (const std::exception& e) {
           Problem(r.path(), t.name, e.what());
         }
-      }
-    }
+        return 0;
+      };
+    });
     for (size_t i = 0; i < items.size(); ++i) {
       report_.bytes += bytes[i];
       report_.source_bytes_compared += compared[i];

@@ -27,6 +27,8 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/build_info.h"
+#include "reshard/runtime/copier_cache.h"
+#include "reshard/runtime/knobs.h"
 #include "reshard/runtime/loader.h"
 #include "reshard/runtime/rank_writer.h"
 #ifdef RESHARD_HAVE_CUDA
@@ -37,166 +39,28 @@ namespace py = pybind11;
 
 namespace {
 
-// A tuning knob: the argument, else RESHARD_<NAME> from the environment (a whole number in
-// [0, max]), else the loader's default (include/reshard/runtime/loader.h).
-uint64_t Knob(std::optional<uint64_t> arg, const char* env, uint64_t fallback, uint64_t max) {
-  uint64_t n = fallback;
-  std::string text;
-  if (arg) {
-    n = *arg;
-  } else if (const char* v = std::getenv(env); v != nullptr && *v != '\0') {
-    text = v;
-    bool digits = text.size() <= 19;
-    for (char c : text) digits &= c >= '0' && c <= '9';
-    if (!digits) {
-      throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                           std::string(env) + "=\"" + text + "\": expected a whole number of at most 19 digits");
-    }
-    n = std::stoull(text);
-  }
-  if (n > max) {
-    throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
-                         std::string(arg ? "" : "environment ") + env + " = " + std::to_string(n) +
-                             ": at most " + std::to_string(max));
-  }
-  return n;
-}
-
+// This process's copy engines (reshard/runtime/copier_cache.h): the CUDA copier of each
+// (device, lanes, slots), made with the environment's knobs (reshard/runtime/knobs.h). Null
+// in a build without CUDA.
+reshard::CopierCache* Copiers() {
 #ifdef RESHARD_HAVE_CUDA
-// Copiers are cached per (device, lanes, slots) so that streams and pinned staging are made
-// once per process. prepare() makes one in the background (while the caller builds its
-// model). A copier is used by one load, save or prepare at a time: each holds the copier's
-// lease throughout (two at once would share lanes, and a Reserve during a load would re-carve
-// the staging under it); a load that comes while a prepare runs waits for it.
-struct CopierLease {
-  reshard::DeviceCopier* copier = nullptr;
-  reshard::WorkerPool* pool = nullptr;  // the copier's reader threads, one per lane
-  std::unique_lock<std::mutex> lock;
-};
-
-class Copiers {
- public:
-  static Copiers& Get() {
-    static Copiers* c = new Copiers;  // never destroyed: process exit frees pinned memory,
-    return *c;                        // and no copier outlives the CUDA runtime's teardown
-  }
-
-  CopierLease Acquire(int device, int lanes, int slots) {
-    Entry* e = nullptr;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (pid_ != ::getpid()) {
-        // This process is a fork()ed child of the one that made the entries: it has neither
-        // their pools' threads nor the parent's CUDA state, and an entry's `use` may be held
-        // by a thread that does not exist here. Left alone (not destroyed), made anew.
-        for (auto& [key, entry] : cache_) (void)entry.release();
-        cache_.clear();
-        pid_ = ::getpid();
-      }
-      auto& slot = cache_[{device, lanes, slots}];
-      if (!slot) slot = std::make_unique<Entry>();
-      e = slot.get();
-    }
-    std::unique_lock<std::mutex> use(e->use);
-    if (!e->copier) {
-      // RESHARD_STREAMS (for measuring): lanes sharing that many CUDA streams; read when the
-      // copier is made, so once per process and (device, lanes, slots).
-      const int streams = static_cast<int>(Knob(std::nullopt, "RESHARD_STREAMS", 0, 1024));
-      e->copier = reshard::MakeCudaCopier(device, lanes, slots, streams);
-    }
-    // Started once with the copier (by prepare, in the background), so loads start no threads.
-    if (!e->pool) e->pool = std::make_unique<reshard::WorkerPool>(static_cast<unsigned>(std::max(1, lanes)));
-    return {e->copier.get(), e->pool.get(), std::move(use)};
-  }
-
-  // Creates the copier and reserves `slot_bytes` of staging per lane and slot on another
-  // thread; returns at once. Errors are kept and raised by wait_prepared().
-  void PrepareAsync(int device, int lanes, int slots, size_t slot_bytes) {
-    std::lock_guard<std::mutex> g(prep_mu_);
-    ForgetParentPreparesLocked();
-    // RESHARD_WARMUP=0 (for measuring): no warm-up of the lanes.
-    const bool warm = Knob(std::nullopt, "RESHARD_WARMUP", 1, 1) != 0;
-    pending_.push_back(std::async(std::launch::async, [=, this] {
-      CopierLease lease = Acquire(device, lanes, slots);
-      lease.copier->Reserve(slot_bytes, lanes);
-      // Each lane's one-time costs paid now, on the pool thread that will drive it in loads.
-      if (warm) {
-        lease.pool->Run(static_cast<unsigned>(lanes), [&](unsigned lane) {
-          lease.copier->Warm(static_cast<int>(lane));
-        });
-      }
-    }));
-  }
-
-  void WaitPrepared() {
-    std::vector<std::future<void>> p;
-    {
-      std::lock_guard<std::mutex> g(prep_mu_);
-      ForgetParentPreparesLocked();
-      p.swap(pending_);
-    }
-    for (auto& f : p) f.get();  // rethrows the first error
-  }
-
- private:
-  // In a fork()ed child, the parent's pending prepares have no threads: waiting for (or
-  // destroying) their futures would block forever. Left alone.
-  void ForgetParentPreparesLocked() {
-    if (prep_pid_ == ::getpid()) return;
-    (void)new std::vector<std::future<void>>(std::move(pending_));
-    pending_.clear();
-    prep_pid_ = ::getpid();
-  }
-
-  struct Entry {
-    std::mutex use;  // held by the one load / save / prepare using the copier
-    std::unique_ptr<reshard::DeviceCopier> copier;
-    std::unique_ptr<reshard::WorkerPool> pool;
-  };
-  std::mutex mu_;  // guards cache_ and pid_
-  std::map<std::tuple<int, int, int>, std::unique_ptr<Entry>> cache_;
-  pid_t pid_ = ::getpid();  // the process that made cache_'s entries
-  std::mutex prep_mu_;      // guards pending_ and prep_pid_
-  std::vector<std::future<void>> pending_;
-  pid_t prep_pid_ = ::getpid();
-};
-
-CopierLease CachedCopier(int device, int lanes, int slots) {
-  return Copiers::Get().Acquire(device, lanes, slots);
-}
+  static auto* cache = new reshard::CopierCache([](int device, int lanes, int slots) {  // never
+    const reshard::CopierKnobs k = reshard::CopierKnobsFromEnv();  // destroyed: process exit frees
+    return reshard::MakeCudaCopier(device, lanes, slots, k.streams,  // pinned memory, and no copier
+                                   k.pinned_host_alloc ? reshard::PinnedMemory::kHostAlloc  // outlives
+                                                       : reshard::PinnedMemory::kRegister);  // CUDA
+  });
+  return cache;
+#else
+  return nullptr;
 #endif
+}
 
 // Rank file headers parsed in this process (reshard.load reads a file's header to check the
 // model against it, then loads it: the second open reuses the parse).
 reshard::HeaderCache& Headers() {
   static auto* cache = new reshard::HeaderCache(64);  // never destroyed, as Copiers
   return *cache;
-}
-
-// Staging slots per reader thread: the argument, else RESHARD_SLOTS, else 2.
-unsigned Slots(std::optional<unsigned> arg) {
-  return static_cast<unsigned>(std::max<uint64_t>(
-      1, Knob(arg ? std::optional<uint64_t>(*arg) : std::nullopt, "RESHARD_SLOTS", 2, 64)));
-}
-
-reshard::LoadOptions TunedOptions(unsigned threads, unsigned slots,
-                                  std::optional<uint64_t> span_bytes,
-                                  std::optional<uint64_t> cold_span_bytes,
-                                  std::optional<unsigned> cold_threads,
-                                  std::optional<uint64_t> hash_piece_bytes,
-                                  std::optional<uint64_t> lead_in_bytes = std::nullopt) {
-  constexpr uint64_t kMaxSpan = 1ull << 30;  // a staging slot of 1 GiB is already absurd
-  reshard::LoadOptions o;
-  o.threads = threads;
-  o.slots_per_thread = slots;
-  o.span_bytes = Knob(span_bytes, "RESHARD_SPAN_BYTES", o.span_bytes, kMaxSpan);
-  o.cold_span_bytes = Knob(cold_span_bytes, "RESHARD_COLD_SPAN_BYTES", o.cold_span_bytes, kMaxSpan);
-  o.cold_threads = static_cast<unsigned>(
-      Knob(cold_threads ? std::optional<uint64_t>(*cold_threads) : std::nullopt,
-           "RESHARD_COLD_THREADS", o.cold_threads, 1024));
-  o.hash_piece_bytes = Knob(hash_piece_bytes, "RESHARD_HASH_PIECE_BYTES", o.hash_piece_bytes, kMaxSpan);
-  o.lead_in_bytes = Knob(lead_in_bytes, "RESHARD_LEAD_IN_BYTES", o.lead_in_bytes, kMaxSpan);
-  return o;
 }
 
 reshard::IoMode ParseIo(const std::string& io) {
@@ -237,55 +101,6 @@ RankFileHandle OpenRankFile(const std::string& path) {
   py::gil_scoped_release release;
   return {std::make_shared<const reshard::RankFileReader>(
       reshard::RankFileReader::Open(path, &Headers()))};
-}
-
-// The essentials of a load, as reshard.load reports them; the loader's diagnostics stay in
-// _testing.load_raw (for benchmarks).
-struct LoadStats {
-  uint64_t bytes = 0;
-  uint64_t stored_bytes = 0;
-  uint64_t tensors = 0;
-  double seconds = 0;  // from the call (copier lease included) to the last copy's completion
-  uint64_t staging_bytes = 0;
-  double staging_alloc_seconds = 0;
-  unsigned threads = 0;
-  bool pooled = false;
-  bool cold = false;
-  bool direct_io = false;
-};
-
-// Loads `targets` from `reader` (GIL released by the caller): the copier (CUDA targets) is
-// this process's cached one of (device, threads, slots), whose lease is held throughout.
-reshard::LoadReport RunLoad(const reshard::RankFileReader& reader,
-                            const std::vector<reshard::LoadTarget>& targets, int device,
-                            unsigned threads, unsigned slots, reshard::LoadOptions o,
-                            double* copier_wait) {
-  bool any_device = false;
-  for (const auto& t : targets) any_device |= t.on_device;
-  reshard::DeviceCopier* copier = nullptr;
-#ifdef RESHARD_HAVE_CUDA
-  CopierLease lease;
-#endif
-  *copier_wait = 0;
-  if (any_device) {
-#ifdef RESHARD_HAVE_CUDA
-    const unsigned lanes = std::max<unsigned>(1, threads);
-    const auto t0 = std::chrono::steady_clock::now();
-    lease = CachedCopier(device, static_cast<int>(lanes), static_cast<int>(slots));
-    copier = lease.copier;
-    o.pool = lease.pool;
-    // Waiting for a prepare still running (or another load) is part of this load.
-    *copier_wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-#else
-    (void)device, (void)threads, (void)slots;
-    throw reshard::Error(reshard::ErrorCode::kUnsupported,
-                         "this reshard build has no CUDA support; rebuild with a CUDA "
-                         "toolkit to load onto a GPU");
-#endif
-  }
-  reshard::LoadReport r = reshard::LoadRankFile(reader, targets, copier, o);
-  r.seconds += *copier_wait;
-  return r;
 }
 
 py::object ShardOf(const reshard::TensorEntry& e) {
@@ -396,8 +211,6 @@ PYBIND11_MODULE(_C, m) {
     d["cuda_version"] = b.cuda_version;
     d["zstd"] = true;
     d["zstd_version"] = b.zstd_version;
-    d["openmp"] = b.openmp;
-    d["openmp_version"] = b.openmp_version;
     d["xxhash_version"] = b.xxhash_version;
     d["compiler"] = b.compiler;
     d["build_type"] = b.build_type;
@@ -489,20 +302,20 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("nbytes", &reshard::LoadTarget::nbytes)
       .def_readonly("on_device", &reshard::LoadTarget::on_device);
 
-  py::class_<LoadStats>(m, "LoadStats", "What one load moved, and how long it took.")
-      .def_readonly("bytes", &LoadStats::bytes)
-      .def_readonly("stored_bytes", &LoadStats::stored_bytes)
-      .def_readonly("tensors", &LoadStats::tensors)
-      .def_readonly("seconds", &LoadStats::seconds)
-      .def_property_readonly("gbps", [](const LoadStats& s) {
+  py::class_<reshard::LoadStats>(m, "LoadStats", "What one load moved, and how long it took.")
+      .def_readonly("bytes", &reshard::LoadStats::bytes)
+      .def_readonly("stored_bytes", &reshard::LoadStats::stored_bytes)
+      .def_readonly("tensors", &reshard::LoadStats::tensors)
+      .def_readonly("seconds", &reshard::LoadStats::seconds)
+      .def_property_readonly("gbps", [](const reshard::LoadStats& s) {
         return s.seconds > 0 ? s.bytes / s.seconds / 1e9 : 0.0;
       })
-      .def_readonly("staging_bytes", &LoadStats::staging_bytes)
-      .def_readonly("staging_alloc_seconds", &LoadStats::staging_alloc_seconds)
-      .def_readonly("threads", &LoadStats::threads)
-      .def_readonly("pooled", &LoadStats::pooled)
-      .def_readonly("cold", &LoadStats::cold)
-      .def_readonly("direct_io", &LoadStats::direct_io);
+      .def_readonly("staging_bytes", &reshard::LoadStats::staging_bytes)
+      .def_readonly("staging_alloc_seconds", &reshard::LoadStats::staging_alloc_seconds)
+      .def_readonly("threads", &reshard::LoadStats::threads)
+      .def_readonly("pooled", &reshard::LoadStats::pooled)
+      .def_readonly("cold", &reshard::LoadStats::cold)
+      .def_readonly("direct_io", &reshard::LoadStats::direct_io);
 
   py::class_<RankFileHandle>(m, "RankFile",
                              "An opened rank file: preamble and header checked, header parsed once.")
@@ -543,29 +356,11 @@ PYBIND11_MODULE(_C, m) {
           "load",
           [](const RankFileHandle& f, const std::vector<reshard::LoadTarget>& targets, int device,
              unsigned threads, bool verify, const std::string& io) {
-            const unsigned slots = Slots(std::nullopt);
-            reshard::LoadOptions o = TunedOptions(threads, slots, std::nullopt, std::nullopt,
-                                                  std::nullopt, std::nullopt);
+            reshard::LoadOptions o = reshard::KnobbedLoadOptions(threads, reshard::SlotsKnob(std::nullopt));
             o.verify_checksums = verify;
             o.io = ParseIo(io);
-            reshard::LoadReport r;
-            double copier_wait = 0;
-            {
-              py::gil_scoped_release release;
-              r = RunLoad(*f.reader, targets, device, threads, slots, o, &copier_wait);
-            }
-            LoadStats s;
-            s.bytes = r.bytes;
-            s.stored_bytes = r.stored_bytes;
-            s.tensors = r.tensors;
-            s.seconds = r.seconds;
-            s.staging_bytes = r.staging_bytes;
-            s.staging_alloc_seconds = r.staging_alloc_seconds;
-            s.threads = r.threads;
-            s.pooled = r.pooled;
-            s.cold = r.cold;
-            s.direct_io = r.direct_io;
-            return s;
+            py::gil_scoped_release release;
+            return reshard::LoadThroughCache(Copiers(), *f.reader, targets, device, o);
           },
           py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
           py::arg("verify") = true, py::arg("io") = "auto",
@@ -579,7 +374,7 @@ PYBIND11_MODULE(_C, m) {
       "prepare",
       [](int device, unsigned threads, std::optional<unsigned> slots_arg,
          std::optional<uint64_t> slot_bytes, bool wait) {
-        unsigned slots = Slots(slots_arg);
+        unsigned slots = reshard::SlotsKnob(slots_arg);
 #ifdef RESHARD_HAVE_CUDA
         if (reshard::CudaDeviceCount() <= device || device < 0) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
@@ -588,14 +383,12 @@ PYBIND11_MODULE(_C, m) {
         threads = std::max(1u, threads);
         slots = std::max(1u, slots);
         // Enough for a warm and a cold load with this process's knobs (default chunk size).
-        const reshard::LoadOptions o =
-            TunedOptions(threads, slots, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-        Copiers::Get().PrepareAsync(
-            device, static_cast<int>(threads), static_cast<int>(slots),
-            slot_bytes.value_or(reshard::PreparedSlotBytes(o, reshard::kDefaultChunkSize)));
+        Copiers()->PrepareAsync(device, static_cast<int>(threads), static_cast<int>(slots),
+                                slot_bytes.value_or(reshard::DefaultPreparedSlotBytes(threads, slots)),
+                                reshard::WarmupKnob());
         if (wait) {
           py::gil_scoped_release release;
-          Copiers::Get().WaitPrepared();
+          Copiers()->WaitPrepared();
         }
 #else
         (void)device, (void)threads, (void)slots, (void)slot_bytes, (void)wait;
@@ -611,7 +404,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("wait_prepared", [] {
 #ifdef RESHARD_HAVE_CUDA
     py::gil_scoped_release release;
-    Copiers::Get().WaitPrepared();
+    Copiers()->WaitPrepared();
 #endif
   }, "Waits for every prepare() still running; raises the first error one of them met.");
 
@@ -700,12 +493,10 @@ PYBIND11_MODULE(_C, m) {
         {
           py::gil_scoped_release release;
           reshard::DeviceCopier* copier = nullptr;
-#ifdef RESHARD_HAVE_CUDA
-          CopierLease lease;
-#endif
+          reshard::CopierLease lease;
           if (any_device) {
 #ifdef RESHARD_HAVE_CUDA
-            lease = CachedCopier(device, 1, 2);
+            lease = Copiers()->Acquire(device, 1, 2);
             copier = lease.copier;
 #else
             (void)device;
@@ -774,17 +565,18 @@ PYBIND11_MODULE(_C, m) {
          std::optional<unsigned> slots_arg, std::optional<uint64_t> span_bytes, std::optional<uint64_t> cold_span_bytes,
          std::optional<unsigned> cold_threads, std::optional<uint64_t> hash_piece_bytes,
          std::optional<uint64_t> lead_in_bytes) {
-        const unsigned slots = Slots(slots_arg);
+        const unsigned slots = reshard::SlotsKnob(slots_arg);
         std::vector<reshard::LoadTarget> t;
         t.reserve(targets.size());
         for (const auto& [name, ptr, nbytes, on_device] : targets) {
           t.push_back({name, reinterpret_cast<void*>(ptr), nbytes, on_device});
         }
-        reshard::LoadOptions o = TunedOptions(threads, slots, span_bytes, cold_span_bytes,
-                                              cold_threads, hash_piece_bytes, lead_in_bytes);
+        reshard::LoadOptions o = reshard::KnobbedLoadOptions(
+            threads, slots, {span_bytes, cold_span_bytes, cold_threads, hash_piece_bytes, lead_in_bytes});
         o.verify_checksums = verify;
         o.io = ParseIo(io);
-        reshard::LoadReport r;
+        reshard::LoadStats r;
+        reshard::LoadDiagnostics g;
         double copier_wait = 0, open_seconds = 0;
         {
           py::gil_scoped_release release;
@@ -792,7 +584,7 @@ PYBIND11_MODULE(_C, m) {
           reshard::RankFileReader reader = reshard::RankFileReader::Open(path, &Headers());
           open_seconds =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_open).count();
-          r = RunLoad(reader, t, device, threads, slots, o, &copier_wait);
+          r = reshard::LoadThroughCache(Copiers(), reader, t, device, o, &g, &copier_wait);
         }
         py::dict d;
         d["bytes"] = r.bytes;
@@ -803,28 +595,28 @@ PYBIND11_MODULE(_C, m) {
         d["staging_bytes"] = r.staging_bytes;
         d["staging_alloc_seconds"] = r.staging_alloc_seconds;
         d["copier_wait_seconds"] = copier_wait;
-        d["residency_seconds"] = r.residency_seconds;
-        d["sync_seconds"] = r.sync_seconds;
-        d["read_seconds"] = r.read_seconds;
-        d["wait_seconds"] = r.wait_seconds;
-        d["first_copy_seconds"] = r.first_copy_seconds;
-        d["reads_done_seconds"] = r.reads_done_seconds;
-        d["lane_start_seconds"] = r.lane_start_seconds;
-        d["lane_end_seconds"] = r.lane_end_seconds;
-        d["issue_seconds"] = r.issue_seconds;
-        d["lane_wall_seconds"] = r.lane_wall_seconds;
-        d["lane_cpu_seconds"] = r.lane_cpu_seconds;
-        d["preemptions"] = r.preemptions;
-        d["lanes_on_shared_cpus"] = r.lanes_on_shared_cpus;
+        d["residency_seconds"] = g.residency_seconds;
+        d["sync_seconds"] = g.sync_seconds;
+        d["read_seconds"] = g.read_seconds;
+        d["wait_seconds"] = g.wait_seconds;
+        d["first_copy_seconds"] = g.first_copy_seconds;
+        d["reads_done_seconds"] = g.reads_done_seconds;
+        d["lane_start_seconds"] = g.lane_start_seconds;
+        d["lane_end_seconds"] = g.lane_end_seconds;
+        d["issue_seconds"] = g.issue_seconds;
+        d["lane_wall_seconds"] = g.lane_wall_seconds;
+        d["lane_cpu_seconds"] = g.lane_cpu_seconds;
+        d["preemptions"] = g.preemptions;
+        d["lanes_on_shared_cpus"] = g.lanes_on_shared_cpus;
         d["open_seconds"] = open_seconds;  // opening and checking the file's header (not in seconds)
         d["header_cache_hits"] = Headers().hits();  // in this process, so far
-        d["span_bytes"] = r.span_bytes;
+        d["span_bytes"] = g.span_bytes;
         d["pooled"] = r.pooled;
         d["cold"] = r.cold;
         d["threads"] = r.threads;
         d["direct_io"] = r.direct_io;
-        d["readahead"] = r.readahead;
-        d["resident_fraction"] = r.resident_fraction;
+        d["readahead"] = g.readahead;
+        d["resident_fraction"] = g.resident_fraction;
         return d;
       },
       py::arg("path"), py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,

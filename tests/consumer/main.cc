@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
       }
       reshard::LoadOptions lo;
       lo.threads = 2;
-      const reshard::LoadReport lr = reshard::LoadRankFile(reader, targets, nullptr, lo);
+      const reshard::LoadStats lr = reshard::LoadRankFile(reader, targets, nullptr, lo);
       for (const Tensor& t : tensors) {
         std::vector<uint8_t> expect;
         if (t.shape.empty()) {

@@ -15,8 +15,6 @@ struct BuildInfo {
   bool cuda = false;           // the CUDA copy engine was built
   std::string cuda_version;    // CUDA toolkit version it was built with, "" without CUDA
   std::string zstd_version;    // zstd library linked (ZSTD_versionString())
-  bool openmp = false;
-  std::string openmp_version;  // OpenMP spec version of the compiler, e.g. "4.5"
   std::string xxhash_version;  // xxhash.h compiled in (XXH_INLINE_ALL)
   std::string compiler;        // "GNU 12.2.0"
   std::string build_type;      // CMAKE_BUILD_TYPE

@@ -66,17 +66,26 @@ struct LoadOptions {
   WorkerPool* pool = nullptr;
 };
 
-struct LoadReport {
+/// What every load reports (reshard.load's LoadStats).
+struct LoadStats {
   uint64_t bytes = 0;          // decoded bytes landed in the targets
   uint64_t stored_bytes = 0;   // bytes read from the file (compressed size for zstd)
   uint64_t tensors = 0;
   double seconds = 0;
-  uint64_t staging_bytes = 0;  // pinned staging allocated
+  uint64_t staging_bytes = 0;  // pinned staging the load's plan uses (lanes × slots × slot)
   double staging_alloc_seconds = 0;  // of `seconds`: allocating staging (0 when it was reused)
-  unsigned threads = 0;
-  uint64_t span_bytes = 0;     // largest span a thread read at once
+  unsigned threads = 0;        // reader threads (= copier lanes used)
   bool pooled = false;         // the reader threads came from LoadOptions::pool
   bool cold = false;           // read as a file on disk (cold_threads / cold_span_bytes)
+  bool direct_io = false;      // O_DIRECT reads
+};
+
+/// How a load went, for benchmarks (reshard._C._testing.load_raw): filled only when the
+/// caller passes one to LoadRankFile; without it the read path reads no clock.
+struct LoadDiagnostics {
+  uint64_t span_bytes = 0;       // largest span a thread read at once
+  bool readahead = false;        // buffered reads with one thread asking to read ahead
+  double resident_fraction = 0;  // page-cache residency measured for kAuto
   double residency_seconds = 0;  // of `seconds`: probing the page cache (kAuto)
   double sync_seconds = 0;       // of `seconds`: waiting for the last copies after the reads
   // Raw spans bound for the device, averaged over the reader threads: seconds reading (and
@@ -103,9 +112,6 @@ struct LoadReport {
   double lane_cpu_seconds = 0;
   uint64_t preemptions = 0;
   unsigned lanes_on_shared_cpus = 0;
-  bool direct_io = false;
-  bool readahead = false;
-  double resident_fraction = 0;  // page-cache residency measured for kAuto
 };
 
 /// The span limit (LoadOptions::span_bytes or cold_span_bytes) and the reader threads (=
@@ -121,8 +127,13 @@ uint64_t PreparedSlotBytes(const LoadOptions& options, uint64_t chunk_size);
 /// Loads `targets` (a subset of the file's tensors, each named once) from `file`. Targets
 /// with on_device need `copier`. Throws reshard::Error on a short read, checksum mismatch,
 /// bad frame, unknown name, size mismatch, or device error; when it throws, targets may
-/// hold partial data and must be treated as not loaded.
-LoadReport LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> targets,
-                        DeviceCopier* copier, const LoadOptions& options);
+/// hold partial data and must be treated as not loaded. `diagnostics`: when given, filled
+/// with the load's timings (the reader threads then read clocks).
+///
+/// Steps: ResolveTargets, ChooseIo and PlanLoad (reshard/runtime/load_plan.h, pure), the
+/// copier's Reserve of the plan's staging, then the read pipeline (src/runtime/read_pipeline.h).
+LoadStats LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> targets,
+                       DeviceCopier* copier, const LoadOptions& options,
+                       LoadDiagnostics* diagnostics = nullptr);
 
 }  // namespace reshard

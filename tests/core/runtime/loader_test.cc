@@ -291,11 +291,12 @@ TEST(LoadRankFile, EveryStrategyLandsEveryByte) {
         targets.push_back({f.names[i], got[i].data(), got[i].size(), i % 3 != 1});
       }
       HostDeviceCopier copier(static_cast<int>(s.threads));
-      const LoadReport rep = LoadRankFile(r, targets, &copier, Options(s));
+      LoadDiagnostics diag;
+      const LoadStats rep = LoadRankFile(r, targets, &copier, Options(s), &diag);
       EXPECT_EQ(copier.misuse, "");
       EXPECT_GE(copier.reserves, 1);
       EXPECT_EQ(rep.pooled, s.pooled);
-      EXPECT_LE(rep.span_bytes, std::max<uint64_t>(kChunk, s.io == IoMode::kBuffered ? s.span_bytes
+      EXPECT_LE(diag.span_bytes, std::max<uint64_t>(kChunk, s.io == IoMode::kBuffered ? s.span_bytes
                                                                                    : s.cold_span_bytes));
       for (size_t i = 0; i < f.data.size(); ++i) {
         if (subset && (f.names[i] == "b" || f.names[i] == "s")) {
@@ -318,19 +319,20 @@ TEST(LoadRankFile, SpansJoinAdjacentChunksIntoFewerCopies) {
   per_chunk.io = IoMode::kBuffered;
   per_chunk.span_bytes = 0;  // no joining
   HostDeviceCopier a;
-  const LoadReport ra = LoadRankFile(r, targets, &a, per_chunk);
+  LoadDiagnostics da, db;
+  LoadRankFile(r, targets, &a, per_chunk, &da);
   LoadOptions spans = per_chunk;
   spans.span_bytes = 1 << 20;  // the whole file in one span
   HostDeviceCopier b;
-  const LoadReport rb = LoadRankFile(r, targets, &b, spans);
+  const LoadStats rb = LoadRankFile(r, targets, &b, spans, &db);
   // Per chunk: one copy per non-empty chunk (a 4, b 1, d 5, s 1, e 3, f 1). One span: one
   // copy per non-empty tensor.
   EXPECT_EQ(a.misuse, "");
   EXPECT_EQ(b.misuse, "");
   EXPECT_EQ(a.copies, 15);
   EXPECT_EQ(b.copies, 6);
-  EXPECT_EQ(ra.span_bytes, kChunk);
-  EXPECT_GT(rb.span_bytes, 10 * kChunk);
+  EXPECT_EQ(da.span_bytes, kChunk);
+  EXPECT_GT(db.span_bytes, 10 * kChunk);
   EXPECT_EQ(rb.threads, 1u);  // one span: one thread
   ExpectLanded(f, dest);
 }
@@ -346,7 +348,8 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
   o.hash_piece_bytes = 1024;
   Destinations whole = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier a;
-  const LoadReport ra = LoadRankFile(r, whole.targets, &a, o);
+  LoadDiagnostics ra;
+  LoadRankFile(r, whole.targets, &a, o, &ra);
   EXPECT_EQ(a.misuse, "");
   EXPECT_EQ(a.copies, 6);
   ExpectLanded(f, whole);
@@ -356,13 +359,14 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
   o.lead_in_bytes = 1024;
   Destinations lead = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier b;
-  const LoadReport rb = LoadRankFile(r, lead.targets, &b, o);
+  LoadDiagnostics rb;
+  const LoadStats sb = LoadRankFile(r, lead.targets, &b, o, &rb);
   EXPECT_EQ(b.misuse, "");
   EXPECT_GE(b.copies, 6 + 6);
   ExpectLanded(f, lead);
   EXPECT_GT(rb.first_copy_seconds, 0);
   EXPECT_LE(rb.first_copy_seconds, rb.reads_done_seconds);
-  EXPECT_LE(rb.reads_done_seconds, rb.seconds);
+  EXPECT_LE(rb.reads_done_seconds, sb.seconds);
   EXPECT_LE(ra.first_copy_seconds, ra.reads_done_seconds);
 
   // Only a lane's first span: with one chunk per span, every later span is one copy.
@@ -389,7 +393,8 @@ TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
   ASSERT_EQ(o.lead_in_bytes, 1u << 20);
   Destinations lead = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier a;
-  const LoadReport ra = LoadRankFile(r, lead.targets, &a, o);
+  LoadDiagnostics ra;
+  LoadRankFile(r, lead.targets, &a, o, &ra);
   o.lead_in_bytes = 0;
   Destinations whole = MakeDestinations(f, [](size_t) { return true; });
   HostDeviceCopier b;
@@ -461,14 +466,15 @@ TEST(LoadRankFile, ReportsHowTheReaderThreadsWereScheduled) {
         std::this_thread::sleep_for(std::chrono::milliseconds(60));
       }
     };
-    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    LoadDiagnostics rep;
+    const LoadStats stats = LoadRankFile(r, dest.targets, &copier, o, &rep);
     EXPECT_EQ(copier.misuse, "");
     ExpectLanded(f, dest);
-    ASSERT_EQ(rep.threads, 3u);
+    ASSERT_EQ(stats.threads, 3u);
     EXPECT_GE(rep.lane_wall_seconds, 0.055);
     EXPECT_GT(rep.lane_cpu_seconds, 0.012);
     EXPECT_LT(rep.lane_cpu_seconds, 0.04);
-    EXPECT_LE(rep.lane_wall_seconds, rep.seconds);
+    EXPECT_LE(rep.lane_wall_seconds, stats.seconds);
   }
   {
     // All three on one CPU, each burning 30 ms: they share it (and take turns: the
@@ -478,10 +484,11 @@ TEST(LoadRankFile, ReportsHowTheReaderThreadsWereScheduled) {
     Destinations dest = MakeDestinations(f, [](size_t) { return true; });
     HostDeviceCopier copier;
     copier.on_bind = [](int) { Spin(0.03); };
-    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    LoadDiagnostics rep;
+    const LoadStats stats = LoadRankFile(r, dest.targets, &copier, o, &rep);
     EXPECT_EQ(copier.misuse, "");
     ExpectLanded(f, dest);
-    ASSERT_EQ(rep.threads, 3u);
+    ASSERT_EQ(stats.threads, 3u);
     EXPECT_EQ(rep.lanes_on_shared_cpus, 3u);
     EXPECT_GT(rep.preemptions, 0u);
     EXPECT_LT(rep.lane_cpu_seconds, 0.06);
@@ -492,7 +499,8 @@ TEST(LoadRankFile, ReportsHowTheReaderThreadsWereScheduled) {
     o.threads = 1;
     Destinations dest = MakeDestinations(f, [](size_t) { return true; });
     HostDeviceCopier copier;
-    const LoadReport rep = LoadRankFile(r, dest.targets, &copier, o);
+    LoadDiagnostics rep;
+    LoadRankFile(r, dest.targets, &copier, o, &rep);
     ExpectLanded(f, dest);
     EXPECT_EQ(rep.lanes_on_shared_cpus, 0u);
   }
@@ -518,9 +526,10 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
     Evict(f.path);
     if (PageCacheResidency(f.path.string()) > 0.5) GTEST_SKIP() << "the kernel kept the pages";
     HostDeviceCopier cold_copier(static_cast<int>(o.threads));
-    const LoadReport cold = LoadRankFile(r, targets, &cold_copier, o);
+    LoadDiagnostics cold_diag;
+    const LoadStats cold = LoadRankFile(r, targets, &cold_copier, o, &cold_diag);
     EXPECT_TRUE(cold.cold);
-    EXPECT_LT(cold.resident_fraction, 0.5);
+    EXPECT_LT(cold_diag.resident_fraction, 0.5);
     // O_DIRECT for an all-device load where the file system allows it, else read-ahead.
     bool direct_possible = true;
     try {
@@ -529,7 +538,7 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
       direct_possible = false;
     }
     EXPECT_EQ(cold.direct_io, all_device && direct_possible);
-    EXPECT_EQ(cold.readahead, !cold.direct_io);
+    EXPECT_EQ(cold_diag.readahead, !cold.direct_io);
     EXPECT_LE(cold.threads, std::min(o.cold_threads, o.threads));
     EXPECT_EQ(cold_copier.misuse, "");
     ExpectLanded(f, dest);
@@ -541,10 +550,11 @@ TEST(LoadRankFile, AutoReadsAnEvictedFileAsColdAndACachedOneAsWarm) {
       File::OpenRead(f.path).PReadExact(all.data(), all.size(), 0);
     }
     HostDeviceCopier warm_copier(static_cast<int>(o.threads));
-    const LoadReport warm = LoadRankFile(r, targets, &warm_copier, o);
+    LoadDiagnostics warm_diag;
+    const LoadStats warm = LoadRankFile(r, targets, &warm_copier, o, &warm_diag);
     EXPECT_FALSE(warm.cold);
-    EXPECT_GE(warm.resident_fraction, 0.5);
-    EXPECT_FALSE(warm.direct_io || warm.readahead);
+    EXPECT_GE(warm_diag.resident_fraction, 0.5);
+    EXPECT_FALSE(warm.direct_io || warm_diag.readahead);
     ExpectLanded(f, dest);
   }
 }
