@@ -155,8 +155,12 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                    f"another layout than this job's {key}" if others else "")
             raise NotFoundError(f"{p}: missing; was {out} saved with reshard.save(..., optimizer=...) "
                                f"by a job of this layout ({key}, world size {world})?{has}")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep (hostile file)
+        raise CorruptFileError(f"{meta_path}: not valid JSON nested at most 64 levels deep "
+                               f"({type(e).__name__}: {str(e)[:200]})") from None
     if meta.get("format") != "reshard.optimizer" or meta.get("format_version") != 1:
         raise CorruptFileError(f"{meta_path}: not a reshard optimizer description (format version 1)")
     if meta.get("layout", key) != key:

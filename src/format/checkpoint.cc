@@ -26,24 +26,22 @@ const std::vector<std::string>& AuxFileNames() {
   return names;
 }
 
-namespace {
-
-bool IsPlainFileName(const std::string& name) {
-  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
-}
-
-}  // namespace
-
 std::map<std::string, std::string> ParseWeightMap(std::string_view text, const std::string& path) {
   nlohmann::json index = internal::ParseStrictJson(text, path, "index");
   const auto& map = internal::GetObject(internal::Member(index, "weight_map", path, "index"),
                                         path, "weight_map");
   std::map<std::string, std::string> result;
   for (const auto& [key, value] : map.items()) {
-    std::string file = internal::GetString(value, path, "weight_map[\"" + key + "\"]");
-    if (!IsPlainFileName(file)) {
-      FailField(path, "weight_map[\"" + key + "\"]", "\"" + file + "\"",
-                "a file name in the checkpoint directory");
+    const std::string field = "weight_map[\"" + Printable(key) + "\"]";
+    if (key.find('\0') != std::string::npos) {
+      FailField(path, "weight_map", "the tensor name \"" + Printable(key) + "\" (a NUL inside)",
+                "tensor names without NUL characters");
+    }
+    std::string file = internal::GetString(value, path, field);
+    if (!internal::PlainFileName(file)) {
+      FailField(path, field, "\"" + Printable(file) + "\"",
+                "a file name in the checkpoint directory (plain: no '/', '\\', \"..\", NUL or "
+                "control characters)");
     }
     result.emplace(key, std::move(file));
   }

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <set>
+#include <unordered_set>
 #include <vector>
 
 #include "reshard/base/checksum.h"
@@ -11,36 +12,101 @@ namespace reshard::internal {
 
 using nlohmann::json;
 
-json ParseStrictJson(std::string_view text, const std::string& path, std::string_view what) {
-  std::vector<std::set<std::string>> keys;
-  std::string duplicate;
-  auto callback = [&](int, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case json::parse_event_t::key: {
-        const auto& k = parsed.get_ref<const std::string&>();
-        if (!keys.empty() && !keys.back().insert(k).second && duplicate.empty()) duplicate = k;
-        break;
+void CheckJsonDepth(std::string_view text, const std::string& path, std::string_view what) {
+  size_t depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;  // the escaped character cannot end the string
+      } else if (c == '"') {
+        in_string = false;
       }
+      continue;
+    }
+    switch (c) {
+      case '"': in_string = true; break;
+      case '[':
+      case '{':
+        if (++depth > kMaxJsonDepth) {
+          FailField(path, what,
+                    "arrays/objects nested more than " + std::to_string(kMaxJsonDepth) +
+                        " levels deep (level " + std::to_string(depth) + " opens at byte " +
+                        std::to_string(i) + ")",
+                    "at most " + std::to_string(kMaxJsonDepth) + " levels of nesting");
+        }
+        break;
+      case ']':
+      case '}':
+        if (depth > 0) --depth;  // unbalanced brackets are the parser's to report
+        break;
       default: break;
     }
+  }
+}
+
+namespace {
+
+// A SAX pass that builds nothing: finds syntax errors and the first duplicate object key.
+// (nlohmann's parser callback cannot be used for this: its DOM builder scans the whole parent
+// object for discarded values after every nested object ends, which is quadratic in the
+// number of tensors of a safetensors header.)
+struct DuplicateKeyFinder {
+  std::vector<std::unordered_set<std::string>> keys;
+  std::string duplicate;
+  std::string error;
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(json::number_integer_t) { return true; }
+  bool number_unsigned(json::number_unsigned_t) { return true; }
+  bool number_float(json::number_float_t, const std::string&) { return true; }
+  bool string(std::string&) { return true; }
+  bool binary(json::binary_t&) { return true; }
+  bool start_object(std::size_t) {
+    keys.emplace_back();
     return true;
-  };
-  json result;
+  }
+  bool key(std::string& k) {
+    if (!keys.back().insert(k).second) {
+      duplicate = k;
+      return false;  // the first one is reported; stop here
+    }
+    return true;
+  }
+  bool end_object() {
+    keys.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
+    error = e.what();
+    return false;
+  }
+};
+
+}  // namespace
+
+json ParseStrictJson(std::string_view text, const std::string& path, std::string_view what) {
+  CheckJsonDepth(text, path, what);
+  DuplicateKeyFinder finder;
+  json::sax_parse(text.begin(), text.end(), &finder);
+  if (!finder.error.empty()) {
+    Fail(ErrorCode::kDataLoss,
+         path + ": " + std::string(what) + " is not valid JSON (" + finder.error + ")");
+  }
+  if (!finder.duplicate.empty()) {
+    Fail(ErrorCode::kDataLoss, path + ": " + std::string(what) + ": duplicate key \"" +
+                                   Printable(finder.duplicate) + "\"");
+  }
   try {
-    result = json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true);
-  } catch (const json::exception& e) {
+    return json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {  // not expected after the pass above
     Fail(ErrorCode::kDataLoss,
          path + ": " + std::string(what) + " is not valid JSON (" + e.what() + ")");
   }
-  if (!duplicate.empty()) {
-    Fail(ErrorCode::kDataLoss, path + ": " + std::string(what) + ": duplicate key \"" +
-                                   duplicate + "\"");
-  }
-  return result;
 }
 
 std::string Describe(const json& value) {
@@ -139,6 +205,15 @@ SourceFingerprint SourceFromJson(const json& j, const std::string& path) {
                   (s.saved ? " (computed from source.saved)" : " (computed from source.files)"));
   }
   return s;
+}
+
+bool PlainFileName(std::string_view name) {
+  if (name.empty() || name == "." || name == "..") return false;
+  for (char c : name) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '/' || c == '\\' || u < 0x20 || u == 0x7f) return false;
+  }
+  return true;
 }
 
 bool ValidLayoutKey(const std::string& key) {

@@ -12,8 +12,17 @@
 
 namespace reshard::internal {
 
-/// Parses `text`, rejecting duplicate object keys at any depth. Throws kDataLoss naming
-/// `path` and `what` ("header", "manifest", ...).
+/// The deepest nesting of arrays and objects any reshard JSON reader accepts (formats/*.md):
+/// reshard's own files nest at most 4 levels, Hugging Face config.json files a few more.
+inline constexpr size_t kMaxJsonDepth = 64;
+
+/// Throws kDataLoss naming `path` and `what` when `text` nests arrays / objects deeper than
+/// kMaxJsonDepth: a linear scan (no recursion) run before any parser sees the text, so that
+/// a hostile file cannot exhaust the stack of a recursive parse, dump or destructor.
+void CheckJsonDepth(std::string_view text, const std::string& path, std::string_view what);
+
+/// Parses `text` (depth checked first by CheckJsonDepth), rejecting duplicate object keys at
+/// any depth. Throws kDataLoss naming `path` and `what` ("header", "manifest", ...).
 nlohmann::json ParseStrictJson(std::string_view text, const std::string& path,
                                std::string_view what);
 
@@ -37,6 +46,11 @@ const nlohmann::json& GetObject(const nlohmann::json& value, const std::string& 
 /// written from, and parsed and checked (fingerprint recomputed) into, a SourceFingerprint.
 nlohmann::json SourceToJson(const SourceFingerprint& source);
 SourceFingerprint SourceFromJson(const nlohmann::json& value, const std::string& path);
+
+/// A plain file name inside a directory: not empty, not "." or "..", no '/' or '\\', no NUL
+/// or other control character (bytes below 0x20 and 0x7f). Not an absolute path by
+/// construction.
+bool PlainFileName(std::string_view name);
 
 /// A layout key names a directory inside OUT: [A-Za-z0-9._-]+, not "." or "..".
 bool ValidLayoutKey(const std::string& key);

@@ -71,7 +71,16 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
   m.source = internal::SourceFromJson(Member(j, "source", path, "manifest"), path);
   const json& aux = GetArray(Member(j, "aux_files", path, "manifest"), path, "aux_files");
   for (size_t i = 0; i < aux.size(); ++i) {
-    m.aux_files.push_back(GetString(aux[i], path, "aux_files[" + std::to_string(i) + "]"));
+    const std::string f = "aux_files[" + std::to_string(i) + "]";
+    std::string name = GetString(aux[i], path, f);
+    // Copied by reshard.save and export from the manifest's directory into another one: a
+    // name that is a path (or the manifest's own name) would read or write outside it.
+    if (!internal::PlainFileName(name) || name == kManifestName || name == kLockName) {
+      FailField(path, f, "\"" + Printable(name) + "\"",
+                "a plain file name in the manifest's directory (no '/', '\\', \"..\", NUL or "
+                "control characters; not reshard.json or .reshard.lock)");
+    }
+    m.aux_files.push_back(std::move(name));
   }
   const json& layouts =
       internal::GetObject(Member(j, "layouts", path, "manifest"), path, "layouts");

@@ -57,8 +57,8 @@ std::shared_ptr<const FlatInfo> ParseFlat(const json& v, const TensorEntry& t,
   auto flat = std::make_shared<FlatInfo>();
   flat->unit = GetString(Member(v, "unit", path, ff), path, ff + ".unit");
   if (t.name != FlatEntryName(flat->unit)) {
-    FailField(path, ff + ".unit", "\"" + flat->unit + "\"",
-              "the unit named by the entry \"" + t.name + "\"");
+    FailField(path, ff + ".unit", "\"" + Printable(flat->unit) + "\"",
+              "the unit named by the entry \"" + Printable(t.name) + "\"");
   }
   flat->numel = GetU64(Member(v, "numel", path, ff), path, ff + ".numel");
   if (t.global_shape.size() != 1 || t.global_shape[0] != flat->numel) {
@@ -326,7 +326,7 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     std::string f = "tensors[" + std::to_string(i) + "]";
     TensorEntry t;
     t.name = GetString(Member(e, "name", path, f), path, f + ".name");
-    f = "tensor \"" + t.name + "\"";
+    f = "tensor \"" + Printable(t.name) + "\"";
     if (!names.insert(t.name).second) FailField(path, f, "a second entry", "unique names");
     std::string dtype = GetString(Member(e, "dtype", path, f), path, f + ".dtype");
     auto parsed = ParseDType(dtype);

@@ -23,7 +23,7 @@ uint64_t ReadLE64(const void* p) {
 
 SafetensorsTensor ParseEntry(const std::string& name, const json& entry, uint64_t data_size,
                              const std::string& path) {
-  const std::string field = "tensor \"" + name + "\"";
+  const std::string field = "tensor \"" + Printable(name) + "\"";
   if (!entry.is_object()) FailField(path, field, Describe(entry), "an object");
   for (const auto& [k, v] : entry.items()) {
     if (k != "dtype" && k != "shape" && k != "data_offsets") {
@@ -122,7 +122,7 @@ SafetensorsFile ParseSafetensorsHeader(std::string_view prefix, uint64_t file_si
       if (!value.is_object()) FailField(path, "__metadata__", Describe(value), "an object");
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string()) {
-          FailField(path, "__metadata__." + mk, Describe(mv), "a string");
+          FailField(path, "__metadata__." + Printable(mk), Describe(mv), "a string");
         }
         file.metadata[mk] = mv.get<std::string>();
       }
@@ -137,15 +137,15 @@ SafetensorsFile ParseSafetensorsHeader(std::string_view prefix, uint64_t file_si
   const SafetensorsTensor* previous = nullptr;
   for (auto& t : file.tensors) {
     if (t.offset < expected) {
-      FailField(path, "tensor \"" + t.name + "\".data_offsets",
+      FailField(path, "tensor \"" + Printable(t.name) + "\".data_offsets",
                 "begin " + std::to_string(t.offset) + " overlapping \"" + previous->name +
                     "\" (which ends at " + std::to_string(expected) + ")",
                 "non-overlapping tensors");
     }
     if (t.offset > expected) {
-      FailField(path, "tensor \"" + t.name + "\".data_offsets",
+      FailField(path, "tensor \"" + Printable(t.name) + "\".data_offsets",
                 "begin " + std::to_string(t.offset) + " leaving a hole after " +
-                    (previous ? "\"" + previous->name + "\"" : std::string("the header")) +
+                    (previous ? "\"" + Printable(previous->name) + "\"" : std::string("the header")) +
                     " at " + std::to_string(expected),
                 "tensors packed without holes");
     }

@@ -15,15 +15,18 @@ std::optional<uint64_t> TorchStorage::Nbytes() const {
 }
 
 bool TorchTensor::IsContiguous() const {
-  uint64_t numel = 1;
+  if (stride.size() != shape.size()) return false;
   for (uint64_t d : shape) {
     if (d == 0) return true;
-    numel *= d;  // the caller has checked that the element count does not overflow
   }
-  int64_t expected = 1;
+  // Unsigned and overflow-checked: shapes come from the file (a product past 2^63 must not
+  // wrap into a negative stride that then "matches").
+  uint64_t expected = 1;
+  bool overflowed = false;
   for (size_t i = shape.size(); i-- > 0;) {
-    if (shape[i] != 1 && stride[i] != expected) return false;
-    expected *= static_cast<int64_t>(shape[i]);
+    if (shape[i] == 1) continue;
+    if (overflowed || stride[i] < 0 || static_cast<uint64_t>(stride[i]) != expected) return false;
+    overflowed = __builtin_mul_overflow(expected, shape[i], &expected);
   }
   return true;
 }

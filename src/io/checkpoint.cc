@@ -99,7 +99,7 @@ Checkpoint OpenCheckpoint(const fs::path& src) {
   Checkpoint ckpt;
   std::vector<std::string> file_names;
   std::map<std::string, std::string> weight_map;
-  if (fs::is_regular_file(src)) {
+  if (!fs::is_directory(src)) {  // special files are refused by File::OpenRead
     if (IsTorchZipName(src)) {
       ckpt.format = WeightFormat::kTorchZip;
     } else if (src.extension() != ".safetensors") {

@@ -22,6 +22,15 @@
 namespace reshard {
 namespace {
 
+std::string FileTypeName(mode_t m) {
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISDIR(m)) return "a directory";
+  return "a special file";
+}
+
 [[noreturn]] void FailErrno(const std::string& path, const char* what, int err) {
   ErrorCode code = (err == ENOENT || err == ENOTDIR) ? ErrorCode::kNotFound : ErrorCode::kIo;
   Fail(code, path + ": " + what + ": " + std::strerror(err));
@@ -30,22 +39,59 @@ namespace {
 }  // namespace
 
 File File::OpenRead(const std::filesystem::path& path, bool direct) {
-  int flags = O_RDONLY | O_CLOEXEC;
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; it is
+  // cleared again below, once fstat has shown a regular file (symbolic links are followed:
+  // the Hugging Face cache is links into blobs/).
+  int flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
   if (direct) flags |= O_DIRECT;
   int fd = ::open(path.c_str(), flags);
   if (fd < 0) FailErrno(path.string(), "cannot open", errno);
   struct stat st;
-  if (::fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
     ::close(fd);
-    Fail(ErrorCode::kInvalidArgument, path.string() + ": is a directory, expected a file");
+    FailErrno(path.string(), "cannot stat", err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    if (S_ISDIR(st.st_mode)) {
+      Fail(ErrorCode::kInvalidArgument, path.string() + ": is a directory, expected a file");
+    }
+    Fail(ErrorCode::kInvalidArgument,
+         path.string() + ": found " + FileTypeName(st.st_mode) +
+             ", expected a regular file (or a symbolic link to one)");
+  }
+  if (::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK & ~O_CLOEXEC) != 0) {
+    const int err = errno;
+    ::close(fd);
+    FailErrno(path.string(), "cannot clear O_NONBLOCK", err);
   }
   return File(fd, path.string());
 }
 
-File File::Create(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+File File::Create(const std::filesystem::path& path, unsigned mode) {
+  // Never through what is already at `path`: a symbolic link (or a hard link) planted there
+  // would redirect the write outside the directory. The old entry is unlinked (not followed)
+  // and a new file created with O_EXCL | O_NOFOLLOW; whoever re-plants one in between makes
+  // the create fail, not write elsewhere.
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    const int err = errno;
+    if (err == EISDIR || err == EPERM) {
+      Fail(ErrorCode::kInvalidArgument,
+           path.string() + ": found a directory, expected a file to replace (or nothing)");
+    }
+    FailErrno(path.string(), "cannot replace", err);
+  }
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+                  static_cast<mode_t>(mode & 0777));
   if (fd < 0) FailErrno(path.string(), "cannot create", errno);
   return File(fd, path.string());
+}
+
+unsigned CopyMode(const std::filesystem::path& source) {
+  struct stat st;
+  if (::stat(source.c_str(), &st) != 0) return 0644;
+  return 0644u & static_cast<unsigned>(st.st_mode);
 }
 
 File::File(File&& other) noexcept : fd_(other.fd_), path_(std::move(other.path_)) {
@@ -129,11 +175,28 @@ void SyncDirectory(const std::filesystem::path& dir) {
   if (rc != 0 && err != EINVAL) FailErrno(dir.string(), "fsync of directory failed", err);
 }
 
-void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents) {
+std::string RandomToken() {
+  unsigned char b[8];
+  if (::getentropy(b, sizeof b) != 0) {
+    const auto t = std::chrono::steady_clock::now().time_since_epoch().count();
+    std::memcpy(b, &t, sizeof b);
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : b) {
+    s += hex[c >> 4];
+    s += hex[c & 15];
+  }
+  return s;
+}
+
+void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents, unsigned mode) {
   auto tmp = path;
-  tmp.replace_filename("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()));
+  // Unpredictable, and created O_EXCL | O_NOFOLLOW (File::Create).
+  tmp.replace_filename("." + path.filename().string() + ".tmp-" + std::to_string(::getpid()) +
+                       "-" + RandomToken());
   {
-    File f = File::Create(tmp);
+    File f = File::Create(tmp, mode);
     try {
       f.PWriteExact(contents.data(), contents.size(), 0);
       f.Sync();
@@ -166,8 +229,25 @@ std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size) 
 }
 
 DirectoryLock::DirectoryLock(const std::filesystem::path& lock_file, double wait_seconds) {
-  fd_ = ::open(lock_file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) FailErrno(lock_file.string(), "cannot create lock file", errno);
+  // O_NOFOLLOW: a symbolic link planted as the lock file is refused, not followed (the lock
+  // file is never written, only locked, and it lives on between runs, so no O_EXCL).
+  fd_ = ::open(lock_file.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    if (errno == ELOOP) {
+      Fail(ErrorCode::kInvalidArgument,
+           lock_file.string() + ": found a symbolic link, expected the lock file (a regular "
+                                "file) or nothing; remove it");
+    }
+    FailErrno(lock_file.string(), "cannot create lock file", errno);
+  }
+  struct stat st;
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const std::string type = FileTypeName(st.st_mode);
+    ::close(fd_);
+    fd_ = -1;
+    Fail(ErrorCode::kInvalidArgument,
+         lock_file.string() + ": found " + type + ", expected the lock file (a regular file)");
+  }
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration<double>(std::max(0.0, wait_seconds));
   while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {

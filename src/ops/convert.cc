@@ -131,7 +131,7 @@ void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
       } catch (const Error&) {
       }
     }
-    WriteFileAtomic(out / name, contents);
+    WriteFileAtomic(out / name, contents, CopyMode(ckpt.dir / name));  // never wider
   }
 }
 
@@ -404,6 +404,41 @@ void RemoveStaleTemporaries(const fs::path& dir) {
   }
 }
 
+// OUT without a manifest may hold only what an interrupted conversion of this source leaves:
+// the lock, temporaries, layout directories of rank files, and copies of the source's aux
+// files (identical) and the model manifest. The first other entry is named, else "".
+std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string name = e.path().filename().string();
+    std::error_code ec;
+    if (name == kLockName || (name.starts_with(".") && name.find(".tmp-") != std::string::npos)) {
+      continue;
+    }
+    if ((name.starts_with("fsdp1-") || name.starts_with("fsdp2-")) &&
+        e.is_directory(ec) && !e.is_symlink(ec)) {
+      bool only_ranks = true;
+      for (const auto& f : fs::directory_iterator(e.path())) {
+        const std::string n = f.path().filename().string();
+        only_ranks = only_ranks && (n.starts_with("rank-") || n.starts_with(".rank-"));
+      }
+      if (only_ranks) continue;
+      return name + "/ (a directory holding other files than rank files)";
+    }
+    if (name == kModelManifestName) continue;
+    if (std::find(ckpt.aux_files.begin(), ckpt.aux_files.end(), name) != ckpt.aux_files.end()) {
+      try {
+        if (ReadWholeFile(e.path(), 1ull << 30) == ReadWholeFile(ckpt.dir / name, 1ull << 30)) {
+          continue;
+        }
+      } catch (const Error&) {
+      }
+      return name + " (differing from " + (ckpt.dir / name).string() + ")";
+    }
+    return name;
+  }
+  return {};
+}
+
 }  // namespace
 
 ConvertResult Convert(const ConvertOptions& options) {
@@ -491,6 +526,16 @@ ConvertResult Convert(const ConvertOptions& options) {
          o.out.string() + ": holds layouts of another source (fingerprint " +
              Hex16(manifest->source.fingerprint) + ", this source is " +
              Hex16(ckpt.fingerprint.fingerprint) + "); convert into an empty directory");
+  }
+  if (!manifest && !o.force) {
+    const std::string foreign = ForeignEntry(o.out, ckpt);
+    if (!foreign.empty()) {
+      Fail(ErrorCode::kInvalidArgument,
+           o.out.string() + ": found " + Printable(foreign) +
+               " in a directory without reshard.json; expected an empty directory or a reshard "
+               "output of this source (files there would be overwritten); pass --force to "
+               "convert into it anyway");
+    }
   }
   const fs::path dir = o.out / o.layout.Key();
   fs::create_directories(dir, ec);

@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/json_util.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"
@@ -207,7 +208,7 @@ bool IsPlainFileName(const std::string& name) {
 
 void CopyFile(const fs::path& from, const fs::path& to) {
   File in = File::OpenRead(from);
-  File out = File::Create(to);
+  File out = File::Create(to, CopyMode(from));  // never more permissive than the source
   std::unique_ptr<char[]> buf(new char[1 << 20]);
   uint64_t at = 0;
   for (;;) {
@@ -236,7 +237,9 @@ std::string_view TorchFloatName(DType d) {
 // transformers loads a checkpoint in the dtype its config names (dtype="auto"), so a config
 // left at bfloat16 beside float32 weights would silently load them rounded to bfloat16.
 std::optional<std::string> ConfigWithDtype(const fs::path& config, std::string_view name) {
-  nlohmann::ordered_json j = nlohmann::ordered_json::parse(ReadWholeFile(config, 64ull << 20), nullptr,
+  const std::string text = ReadWholeFile(config, 64ull << 20);
+  internal::CheckJsonDepth(text, config.string(), "config.json");  // before any recursion
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr,
                                                           /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return std::nullopt;  // not ours to judge: copied as is
   bool changed = false;
@@ -624,7 +627,7 @@ ExportResult Export(const ExportOptions& o) {
       config = ConfigWithDtype(from, TorchFloatName(*float_dtype));
     }
     if (config) {
-      File out = File::Create(staging / a);
+      File out = File::Create(staging / a, CopyMode(from));
       out.PWriteExact(config->data(), config->size(), 0);
       out.Sync();
       result.config_dtype = std::string(TorchFloatName(*float_dtype));

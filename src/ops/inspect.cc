@@ -157,7 +157,7 @@ json Inspect(const fs::path& path) {
   if (!fs::exists(path, ec)) {
     Fail(ErrorCode::kNotFound, path.string() + ": no such file or directory");
   }
-  if (fs::is_regular_file(path)) {
+  if (!fs::is_directory(path)) {  // a FIFO or device too: File::OpenRead names it
     const auto ext = path.extension();
     if (ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
       return SourceJson(path);
@@ -192,11 +192,15 @@ json Inspect(const fs::path& path) {
   return SourceJson(path);
 }
 
+// Names and strings from the files (tensor names, paths, writer) with terminal control
+// characters escaped (\x1b ...), so that inspect's text cannot drive the terminal.
+static std::string Esc(const json& v) { return Printable(v.get<std::string>(), 4096); }
+
 std::string RenderInspect(const json& d) {
   std::ostringstream o;
   const std::string kind = d["kind"];
   auto ranks_table = [&](const json& l) {
-    o << "  layout " << l["key"].get<std::string>() << ": world size " << l["world_size"]
+    o << "  layout " << Esc(l["key"]) << ": world size " << l["world_size"]
       << ", " << l["ranks"].size() << " rank files"
       << (l["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", "
       << Bytes(l["nbytes"]) << " of tensor data";
@@ -204,51 +208,51 @@ std::string RenderInspect(const json& d) {
     o << "\n";
     if (l.contains("wrap")) {
       o << "    FSDP1: wrap";
-      for (const auto& w : l["wrap"]) o << " " << w.get<std::string>();
+      for (const auto& w : l["wrap"]) o << " " << Esc(w);
       if (l["wrap"].empty()) o << " (root only)";
       o << ", use_orig_params " << (l["use_orig_params"].get<bool>() ? "True" : "False");
-      if (!l["param_dtype"].get<std::string>().empty()) {
-        o << ", param_dtype " << l["param_dtype"].get<std::string>();
+      if (!Esc(l["param_dtype"]).empty()) {
+        o << ", param_dtype " << Esc(l["param_dtype"]);
       }
       o << "\n";
     }
     for (const auto& r : l["ranks"]) {
-      o << "    rank " << r["rank"] << "  " << r["file"].get<std::string>() << "  "
+      o << "    rank " << r["rank"] << "  " << Esc(r["file"]) << "  "
         << Bytes(r["nbytes"]) << "  (" << r["tensor_count"] << " tensors, file "
         << Bytes(r["file_size"]) << ")\n";
     }
   };
   if (kind == "output") {
-    o << d["path"].get<std::string>() << ": reshard output of source "
-      << d["source_fingerprint"].get<std::string>() << " (" << d["source_files"]
+    o << Esc(d["path"]) << ": reshard output of source "
+      << Esc(d["source_fingerprint"]) << " (" << d["source_files"]
       << " weight files)\n";
     o << "  aux files: ";
-    for (const auto& a : d["aux_files"]) o << a.get<std::string>() << " ";
+    for (const auto& a : d["aux_files"]) o << Esc(a) << " ";
     o << "\n";
     for (const auto& [key, l] : d["layouts"].items()) ranks_table(l);
   } else if (kind == "layout") {
-    o << d["path"].get<std::string>() << ":\n";
+    o << Esc(d["path"]) << ":\n";
     ranks_table(d);
   } else if (kind == "rank_file") {
-    o << d["path"].get<std::string>() << ": rank " << d["rank"] << " of " << d["world_size"]
-      << ", layout " << d["layout"].get<std::string>() << ", source "
-      << d["source_fingerprint"].get<std::string>() << "\n  " << d["tensor_count"]
+    o << Esc(d["path"]) << ": rank " << d["rank"] << " of " << d["world_size"]
+      << ", layout " << Esc(d["layout"]) << ", source "
+      << Esc(d["source_fingerprint"]) << "\n  " << d["tensor_count"]
       << " tensors, " << Bytes(d["nbytes"]) << " of data, file " << Bytes(d["file_size"])
       << ", chunk size " << Bytes(d["chunk_size"]) << ", written by "
-      << d["writer"].get<std::string>() << "\n";
+      << Esc(d["writer"]) << "\n";
     if (d.contains("wrap")) {
       o << "  FSDP1: wrap";
-      for (const auto& w : d["wrap"]) o << " " << w.get<std::string>();
+      for (const auto& w : d["wrap"]) o << " " << Esc(w);
       o << ", use_orig_params " << (d["use_orig_params"].get<bool>() ? "True" : "False") << "\n";
     }
     for (const auto& t : d["tensors"]) {
-      o << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << " "
+      o << "  " << Esc(t["name"]) << "  " << Esc(t["dtype"]) << " "
         << Shape(t["global_shape"]);
       if (t.contains("flat")) {
         o << " flat [" << t["rows"][0] << ", " << t["rows"][1] << ") -> " << Shape(t["local_shape"])
           << "  " << Bytes(t["nbytes"]) << ", " << t["flat"]["params"].size() << " params\n";
         for (const auto& p : t["flat"]["params"]) {
-          o << "      " << p["fqn"].get<std::string>() << " " << Shape(p["shape"]) << " at "
+          o << "      " << Esc(p["fqn"]) << " " << Shape(p["shape"]) << " at "
             << p["offset"] << "\n";
         }
         continue;
@@ -256,20 +260,20 @@ std::string RenderInspect(const json& d) {
       if (!t["rows"].is_null()) o << " rows [" << t["rows"][0] << ", " << t["rows"][1] << ")";
       else o << " whole";
       o << " -> " << Shape(t["local_shape"]) << "  " << Bytes(t["nbytes"]);
-      if (t["codec"] != "raw") o << " (" << t["codec"].get<std::string>() << ", " << Bytes(t["stored_size"]) << ")";
+      if (t["codec"] != "raw") o << " (" << Esc(t["codec"]) << ", " << Bytes(t["stored_size"]) << ")";
       o << "\n";
     }
   } else {
-    o << d["path"].get<std::string>() << ": Hugging Face checkpoint, " << d["tensor_count"]
+    o << Esc(d["path"]) << ": Hugging Face checkpoint, " << d["tensor_count"]
       << " tensors, " << Bytes(d["nbytes"]) << " in " << d["files"].size()
       << (d.value("format", "safetensors") == "torch-zip" ? " torch zip (pytorch_model.bin) file(s)"
                                                           : " safetensors file(s)")
-      << ", fingerprint " << d["fingerprint"].get<std::string>() << "\n";
+      << ", fingerprint " << Esc(d["fingerprint"]) << "\n";
     o << "  by dtype:";
     for (const auto& [k, v] : d["nbytes_by_dtype"].items()) o << " " << k << " " << Bytes(v);
     o << "\n";
     for (const auto& t : d["tensors"]) {
-      o << "  " << t["name"].get<std::string>() << "  " << t["dtype"].get<std::string>() << " "
+      o << "  " << Esc(t["name"]) << "  " << Esc(t["dtype"]) << " "
         << Shape(t["shape"]) << "  " << Bytes(t["nbytes"]) << "\n";
     }
   }

@@ -64,7 +64,7 @@ class Verifier {
       }
     }
     std::vector<LayoutFiles> layouts;
-    if (fs::is_regular_file(o_.path)) {
+    if (!fs::is_directory(o_.path)) {  // special files: refused when opened
       layouts.push_back({"", o_.path.parent_path(), 0, {o_.path}});
     } else if (fs::exists(o_.path / kManifestName)) {
       CollectFromManifest(layouts);
@@ -84,7 +84,7 @@ class Verifier {
       }
       layouts.push_back(std::move(l));
     }
-    for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/!fs::is_regular_file(o_.path));
+    for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/fs::is_directory(o_.path));
     report_.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return std::move(report_);

@@ -15,6 +15,8 @@ creates
     fuzz_rank_file.cc) and OUT_DIR/manifest (reshard.json), from RESHARD_BIN (default
     build/reshard) converting those checkpoints: world sizes 1, 2, 3 and 8, raw and zstd,
     --dtype fp32, and a partial --ranks conversion.
+  and hostile-* seeds of issue 25's shapes (write_hostile_shapes): nesting around the JSON
+    depth limit, 5,000 tensors, NUL and path names, a pickle MEMOIZE flood.
 Every file is deterministic (seeded); names are the file's role, so reruns overwrite.
 """
 
@@ -139,6 +141,44 @@ def write_rank_and_manifest(out, work, ckpts, reshard_bin):
                 fh.write(raw[:64] + raw[header_offset:])
 
 
+def write_hostile_shapes(out):
+    """Issue 25's shapes, small enough for a corpus: nesting just under and over the JSON
+    depth limit (64, formats/manifest.md), many tensors, and a pickle MEMOIZE flood."""
+    import json
+    import struct
+
+    def st(header: bytes, data: bytes = b"") -> bytes:
+        return struct.pack("<Q", len(header)) + header + data
+
+    seeds = {
+        "safetensors": {
+            "deep-63.safetensors": st(b'{"__metadata__":{},"w":' + b"[" * 62 + b"]" * 62 + b"}"),
+            "deep-1000.safetensors": st(b'{"w":' + b"[" * 1000 + b"]" * 1000 + b"}"),
+            "deep-objects.safetensors": st(b'{"a":' * 80 + b"1" + b"}" * 80),
+            "many-tensors.safetensors": st(json.dumps(
+                {f"model.layers.{i}.w": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
+                 for i in range(5000)}, separators=(",", ":")).encode(), b"\x01" * 5000),
+        },
+        "index": {
+            "deep.json": b'{"weight_map":{"w":"a.safetensors"},"metadata":' + b"[" * 100
+                         + b"]" * 100 + b"}",
+            "nul-name.json": json.dumps({"weight_map": {"w": "a.safetensors\x00b"}}).encode(),
+        },
+        "manifest": {
+            "deep.json": b'{"format":"reshard.manifest","x":' + b"{" * 100 + b"}" * 100 + b"}",
+            "aux-escape.json": json.dumps({"format": "reshard.manifest", "format_version": 1,
+                                           "aux_files": ["../../x"]}).encode(),
+        },
+        # MEMOIZE (0x94) after an empty tuple, many times: a memo flood (PROTO 4, STOP).
+        "pickle": {"memo-flood.pkl": b"\x80\x04" + b")\x94" * 20000 + b"."},
+    }
+    for kind, files in seeds.items():
+        os.makedirs(os.path.join(out, kind), exist_ok=True)
+        for name, data in files.items():
+            with open(os.path.join(out, kind, "hostile-" + name), "wb") as f:
+                f.write(data)
+
+
 def main(out, reshard_bin=None):
     with tempfile.TemporaryDirectory() as work:
         ckpts = write_safetensors_and_index(out, work)
@@ -146,6 +186,7 @@ def main(out, reshard_bin=None):
             ROOT, "build", "reshard")
         write_rank_and_manifest(out, work, ckpts, reshard_bin)
     write_torch_save(out)
+    write_hostile_shapes(out)
 
 
 def write_torch_save(out):

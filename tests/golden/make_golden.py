@@ -76,6 +76,10 @@ def st_cli(contains):
              "stderr": contains}]
 
 
+DEEP = b"[" * 1000 + b"]" * 1000
+DEPTH_ERROR = ["nested more than 64 levels", "at most 64 levels of nesting"]
+
+
 def safetensors_cases():
     def add(name, data, contains, what):
         rel = f"safetensors/{name}.safetensors"
@@ -155,6 +159,14 @@ def safetensors_cases():
         st_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], "x": 1}},
                  bytes(16)),
         ['tensor "w"', 'unknown key "x"'], "entry with an unknown key")
+    # Issue 25: 100,000 levels crashed every reader (recursion); 1,000 show the limit.
+    add("deep_nesting", st_bytes(None, b"", raw_header=b'{"w":' + DEEP + b"}"),
+        DEPTH_ERROR, "arrays nested 1,000 deep (the limit is 64)")
+    add("control_chars_in_name",
+        st_bytes({"evil\x1b[2J\x07": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}},
+                 bytes(16)),
+        ['tensor "evil\\x1b[2J\\x07".dtype', '"F128"'],
+        "a terminal escape sequence in a tensor name (shown escaped)")
     add("trailing_data",
         st_bytes(ok, bytes(20)),
         ["data size", "20 bytes after the header, tensors cover 16"], "4 bytes nobody owns")
@@ -183,9 +195,10 @@ class Rank:
             f["header_offset"], f["header_size"], f["header_xxh3"])
         return b + struct.pack("<Q", xxh3(b))
 
-    def with_header(self, header) -> bytes:
-        """The file with `header` re-serialized and every checksum made to match it."""
-        text = json.dumps(header, indent=1).encode()
+    def with_header(self, header, text=None) -> bytes:
+        """The file with `header` re-serialized (or `text` as the header) and every checksum
+        made to match it."""
+        text = json.dumps(header, indent=1).encode() if text is None else text
         pre = self.preamble(header_size=len(text), header_xxh3=xxh3(text))
         return pre + self.raw[64:self.data_offset] + self.data + text
 
@@ -313,6 +326,9 @@ def rank_cases(reshard_bin, work):
     h["layout"]["world_size"] = 1 << 32
     add("world_size_2p32", z0.with_header(h), "rank_open",
         ["layout.world_size", "4294967296", "1 to 16777216"], "world size 2^32")
+    add("deep_nesting", z0.with_header(None, json.dumps(z0.header).encode()[:-1] +
+                                       b', "extra": ' + DEEP + b"}"), "rank_open",
+        ["header", *DEPTH_ERROR], "header with a member nested 1,000 deep (checksums consistent)")
     # Files that are intact but do not belong where they are.
     add("wrong_world_size", z4.raw, "rank_data",
         ["holds rank 0, expected file name rank-00000-of-00004.reshard"],
@@ -351,6 +367,14 @@ def index_cases():
     add("duplicate_key",
         b'{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}',
         ['index: duplicate key "w"'], "one key twice")
+    add("deep_nesting", b'{"weight_map":' + DEEP + b"}", ["index", *DEPTH_ERROR],
+        "weight_map nested 1,000 deep")
+    add("nul_in_file_name",
+        json.dumps({"weight_map": {"w": "model.safetensors\x00.txt"}}).encode(),
+        ['weight_map["w"]', '"model.safetensors\\x00.txt"', "a file name in the checkpoint directory"],
+        "a NUL inside a weight_map file name (the C path would end at it)")
+    add("nul_in_tensor_name", json.dumps({"weight_map": {"w\x00x": "model.safetensors"}}).encode(),
+        ["weight_map", '"w\\x00x" (a NUL inside)'], "a NUL inside a weight_map tensor name")
 
 
 def manifest_cases(reshard_bin, work):
@@ -389,6 +413,20 @@ def manifest_cases(reshard_bin, work):
     m["layouts"][key]["world_size"] = 4294967298
     add("world_size_2p32", m, [f'layouts["{key}"].world_size', "4294967298"],
         "world size 2^32 + 2")
+    # Issue 25: reshard.save copied aux_files by name from SOURCE into OUT.
+    aux_expected = "expected a plain file name in the manifest's directory"
+    for name, aux, what in (("aux_file_escape", "../../escape.sh", "a name climbing out of OUT"),
+                            ("aux_file_absolute", "/tmp/reshard-golden-absolute",
+                             "an absolute path"),
+                            ("aux_file_control", "tok\x1b[2J.json",
+                             "a terminal escape sequence")):
+        m = json.loads(json.dumps(good))
+        m["aux_files"] = m["aux_files"] + [aux]
+        i = len(m["aux_files"]) - 1
+        add(name, m, [f"aux_files[{i}]", json.dumps(aux).replace("\\u001b", "\\x1b"),
+                      aux_expected], f"an aux file name that is {what}")
+    add("deep_nesting", json.dumps(good).encode()[:-1] + b', "extra": ' + DEEP + b"}\n",
+        ["manifest", *DEPTH_ERROR], "an extra member nested 1,000 deep")
 
 
 # ---- the pinned set: today's writer's rank files, kept byte for byte ------------------

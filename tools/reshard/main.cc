@@ -234,6 +234,9 @@ int main(int argc, char** argv) {
                       "lock (conversions of disjoint --ranks may run at the same time)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  convert->add_flag("--force", co.force,
+                    "convert into an OUT that is neither empty nor a reshard output of SRC "
+                    "(its files that convert writes, config.json among them, are replaced)");
   convert->add_flag("--json", convert_json, "print a machine-readable summary on stdout");
   convert->footer(
       "Examples:\n"

@@ -11,9 +11,13 @@ namespace reshard {
 class File {
  public:
   File() = default;
+  /// Opens a regular file (symbolic links followed) for reading; a FIFO, device, socket or
+  /// directory is refused with kInvalidArgument naming it (never waited on).
   static File OpenRead(const std::filesystem::path& path, bool direct = false);
-  /// Creates (truncating) a file for writing.
-  static File Create(const std::filesystem::path& path);
+  /// Creates a new file for writing with permission bits `mode` (less the umask). Whatever is
+  /// at `path` is unlinked first, never followed or written through: the file is created
+  /// with O_EXCL | O_NOFOLLOW.
+  static File Create(const std::filesystem::path& path, unsigned mode = 0644);
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
@@ -42,9 +46,15 @@ class File {
 /// fsync of a directory, so that a rename inside it is durable.
 void SyncDirectory(const std::filesystem::path& dir);
 
-/// Writes `contents` to `path` atomically: temporary file in the same directory, fsync,
-/// rename, fsync of the directory.
-void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents);
+/// Writes `contents` to `path` atomically: temporary file (an unpredictable name, created
+/// O_EXCL | O_NOFOLLOW) in the same directory with permission bits `mode`, fsync, rename,
+/// fsync of the directory.
+void WriteFileAtomic(const std::filesystem::path& path, std::string_view contents,
+                     unsigned mode = 0644);
+
+/// The permission bits for a copy of `source` (symbolic links followed): 0644 less whatever
+/// `source` does not grant, so that a copy is never readable by more users than the source.
+unsigned CopyMode(const std::filesystem::path& source);
 
 /// This machine's host name with every character but [A-Za-z0-9._] replaced by '_' ("host"
 /// when unknown): part of temporary file names, so that a crashed writer's temporaries can be

@@ -29,6 +29,9 @@ struct ConvertOptions {
   /// (held only while the manifest is read at the start and rewritten at the end, so that
   /// conversions of disjoint --ranks can run at the same time, e.g. one per machine).
   double lock_wait_seconds = 60;
+  /// Convert into an OUT that is neither empty nor a reshard output of this source (files
+  /// there that a conversion writes, config.json among them, are then replaced).
+  bool force = false;
   /// Called now and then with (bytes done, bytes total) from the converting thread.
   std::function<void(uint64_t, uint64_t)> progress;
 };

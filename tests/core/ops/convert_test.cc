@@ -438,6 +438,60 @@ TEST_F(ConvertTest, ConcurrentDisjointRankConversionsBothComplete) {
   EXPECT_TRUE(Temporaries().empty());
 }
 
+// OUT holding the user's files (another checkpoint's config.json) is refused before anything
+// is written, unless force; an OUT left by an interrupted conversion of this source (layout
+// directory, identical aux files, no manifest yet) is resumed.
+TEST_F(ConvertTest, NonEmptyDirectoryThatIsNoOutputOfThisSourceNeedsForce) {
+  fs::create_directories(Out());
+  test::WriteBytes(Out() / "config.json", "{\"model_type\": \"someone else's\"}");
+  test::WriteBytes(Out() / "notes.txt", "mine");
+  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kInvalidArgument,
+                          {Out().string(), "found ", "without reshard.json",
+                           "expected an empty directory or a reshard output of this source",
+                           "--force"}));
+  EXPECT_EQ(test::ReadBytes(Out() / "config.json"), "{\"model_type\": \"someone else's\"}");
+  EXPECT_FALSE(fs::exists(Out() / "fsdp2-ws2"));
+  ConvertOptions o = Options(2);
+  o.force = true;
+  Convert(o);
+  EXPECT_EQ(test::ReadBytes(Out() / "config.json"), test::ReadBytes(Src() / "config.json"));
+  EXPECT_EQ(test::ReadBytes(Out() / "notes.txt"), "mine");
+  // A reshard output of this source: converting another layout into it is fine.
+  Convert(Options(3));
+}
+
+TEST_F(ConvertTest, InterruptedOutputWithoutManifestIsResumed) {
+  Convert(Options(2));
+  fs::remove(Out() / "reshard.json");  // killed before the manifest was written
+  fs::remove(RankPath(2, 1));
+  Convert(Options(2));
+  EXPECT_TRUE(fs::exists(Out() / "reshard.json"));
+  // A differing config.json without a manifest is not this source's output.
+  fs::remove(Out() / "reshard.json");
+  test::WriteBytes(Out() / "config.json", "{}");
+  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kInvalidArgument,
+                          {"config.json (differing from", "--force"}));
+}
+
+// Aux files copied into OUT keep the source's restrictions: a 0600 config.json (or a link
+// to a 0600 secret) is not published as 0644.
+TEST_F(ConvertTest, AuxFileCopiesAreNeverMorePermissive) {
+  const mode_t old_mask = ::umask(022);
+  test::WriteBytes(dir_ / "secret.json", "{\"token\": \"s3cret\"}");
+  ::chmod((dir_ / "secret.json").c_str(), 0600);
+  fs::remove(Src() / "tokenizer.json");
+  fs::create_symlink(dir_ / "secret.json", Src() / "tokenizer.json");
+  ::chmod((Src() / "config.json").c_str(), 0640);
+  Convert(Options(2));
+  struct stat st;
+  ASSERT_EQ(::stat((Out() / "tokenizer.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_FALSE(fs::is_symlink(Out() / "tokenizer.json"));
+  ASSERT_EQ(::stat((Out() / "config.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0640u);
+  ::umask(old_mask);
+}
+
 // A temporary of a live process on this host (another conversion in progress) is kept.
 TEST_F(ConvertTest, LiveProcessTemporaryIsKept) {
   fs::create_directories(Out() / "fsdp2-ws2");

@@ -1,0 +1,209 @@
+"""Issue 25's hostile inputs through the CLI and the Python API: a source manifest whose
+aux_files name paths (reshard.save wrote outside OUT), deeply nested manifests (RecursionError
+or a crash instead of ReshardError), FIFOs as weight, index, rank files (hangs), convert into a
+directory holding someone else's files, copies that widened permissions, and terminal escape
+sequences in tensor names reaching inspect's output. Each command runs under a time limit:
+a hang fails the test instead of stalling the suite."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+
+import pytest
+import torch
+
+import reshard
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, reshard_bin):
+    """A small checkpoint converted to fsdp2-ws1 (shared, never modified: tests copy it)."""
+    import subprocess
+
+    from checkpoints import make_checkpoint
+
+    root = tmp_path_factory.mktemp("hostile")
+    src = root / "src"
+    make_checkpoint(str(src), "qwen2", "fp32", False)
+    out = root / "out"
+    subprocess.run([reshard_bin, "convert", str(src), "-o", str(out), "--world-size", "1"],
+                   check=True, capture_output=True, timeout=120)
+    return src, out
+
+
+def _copy_tree(a, b):
+    import shutil
+
+    shutil.copytree(a, b, symlinks=True)
+    return b
+
+
+def _edit_manifest(out, edit):
+    p = out / "reshard.json"
+    m = json.loads(p.read_text())
+    edit(m)
+    p.write_text(json.dumps(m, indent=2) + "\n")
+
+
+def _model(out):
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cpu")
+    return model
+
+
+# ---- 1. aux_files that are paths ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["../../escape.txt", "/tmp/reshard-hostile-absolute.txt",
+                                  "sub/../../escape.txt", "tok\x1b[2J.json"])
+def test_aux_file_path_is_refused_by_verify_load_and_save(converted, cli, tmp_path, name):
+    src, good = converted
+    out = _copy_tree(good, tmp_path / "a" / "b" / "out")
+    model = _model(good)
+    reshard.load(model, str(good))
+    _edit_manifest(out, lambda m: m["aux_files"].append(name))
+    # The file the name points at exists, so nothing stops at "missing".
+    target = os.path.normpath(os.path.join(out, name)) if not name.startswith("/") else name
+    if "\x1b" not in name:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w") as f:
+            f.write("attacker content")
+    try:
+        shown = json.dumps(name).replace("\\u001b", "\\x1b")
+        r = cli("verify", out, rc=1)
+        assert "reshard.json" in r.text and "aux_files[" in r.text and shown in r.text, r.text
+        assert "expected a plain file name" in r.text, r.text
+        assert "\x1b" not in r.text
+        with pytest.raises(reshard.ReshardError, match=r"aux_files\["):
+            reshard.load(_model(good), str(out))
+        saved = tmp_path / "c" / "d" / "saved"
+        with pytest.raises(reshard.ReshardError, match=r"aux_files\["):
+            reshard.save(model, str(saved), source=str(out))
+        # Nothing written beside or above OUT: the escape target of `saved` does not exist.
+        escaped = os.path.normpath(os.path.join(saved, name))
+        if not name.startswith("/"):
+            assert not os.path.exists(escaped), escaped
+        assert not (saved / "reshard.json").exists()
+    finally:
+        if name.startswith("/") and os.path.exists(target):
+            os.remove(target)
+
+
+# ---- 2. deep nesting ----------------------------------------------------------------------
+
+def test_deep_manifest_is_a_reshard_error_not_a_crash(converted, cli, tmp_path):
+    src, good = converted
+    out = _copy_tree(good, tmp_path / "out")
+    text = (out / "reshard.json").read_text().rstrip()
+    assert text.endswith("}")
+    deep = "[" * 100000 + "]" * 100000  # 200 KB: SIGSEGV in every reader before the limit
+    (out / "reshard.json").write_text(text[:-1] + ', "extra": ' + deep + "}\n")
+    for cmd in (("verify", out), ("inspect", out)):
+        r = cli(*cmd, timeout=60)
+        assert r.rc in (1, 3), r.text
+        assert "nested more than 64 levels" in r.text and "reshard.json" in r.text, r.text
+    with pytest.raises(reshard.ReshardError, match="nested more than 64 levels"):
+        reshard.load(_model(good), str(out))
+    # The safetensors header of the source, the index, config.json for export --dtype too.
+    bad = tmp_path / "deep.safetensors"
+    header = b'{"w":' + deep.encode() + b"}"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header)
+    r = cli("inspect", bad, timeout=60)
+    assert r.rc == 3 and "nested more than 64 levels" in r.text, r.text
+    exp = _copy_tree(good, tmp_path / "exp")
+    (exp / "config.json").write_text('{"dtype": "float32", "x": ' + deep + "}")
+    r = cli("export", exp, "-o", tmp_path / "hf", "--dtype", "bf16", timeout=60)
+    assert r.rc != 0 and "config.json" in r.text and "nested more than 64" in r.text, r.text
+
+
+# ---- 4. special files and permissions -------------------------------------------------------
+
+def test_fifo_weight_index_and_rank_files_are_refused_not_waited_on(converted, cli, tmp_path):
+    src, good = converted
+    weights = tmp_path / "w"
+    weights.mkdir()
+    os.mkfifo(weights / "model.safetensors")
+    for cmd in (("inspect", weights / "model.safetensors"), ("inspect", weights),
+                ("convert", weights, "-o", tmp_path / "o1", "--world-size", "1")):
+        r = cli(*cmd, timeout=30)
+        assert r.rc != 0 and "FIFO" in r.text and "expected a regular file" in r.text, r.text
+    index = tmp_path / "i"
+    index.mkdir()
+    os.mkfifo(index / "model.safetensors.index.json")
+    r = cli("convert", index, "-o", tmp_path / "o2", "--world-size", "1", timeout=30)
+    assert r.rc != 0 and "FIFO" in r.text, r.text
+    out = _copy_tree(good, tmp_path / "out")
+    rank = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
+    rank.unlink()
+    os.mkfifo(rank)
+    for cmd in (("verify", out), ("inspect", rank)):
+        r = cli(*cmd, timeout=30)
+        assert r.rc != 0 and "FIFO" in r.text, r.text
+    with pytest.raises(reshard.ReshardError, match="FIFO"):
+        reshard.load(_model(good), str(out))
+
+
+def test_symlinked_secret_is_not_published_with_wider_permissions(converted, cli, tmp_path):
+    src, _ = converted
+    mine = _copy_tree(src, tmp_path / "src")
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"token": "s3cret"}')
+    secret.chmod(0o600)
+    (mine / "tokenizer.json").unlink(missing_ok=True)
+    (mine / "tokenizer.json").symlink_to(secret)
+    (mine / "config.json").chmod(0o640)
+    out = tmp_path / "out"
+    cli("convert", mine, "-o", out, "--world-size", "1", rc=0)
+    for name, mode in (("tokenizer.json", 0o600), ("config.json", 0o640)):
+        st = os.lstat(out / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode, (name, oct(st.st_mode))
+    hf = tmp_path / "hf"
+    cli("export", out, "-o", hf, rc=0)
+    for name, mode in (("tokenizer.json", 0o600), ("config.json", 0o640)):
+        assert stat.S_IMODE(os.lstat(hf / name).st_mode) == mode, name
+
+
+def test_symlink_planted_as_lock_file_is_refused(converted, cli, tmp_path):
+    src, good = converted
+    out = _copy_tree(good, tmp_path / "out")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (out / ".reshard.lock").unlink(missing_ok=True)
+    (out / ".reshard.lock").symlink_to(victim)
+    r = cli("convert", src, "-o", out, "--world-size", "2", timeout=60)
+    assert r.rc != 0 and ".reshard.lock" in r.text and "symbolic link" in r.text, r.text
+    assert victim.read_text() == "precious"
+
+
+# ---- 5. convert into someone else's directory ------------------------------------------------
+
+def test_convert_into_a_foreign_directory_needs_force(converted, cli, tmp_path):
+    src, _ = converted
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "another checkpoint"}')
+    r = cli("convert", src, "-o", out, "--world-size", "1", rc=2)
+    assert "config.json" in r.text and "--force" in r.text and "without reshard.json" in r.text
+    assert (out / "config.json").read_text() == '{"model_type": "another checkpoint"}'
+    assert not (out / "fsdp2-ws1").exists()
+    cli("convert", src, "-o", out, "--world-size", "1", "--force", rc=0)
+    cli("convert", src, "-o", out, "--world-size", "2", rc=0)  # now a reshard output of src
+    cli("verify", out, rc=0)
+
+
+# ---- 6. terminal escapes in tensor names ----------------------------------------------------
+
+def test_escape_sequences_in_tensor_names_are_shown_escaped(cli, tmp_path):
+    name = "evil\x1b]0;owned\x07\x1b[2J"
+    header = json.dumps({name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "evil.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\0\0")
+    r = cli("inspect", path, rc=0)
+    assert "evil\\x1b]0;owned\\x07\\x1b[2J" in r.out, r.out
+    assert "\x1b" not in r.out and "\x07" not in r.out
+    out = tmp_path / "out"
+    cli("convert", path, "-o", out, "--world-size", "1", rc=0)
+    r = cli("inspect", out / "fsdp2-ws1" / "rank-00000-of-00001.reshard", rc=0)
+    assert "\x1b" not in r.out and "evil\\x1b" in r.out, r.out
