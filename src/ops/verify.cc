@@ -1,6 +1,7 @@
 #include "reshard/ops/verify.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstring>
@@ -349,15 +350,21 @@ class Verifier {
       }
     }
     std::vector<ChunkItem> items;
+    std::vector<uint64_t> lengths;  // each item's decoded bytes, for the progress report
+    uint64_t total = 0;
     for (size_t ri = 0; ri < readers.size(); ++ri) {
       const auto& h = readers[ri].header();
       for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
         report_.tensors++;
         for (uint64_t c = 0; c < h.tensors[ti].ChunkCount(h.chunk_size); ++c) {
           items.push_back({ri, ti, c});
+          lengths.push_back(ChunkLength(h.tensors[ti], h.chunk_size, c));
+          total += lengths.back();
         }
       }
     }
+    std::atomic<uint64_t> done{0};
+    std::mutex progress_mu;
     for (const auto& r : readers) {
       if (compare && !ParseDTypePolicy(r.header().dtype_policy)) {
         Problem(r.path(), "", "unknown dtype policy \"" + r.header().dtype_policy +
@@ -415,8 +422,14 @@ class Verifier {
         } catch (const std::exception& e) {
           Problem(r.path(), t.name, e.what());
         }
+        done += lengths[i];
+        if (o_.progress) {
+          std::unique_lock<std::mutex> report(progress_mu, std::try_to_lock);
+          if (report.owns_lock()) o_.progress(l.key, done.load(), total);
+        }
       }
     }
+    if (o_.progress) o_.progress(l.key, done.load(), total);
     for (size_t i = 0; i < items.size(); ++i) {
       report_.bytes += bytes[i];
       report_.source_bytes_compared += compared[i];
