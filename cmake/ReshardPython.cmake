@@ -1,12 +1,20 @@
-# The torch already installed in the build's Python environment: reshard's Python extension is
-# built for it (never for a torch downloaded into an isolated build environment), and its CUDA
-# copy engine is built only when a CUDA toolkit of the same major version as torch's
-# torch.version.cuda is found. Sets:
-#   RESHARD_TORCH_VERSION        torch.__version__ ("" when the Python extension is not built)
-#   RESHARD_TORCH_CUDA_VERSION   torch.version.cuda ("" for a CPU-only torch)
+# The Python extension's build tools: the interpreter (with development headers) and pybind11.
+# The extension uses no torch headers and links no torch library (tensors cross as pointers),
+# so torch is not needed to build it: pip's default isolated build (`pip install .`, with
+# scikit-build-core and pybind11 from pyproject.toml's build requirements) and
+# `pip install --no-build-isolation .` build the same extension. When torch happens to be
+# importable by the build's Python (a --no-build-isolation or developer build), its version is
+# recorded and its CUDA major version is checked against the toolkit's (ReshardCuda.cmake).
+# Sets:
+#   RESHARD_TORCH_VERSION        torch.__version__ seen at build time ("" when not importable)
+#   RESHARD_TORCH_CUDA_VERSION   its torch.version.cuda ("" for a CPU-only or absent torch)
+#   RESHARD_PYTHON_VERSION       "3.11" ("" when the extension is not built)
+#   RESHARD_PYBIND11_VERSION     pybind11's version ("" when the extension is not built)
 include_guard(GLOBAL)
 set(RESHARD_TORCH_VERSION "")
 set(RESHARD_TORCH_CUDA_VERSION "")
+set(RESHARD_PYTHON_VERSION "")
+set(RESHARD_PYBIND11_VERSION "")
 if(NOT RESHARD_BUILD_PYTHON)
   return()
 endif()
@@ -19,33 +27,29 @@ if(NOT Python_FOUND)
     "-DPython_EXECUTABLE=/path/to/venv/bin/python, or build the C++ parts only with "
     "-DRESHARD_BUILD_PYTHON=OFF.")
 endif()
+set(RESHARD_PYTHON_VERSION "${Python_VERSION_MAJOR}.${Python_VERSION_MINOR}")
 
+# torch, only to record it and to check the CUDA major version (never required).
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c
           "import sys, torch; sys.stdout.write(torch.__version__ + ';' + (torch.version.cuda or ''))"
   RESULT_VARIABLE _reshard_torch_rc
   OUTPUT_VARIABLE _reshard_torch_out
-  ERROR_VARIABLE _reshard_torch_err)
-if(NOT _reshard_torch_rc EQUAL 0)
-  string(STRIP "${_reshard_torch_err}" _reshard_torch_err)
-  string(REGEX REPLACE ".*\n" "" _reshard_torch_err "${_reshard_torch_err}")  # last line
-  message(FATAL_ERROR
-    "reshard: torch is not importable by the build's Python (${Python_EXECUTABLE}): "
-    "${_reshard_torch_err}\n"
-    "reshard builds against the torch that is already installed in the environment where it "
-    "will run; pip's default isolated build environment does not contain it. Install torch "
-    "first, then build without build isolation:\n"
-    "    pip install torch scikit-build-core pybind11\n"
-    "    pip install --no-build-isolation .\n"
-    "(To build only the C++ library and CLI: cmake -DRESHARD_BUILD_PYTHON=OFF.)")
-endif()
-list(GET _reshard_torch_out 0 RESHARD_TORCH_VERSION)
-list(GET _reshard_torch_out 1 RESHARD_TORCH_CUDA_VERSION)
-if(RESHARD_TORCH_CUDA_VERSION STREQUAL "")
-  message(STATUS "reshard: torch ${RESHARD_TORCH_VERSION} (CPU-only) from ${Python_EXECUTABLE}")
+  ERROR_QUIET)
+if(_reshard_torch_rc EQUAL 0)
+  list(GET _reshard_torch_out 0 RESHARD_TORCH_VERSION)
+  list(GET _reshard_torch_out 1 RESHARD_TORCH_CUDA_VERSION)
+  if(RESHARD_TORCH_CUDA_VERSION STREQUAL "")
+    message(STATUS "reshard: torch ${RESHARD_TORCH_VERSION} (CPU-only) importable by "
+                   "${Python_EXECUTABLE} (recorded; the extension does not use its headers)")
+  else()
+    message(STATUS "reshard: torch ${RESHARD_TORCH_VERSION} (CUDA ${RESHARD_TORCH_CUDA_VERSION}) "
+                   "importable by ${Python_EXECUTABLE} (recorded; the extension does not use its "
+                   "headers)")
+  endif()
 else()
-  message(STATUS "reshard: torch ${RESHARD_TORCH_VERSION} (CUDA ${RESHARD_TORCH_CUDA_VERSION}) "
-                 "from ${Python_EXECUTABLE}")
+  message(STATUS "reshard: torch not importable by ${Python_EXECUTABLE} (an isolated build): "
+                 "not needed, the extension uses no torch headers")
 endif()
 
 find_package(pybind11 CONFIG QUIET)
@@ -59,7 +63,10 @@ if(NOT pybind11_FOUND)
 endif()
 if(NOT pybind11_FOUND)
   message(FATAL_ERROR
-    "reshard: pybind11 not found for ${Python_EXECUTABLE}. Install it into that environment "
+    "reshard: pybind11 not found for ${Python_EXECUTABLE}. `pip install .` installs it into its "
+    "isolated build environment by itself (pyproject.toml's build requirements); for "
+    "`pip install --no-build-isolation .` or a CMake build, install it into that environment "
     "(pip install pybind11) or pass -Dpybind11_DIR=$(python -c 'import pybind11; "
     "print(pybind11.get_cmake_dir())').")
 endif()
+set(RESHARD_PYBIND11_VERSION "${pybind11_VERSION}")
