@@ -44,12 +44,8 @@ T_END=$(date +%s)
 echo "== summary"
 "$VENV/bin/python" - "$WORK" "$WS" "$((T_SETUP - T0))" "$((T_END - T_SETUP))" <<'PY'
 import glob, json, os, sys
+from reshard import format_bytes as size, format_rate  # the CLI's units (reshard::FormatBytes)
 work, ws, setup_s, job_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-def size(n):
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= f:
-            return f"{n / f:.2f} {unit}"
-    return f"{n} B"
 reps = sorted((json.load(open(p)) for p in glob.glob(os.path.join(work, "json", "rank-*.json"))),
               key=lambda r: r["rank"])
 src = os.path.join(work, "llama-default")
@@ -61,7 +57,7 @@ print(f"loaded     each rank read only its own file; weights equal from_pretrain
 for r in reps:
     ld = r["load"]
     print(f"  rank {r['rank']}: {size(ld['bytes'])} in {ld['seconds'] * 1e3:.1f} ms "
-          f"({ld['gbps']:.2f} GB/s), peak RSS {size(r['rss']['peak_final'])}")
+          f"({format_rate(ld['gbps'] * 1e9)}), peak RSS {size(r['rss']['peak_final'])}")
 losses = reps[0]["losses"]
 marks = sorted({0, len(losses) // 2, len(losses) - 1})
 print("trained    loss " + " -> ".join(f"{losses[i]:.3f} (step {i + 1})" for i in marks))

@@ -13,14 +13,16 @@ OUT is what `reshard convert SRC -o OUT --world-size N` wrote, or what
 
 Modules by role: engine (the copy engine: prepare, moving bytes), load (FSDP2 and plain
 models), load_fsdp1 (FullyShardedDataParallel), save, optimizer, model (empty_model,
-buffers), check (check_weights), layout (the on-disk rules, from the C++ core), errors,
+buffers), check (check_weights), layout (the on-disk rules, from the C++ core), hub
+(resolve_source: model ids through the local Hugging Face cache), errors,
 model_manifest (`python -m reshard.model_manifest`), examples.train (`python -m
 reshard.train`).
 """
 
-from ._C import build_info  # noqa: F401
+from ._C import build_info, format_bytes, format_rate  # noqa: F401
 from .check import check_weights  # noqa: F401
 from .engine import LoadReport, prepare  # noqa: F401
+from .hub import resolve_source  # noqa: F401
 from .errors import (BusyError, CorruptFileError, InvalidArgumentError,  # noqa: F401
                      LayoutMismatchError, NotFoundError, ReshardError, ReshardIOError,
                      UnsupportedError)

@@ -9,6 +9,7 @@ import gc
 import torch
 from torch import nn
 
+from .hub import resolve_source
 from .model import build_dtype, clean_name, reference_class
 
 
@@ -24,10 +25,13 @@ def full_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if isinstance(p, DTensor) else p
 
 
-def check_weights(model: nn.Module, src: str, model_class=None, log=print) -> int:
+def check_weights(model: nn.Module, src: str, model_class=None, log=print, revision=None) -> int:
     """Every parameter's full tensor equals from_pretrained(SRC)'s, converted to the live dtype
     with Tensor.to(), bit for bit; buffers too; tied weights still tied. Raises otherwise.
-    Returns the number of parameters checked. Collective: call it on every rank."""
+    SRC is a checkpoint directory or a model id in the local Hugging Face cache (resolved as
+    the CLI resolves it, reshard.resolve_source; never downloaded). Returns the number of
+    parameters checked. Collective: call it on every rank."""
+    src = resolve_source(src, revision)
     cls = model_class or reference_class(model)
     if _is_fsdp1(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -118,6 +118,11 @@ class LoadReport:
     staging_alloc_seconds: float = 0.0  # of `seconds`: pinned staging made by this load (0: reused/prepared)
     pooled: bool = False  # the reader threads were the copy engine's own (started once, by prepare)
 
+    def __str__(self) -> str:  # what a person reads; repr() keeps every field
+        return (f"rank {self.rank}/{self.world_size}: loaded {_C.format_bytes(self.bytes)} of {self.layout} "
+                f"from {self.file} in {self.seconds:.3f} s ({_C.format_rate(self.gbps * 1e9)}), "
+                f"{self.tensors} tensor(s)")
+
 
 def target_device(t: torch.Tensor, what: str, device_index: Optional[int]) -> Tuple[bool, Optional[int]]:
     """(on CUDA?, the rank's CUDA device index so far): one CUDA device per rank, or CPU."""

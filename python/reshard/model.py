@@ -12,6 +12,7 @@ from torch import nn
 
 from .engine import open_rank_file, prepare_quietly
 from .errors import CorruptFileError, NotFoundError
+from .hub import resolve_source
 from .layout import read_manifest, torch_dtype
 
 
@@ -158,12 +159,14 @@ def keep_in_fp32_as_from_pretrained(model: nn.Module, dtype: torch.dtype) -> Lis
     return cast
 
 
-def empty_model(out: str, dtype="auto", model_class=None) -> nn.Module:
+def empty_model(out: str, dtype="auto", model_class=None, revision=None) -> nn.Module:
     """Builds the Hugging Face model described by OUT/config.json with parameters on the
-    meta device and buffers computed for real, ready for fully_shard → to_empty → load."""
+    meta device and buffers computed for real, ready for fully_shard → to_empty → load.
+    OUT may also be a model id in the local Hugging Face cache (reshard.resolve_source)."""
     import transformers
     from accelerate import init_empty_weights
 
+    out = resolve_source(out, revision)
     config = transformers.AutoConfig.from_pretrained(out)
     if model_class is None:
         archs = getattr(config, "architectures", None) or []

@@ -21,6 +21,8 @@ BuildInfo GetBuildInfo() {
                      "." + std::to_string(XXH_VERSION_RELEASE);
   b.compiler = RESHARD_BUILD_COMPILER;
   b.build_type = RESHARD_BUILD_TYPE;
+  b.python_version = RESHARD_BUILD_PYTHON_VERSION;
+  b.pybind11_version = RESHARD_BUILD_PYBIND11_VERSION;
   b.torch_version = RESHARD_BUILD_TORCH_VERSION;
   return b;
 }
@@ -35,8 +37,17 @@ std::string VersionText() {
   t += "xxhash: " + b.xxhash_version + "\n";
   t += "compiler: " + b.compiler + "\n";
   t += "build type: " + (b.build_type.empty() ? std::string("(none)") : b.build_type) + "\n";
-  t += "torch (Python extension built for): " +
-       (b.torch_version.empty() ? std::string("(extension not built)") : b.torch_version);
+  t += "Python extension: " +
+       (b.python_version.empty()
+            ? std::string("not built")
+            : "Python " + b.python_version + ", pybind11 " + b.pybind11_version +
+                  " (no torch headers: works with any torch 2.x" +
+                  (b.cuda ? " of CUDA " + b.cuda_version.substr(0, b.cuda_version.find('.')) + ".x"
+                          : std::string()) +
+                  ")") +
+       "\n";
+  t += "torch at build time: " +
+       (b.torch_version.empty() ? std::string("none (not needed)") : b.torch_version);
   return t;
 }
 }  // namespace reshard

@@ -6,6 +6,7 @@
 
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
+#include "reshard/base/human.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/io/checkpoint.h"
@@ -135,14 +136,7 @@ json SourceJson(const fs::path& path) {
           {"tensors", tensors}};
 }
 
-std::string Bytes(uint64_t n) {
-  char buf[32];
-  if (n >= 1000000000ull) std::snprintf(buf, sizeof buf, "%.2f GB", n / 1e9);
-  else if (n >= 1000000ull) std::snprintf(buf, sizeof buf, "%.2f MB", n / 1e6);
-  else if (n >= 1000ull) std::snprintf(buf, sizeof buf, "%.1f kB", n / 1e3);
-  else std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(n));
-  return buf;
-}
+std::string Bytes(uint64_t n) { return FormatBytes(static_cast<double>(n)); }
 
 std::string Shape(const json& s) {
   std::string out = "[";

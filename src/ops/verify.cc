@@ -1,6 +1,7 @@
 #include "reshard/ops/verify.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cstring>
@@ -377,12 +378,16 @@ class Verifier {
       }
     }
     std::vector<ChunkItem> items;
+    std::vector<uint64_t> lengths;  // each item's decoded bytes, for the progress report
+    uint64_t total = 0;
     for (size_t ri = 0; ri < readers.size(); ++ri) {
       const auto& h = readers[ri].header();
       for (size_t ti = 0; ti < h.tensors.size(); ++ti) {
         report_.tensors++;
         for (uint64_t c = 0; c < h.tensors[ti].ChunkCount(h.chunk_size); ++c) {
           items.push_back({ri, ti, c});
+          lengths.push_back(ChunkLength(h.tensors[ti], h.chunk_size, c));
+          total += lengths.back();
         }
       }
     }
@@ -400,6 +405,9 @@ class Verifier {
     // is checked, whatever the others hold.
     ParallelForOptions po;
     po.threads = threads_;
+    if (o_.progress) {
+      po.progress = [&](uint64_t units) { o_.progress(l.key, units, total); };
+    }
     ParallelFor(items.size(), po, [&] {
       return [&, scratch = std::string(), fill_scratch = std::vector<char>(),
               buf = std::unique_ptr<char[]>(), conv = std::unique_ptr<char[]>(),
@@ -443,9 +451,10 @@ class Verifier {
         } catch (const std::exception& e) {
           Problem(r.path(), t.name, e.what());
         }
-        return 0;
+        return lengths[i];
       };
     });
+    if (o_.progress) o_.progress(l.key, total, total);
     for (size_t i = 0; i < items.size(); ++i) {
       report_.bytes += bytes[i];
       report_.source_bytes_compared += compared[i];

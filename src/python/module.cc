@@ -19,11 +19,13 @@
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype.h"
 #include "reshard/base/error.h"
+#include "reshard/base/human.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
+#include "reshard/io/hf_cache.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/build_info.h"
@@ -197,6 +199,29 @@ PYBIND11_MODULE(_C, m) {
       py::arg("source"),
       "The tensors of a Hugging Face checkpoint (directory or weight file) as the core reads "
       "them: (name, dtype name, shape), sorted by name; headers only.");
+  // The CLI's rules, so that Python prints and resolves exactly as `reshard` does.
+  m.def("format_bytes", [](double n) { return reshard::FormatBytes(n); }, py::arg("n"),
+        "A byte count in the unit that fits: 512 B, 1.54 KB, 12.3 MB, 7.60 GB (powers of 1000).");
+  m.def("format_rate", [](double n) { return reshard::FormatRate(n); }, py::arg("bytes_per_second"),
+        "format_bytes(bytes_per_second) + '/s'; '-' for a rate that is not a finite number >= 0.");
+  m.def("hf_hub_cache_dir", [] { return reshard::HfHubCacheDir().string(); },
+        "The Hugging Face hub cache directory (HF_HUB_CACHE, HF_HOME, ~/.cache/huggingface/hub).");
+  m.def(
+      "resolve_source",
+      [](const std::string& source, const std::optional<std::string>& revision) {
+        const reshard::ResolvedSource r = reshard::ResolveSource(source, revision.value_or(""));
+        py::dict d;
+        d["path"] = r.path.string();
+        d["from_cache"] = r.from_cache;
+        d["model_id"] = r.model_id;
+        d["revision"] = r.revision;
+        d["commit"] = r.commit;
+        return d;
+      },
+      py::arg("source"), py::arg("revision") = py::none(),
+      "A local path (used as it is when it exists), or a Hugging Face model id found in the "
+      "local cache: {'path', 'from_cache', 'model_id', 'revision', 'commit'}. Never downloads; "
+      "raises NotFoundError naming `hf download` when the id is not cached.");
 
   m.def("build_info", [] {  // the same facts as `reshard --version` (reshard::GetBuildInfo)
     const reshard::BuildInfo b = reshard::GetBuildInfo();
@@ -214,6 +239,8 @@ PYBIND11_MODULE(_C, m) {
     d["xxhash_version"] = b.xxhash_version;
     d["compiler"] = b.compiler;
     d["build_type"] = b.build_type;
+    d["python_version"] = b.python_version;
+    d["pybind11_version"] = b.pybind11_version;
     d["torch_version"] = b.torch_version;
     d["version_text"] = reshard::VersionText();
     return d;

@@ -23,10 +23,12 @@
 #include <nlohmann/json.hpp>
 
 #include "reshard/base/error.h"
+#include "reshard/base/human.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/model_manifest.h"
 #include "reshard/io/manifest.h"
 #include "reshard/format/rank_file_format.h"
+#include "reshard/io/hf_cache.h"
 #include "reshard/ops/build_info.h"
 #include "reshard/ops/convert.h"
 #include "reshard/ops/export.h"
@@ -77,11 +79,71 @@ void ParseCompress(const std::string& text, reshard::ConvertOptions& o) {
   }
 }
 
-std::string Gb(double bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
-  return buf;
+std::string Bytes(double bytes) { return reshard::FormatBytes(bytes); }
+std::string Rate(double bytes, double seconds) {
+  return seconds > 0 ? reshard::FormatRate(bytes / seconds) : "-";
 }
+
+// Progress on a terminal: one line on stderr, rewritten at most ten times a second, only when
+// both stdout and stderr are terminals and --json was not given (quiet when piped or logged).
+class Progress {
+ public:
+  explicit Progress(bool json) : on_(!json && ::isatty(1) && ::isatty(2)) {}
+  bool on() const { return on_; }
+  void operator()(const std::string& what, uint64_t done, uint64_t total) {
+    if (!on_) return;
+    if (what != what_) {  // a new stage (verify: the next layout) gets its own line and clock
+      Done();
+      what_ = what;
+      t0_ = std::chrono::steady_clock::now();
+      last_ = -1;
+    }
+    const double s = Seconds();
+    if (done < total && s - last_ < 0.1) return;
+    last_ = s;
+    const double rate = s > 0 ? done / s : 0;
+    const double eta = rate > 0 ? (total - done) / rate : 0;
+    std::fprintf(stderr, "\r\033[K  %s%s / %s  %s  ETA %.0f s", what.c_str(), Bytes(done).c_str(),
+                 Bytes(total).c_str(), reshard::FormatRate(rate).c_str(), eta);
+    std::fflush(stderr);
+    shown_ = true;
+  }
+  /// Ends the progress line (before the command's own output).
+  void Done() {
+    if (shown_) std::fprintf(stderr, "\n");
+    shown_ = false;
+  }
+
+ private:
+  double Seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  bool on_;
+  bool shown_ = false;
+  double last_ = -1;
+  std::string what_;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+// SRC as a local path or a model id in the Hugging Face cache (reshard::ResolveSource: a local
+// path wins). Says on stderr which snapshot a model id resolved to, unless --json.
+reshard::ResolvedSource Resolve(const std::string& src, const std::string& revision, bool json) {
+  reshard::ResolvedSource r = reshard::ResolveSource(src, revision);
+  if (r.from_cache && !json) {
+    std::fprintf(stderr, "reshard: %s (revision %s, commit %.12s) from the Hugging Face cache: %s\n",
+                 r.model_id.c_str(), r.revision.c_str(), r.commit.c_str(), r.path.c_str());
+  }
+  return r;
+}
+
+constexpr const char* kSourceHelp =
+    "; or a Hugging Face model id (Org/Name) already in the local Hugging Face cache "
+    "($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; never downloaded: "
+    "hf download Org/Name first). A path that exists locally wins over a model id of the "
+    "same spelling (write ./Org/Name to be explicit)";
+constexpr const char* kRevisionHelp =
+    "with a model id: the cached revision to use, a ref name (branch or tag, default main) or "
+    "a 40-digit commit hash";
 
 }  // namespace
 
@@ -150,7 +212,7 @@ int main(int argc, char** argv) {
       "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
       "reshard"};
   app.require_subcommand(1);
-  // Version, rank-file format and build options (CUDA, zstd, OpenMP, xxhash, compiler), the
+  // Version, rank-file format and build options (CUDA, zstd, xxhash, compiler), the
   // same facts as reshard._C.build_info().
   app.set_version_flag("--version", reshard::VersionText(),
                        "print the version, the rank-file format and the build options, then exit");
@@ -173,8 +235,10 @@ int main(int argc, char** argv) {
                       "model.safetensors.index.json; else pytorch_model.bin, or sharded with "
                       "pytorch_model.bin.index.json) or one .safetensors or torch.save "
                       "(.bin/.pt/.pth, zip format) file. torch.save files are read without "
-                      "running any pickled code")
+                      "running any pickled code" + std::string(kSourceHelp))
       ->required();
+  std::string convert_revision;
+  convert->add_option("--revision", convert_revision, kRevisionHelp);
   convert->add_option("-o,--out", out,
                       "output directory; several layouts of one source can live side by side "
                       "in it (OUT/fsdp2-ws8/, OUT/fsdp2-ws4/, ...)")
@@ -241,6 +305,7 @@ int main(int argc, char** argv) {
   convert->footer(
       "Examples:\n"
       "  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8\n"
+      "  reshard convert Qwen/Qwen2.5-0.5B -o ./qwen-shards --world-size 8  # from the HF cache\n"
       "  reshard convert ./old-model -o ./shards --world-size 8 --dtype bf16\n"
       "  reshard convert ./Qwen2.5-7B -o ./qwen-shards --world-size 8 --compress zstd:3 --json\n"
       "  # split across two machines into one shared OUT (may run at the same time):\n"
@@ -265,7 +330,10 @@ int main(int argc, char** argv) {
       ->required();
   verify->add_option("--source", verify_source,
                      "the source checkpoint: check that the ranks reassemble it byte for byte "
-                     "(after the layout's dtype conversion, if any)");
+                     "(after the layout's dtype conversion, if any): a directory or file" +
+                         std::string(kSourceHelp));
+  std::string verify_revision;
+  verify->add_option("--revision", verify_revision, std::string(kRevisionHelp) + " (for --source)");
   verify->add_option("--threads", vo.threads, "worker threads (default: all cores)");
   verify->add_flag("--json", verify_json, "print a machine-readable report on stdout");
   verify->footer(
@@ -283,8 +351,10 @@ int main(int argc, char** argv) {
       "inspect", "Show tensors, dtypes, bytes per rank and layouts of an output, a rank file, "
                  "or a Hugging Face source directory.");
   inspect->add_option("PATH", inspect_path, "output directory, layout directory, rank file, or "
-                                            "Hugging Face checkpoint")
+                                            "Hugging Face checkpoint" + std::string(kSourceHelp))
       ->required();
+  std::string inspect_revision;
+  inspect->add_option("--revision", inspect_revision, kRevisionHelp);
   inspect->add_flag("--json", inspect_json, "print JSON on stdout");
   inspect->footer(
       "Examples:\n"
@@ -334,7 +404,8 @@ int main(int argc, char** argv) {
 
   try {
     if (*convert) {
-      co.source = src;
+      const reshard::ResolvedSource resolved = Resolve(src, convert_revision, convert_json);
+      co.source = resolved.path;
       co.out = out;
       co.layout.kind = *reshard::ParseLayoutKind(layout);
       co.layout.world_size = world_size;
@@ -379,22 +450,25 @@ int main(int argc, char** argv) {
       } remove_captured{captured};
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
       ParseCompress(compress, co);
-      const bool tty = ::isatty(2) && !convert_json;
-      const auto t0 = std::chrono::steady_clock::now();
-      if (tty) {
-        co.progress = [t0, last = 0.0](uint64_t done, uint64_t total) mutable {
-          double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          if (done < total && s - last < 0.1) return;  // at most ten lines a second
-          last = s;
-          double rate = s > 0 ? done / s : 0;
-          double eta = rate > 0 ? (total - done) / rate : 0;
-          std::fprintf(stderr, "\r  %s / %s  %.2f GB/s  ETA %.0f s   ", Gb(done).c_str(),
-                       Gb(total).c_str(), rate / 1e9, eta);
-          std::fflush(stderr);
-        };
+      Progress progress(convert_json);
+      if (progress.on()) {
+        co.progress = [&progress](uint64_t done, uint64_t total) { progress("", done, total); };
       }
-      reshard::ConvertResult r = reshard::Convert(co);
-      if (tty && !r.ranks_written.empty()) std::fprintf(stderr, "\n");
+      reshard::ConvertResult r;
+      try {
+        r = reshard::Convert(co);
+      } catch (const reshard::Error& e) {
+        progress.Done();
+        // A model id whose cached snapshot lacks the weights (e.g. only config.json was
+        // downloaded, or a blob was deleted): say how to complete it.
+        if (!resolved.from_cache || e.code() != reshard::ErrorCode::kNotFound) throw;
+        throw reshard::Error(e.code(), std::string(e.what()) + "; the Hugging Face cache holds "
+                                       "only part of " + resolved.model_id + ": hf download " +
+                                       resolved.model_id +
+                                       (convert_revision.empty() ? std::string()
+                                                                 : " --revision " + convert_revision));
+      }
+      progress.Done();
       if (convert_json) {
         nlohmann::json j = {{"layout", r.layout_key},
                             {"dtype", co.layout.dtype},
@@ -416,11 +490,11 @@ int main(int argc, char** argv) {
         std::cout << r.layout_dir.string() << ": all " << r.ranks_up_to_date.size()
                   << " requested rank files are already up to date; nothing to do\n";
       } else {
-        std::printf("wrote %zu rank file(s) of %s into %s: %s read in %.2f s (%.2f GB/s)",
+        std::printf("wrote %zu rank file(s) of %s into %s: %s read in %.2f s (%s)",
                     r.ranks_written.size(), r.layout_key.c_str(), r.layout_dir.c_str(),
-                    Gb(r.bytes_read).c_str(), r.seconds, r.bytes_read / 1e9 / r.seconds);
+                    Bytes(r.bytes_read).c_str(), r.seconds, Rate(r.bytes_read, r.seconds).c_str());
         if (co.codec == reshard::Codec::kZstd) {
-          std::printf(", zstd stored %s (ratio %.3f)", Gb(r.bytes_stored).c_str(),
+          std::printf(", zstd stored %s (ratio %.3f)", Bytes(r.bytes_stored).c_str(),
                       r.bytes_decoded ? double(r.bytes_stored) / r.bytes_decoded : 1.0);
         }
         if (!r.ranks_up_to_date.empty()) {
@@ -450,7 +524,12 @@ int main(int argc, char** argv) {
       eo.hf_dir = export_dir;
       eo.max_shard_size = *size;
       eo.dtype = export_dtype;
+      Progress progress(export_json);
+      if (progress.on()) {
+        eo.progress = [&progress](uint64_t done, uint64_t total) { progress("", done, total); };
+      }
       reshard::ExportResult r = reshard::Export(eo);
+      progress.Done();
       if (export_json) {
         nlohmann::json j = {{"layout", r.layout_key},        {"hf_dir", r.hf_dir.string()},
                             {"weight_files", r.weight_files}, {"aux_files", r.aux_files},
@@ -461,11 +540,11 @@ int main(int argc, char** argv) {
         std::cout << j.dump(2) << "\n";
       } else {
         std::printf("wrote %s of layout %s into %s: %llu tensors, %zu weight file(s), %s in "
-                    "%.2f s (%.2f GB/s)\n",
+                    "%.2f s (%s)\n",
                     r.sharded ? "a sharded checkpoint" : "model.safetensors", r.layout_key.c_str(),
                     r.hf_dir.c_str(), static_cast<unsigned long long>(r.tensors),
-                    r.weight_files.size(), Gb(r.total_size).c_str(), r.seconds,
-                    r.seconds > 0 ? r.total_size / 1e9 / r.seconds : 0.0);
+                    r.weight_files.size(), Bytes(r.total_size).c_str(), r.seconds,
+                    Rate(r.total_size, r.seconds).c_str());
         if (!r.config_dtype.empty()) {
           std::printf("config.json: dtype set to %s, the weights' dtype\n", r.config_dtype.c_str());
         }
@@ -474,8 +553,18 @@ int main(int argc, char** argv) {
     }
     if (*verify) {
       vo.path = verify_path;
-      if (!verify_source.empty()) vo.source = verify_source;
+      if (!verify_source.empty()) vo.source = Resolve(verify_source, verify_revision, verify_json).path;
+      if (verify_source.empty() && !verify_revision.empty()) {
+        throw CLI::ValidationError("--revision", "applies to --source, which was not given");
+      }
+      Progress progress(verify_json);
+      if (progress.on()) {
+        vo.progress = [&progress](const std::string& layout, uint64_t done, uint64_t total) {
+          progress(layout.empty() ? "" : layout + ": ", done, total);
+        };
+      }
       reshard::VerifyReport r = reshard::Verify(vo);
+      progress.Done();
       if (verify_json) {
         nlohmann::json problems = nlohmann::json::array();
         for (const auto& p : r.problems) {
@@ -494,8 +583,8 @@ int main(int argc, char** argv) {
         if (r.ok()) {
           std::printf("OK: %llu files, %llu tensors, %s checked%s in %.2f s\n",
                       static_cast<unsigned long long>(r.files),
-                      static_cast<unsigned long long>(r.tensors), Gb(r.bytes).c_str(),
-                      vo.source ? (", " + Gb(r.source_bytes_compared) + " compared with the source").c_str()
+                      static_cast<unsigned long long>(r.tensors), Bytes(r.bytes).c_str(),
+                      vo.source ? (", " + Bytes(r.source_bytes_compared) + " compared with the source").c_str()
                                 : "",
                       r.seconds);
         } else {
@@ -505,7 +594,7 @@ int main(int argc, char** argv) {
       return r.ok() ? 0 : kExitProblems;
     }
     if (*inspect) {
-      nlohmann::json d = reshard::Inspect(inspect_path);
+      nlohmann::json d = reshard::Inspect(Resolve(inspect_path, inspect_revision, inspect_json).path);
       if (inspect_json) {
         std::cout << d.dump(2) << "\n";
       } else {

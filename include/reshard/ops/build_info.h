@@ -18,7 +18,10 @@ struct BuildInfo {
   std::string xxhash_version;  // xxhash.h compiled in (XXH_INLINE_ALL)
   std::string compiler;        // "GNU 12.2.0"
   std::string build_type;      // CMAKE_BUILD_TYPE
-  std::string torch_version;   // torch the Python extension was built for, "" if not built
+  std::string python_version;  // Python the extension was built for ("3.11"), "" if not built
+  std::string pybind11_version;  // pybind11 the extension was built with, "" if not built
+  std::string torch_version;   // torch importable at build time (recorded only: no torch
+                               // headers are used), "" in isolated and C++-only builds
 };
 BuildInfo GetBuildInfo();
 

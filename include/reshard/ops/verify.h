@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +20,10 @@ struct VerifyOptions {
   std::filesystem::path path;                  // OUT, OUT/<key>, or a rank file
   std::optional<std::filesystem::path> source;  // compare with the source byte for byte
   unsigned threads = 0;
+  /// Called now and then with (layout key, bytes checked, bytes to check) while a layout's
+  /// chunks are checked, from a worker thread; calls are serialized, the values never
+  /// decrease within a layout, and each layout ends with a call where the two are equal.
+  std::function<void(const std::string&, uint64_t, uint64_t)> progress;
 };
 
 struct VerifyReport {

@@ -62,6 +62,7 @@ import reshard
 import reshard.errors
 from reshard.check import bits, check_weights, full_tensor  # noqa: F401 (re-exported for recipes)
 from reshard.model import reference_class  # noqa: F401
+from reshard import format_bytes, format_rate
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "corpus.txt")
@@ -246,7 +247,9 @@ def check_generate(model: nn.Module, src: str, prompt_ids: torch.Tensor, compute
                    new_tokens: int = 12, model_class=None, log=print) -> Dict[str, object]:
     """Greedy generation of the sharded model (FSDP2 gathers parameters in each forward; all
     ranks step together with synced_gpus) equals from_pretrained(SRC, dtype=compute_dtype)'s
-    greedy generation. Raises otherwise. Collective: call it on every rank."""
+    greedy generation. Raises otherwise. Collective: call it on every rank. SRC may be a model
+    id in the local Hugging Face cache (reshard.resolve_source)."""
+    src = reshard.resolve_source(src)
     cls = model_class or reference_class(model)
     device = next(local_tensor(p) for p in model.parameters()).device
     ids = prompt_ids.reshape(1, -1).to(device)
@@ -322,9 +325,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--check-weights", metavar="SRC", default=None,
-                    help="after the load, compare every parameter with from_pretrained(SRC) bit for bit")
+                    help="after the load, compare every parameter with from_pretrained(SRC) bit for bit "
+                         "(SRC: a checkpoint directory, or a model id in the local Hugging Face cache)")
     ap.add_argument("--check-generate", metavar="SRC", default=None,
-                    help="after the load, compare greedy generation with from_pretrained(SRC)")
+                    help="after the load, compare greedy generation with from_pretrained(SRC) (SRC as "
+                         "for --check-weights)")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of --check-generate")
     ap.add_argument("--dry-baseline", action="store_true",
                     help="build, shard and to_empty, then report RSS and stop (no load, no training)")
@@ -492,7 +497,7 @@ def save_checkpoint(args, model, opt, batches: "Batches", step: int, rank: int, 
         os.close(fd)
     t0 = time.perf_counter()
     report = reshard.save(model, ckpt, optimizer=opt, step=step, source=source)
-    log0(f"save: step {step} -> {ckpt} (rank 0 wrote {report.bytes / 1e6:.2f} MB in "
+    log0(f"save: step {step} -> {ckpt} (rank 0 wrote {format_bytes(report.bytes)} in "
          f"{time.perf_counter() - t0:.3f} s)")
     return ckpt
 
@@ -546,7 +551,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         result["dry_baseline"] = True
         result["rss"]["peak_final"] = peak_rss_bytes()
         print(f"rank {rank}/{world}: dry baseline (built, sharded, to_empty; not loaded): RSS "
-              f"{rss_before / 2**20:.0f} MiB, peak RSS {result['rss']['peak_final'] / 2**20:.0f} MiB", flush=True)
+              f"{format_bytes(rss_before)}, peak RSS {format_bytes(result['rss']['peak_final'])}", flush=True)
         return result
 
     # --- load this rank's shard ---
@@ -575,8 +580,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                       "seconds": report.seconds, "gbps": report.gbps, "tensors": report.tensors,
                       "converted_tensors": report.converted_tensors, "direct_io": report.direct_io,
                       "staging_bytes": report.staging_bytes, "threads": report.threads}
-    log0(f"load: rank 0 read {report.bytes / 1e6:.2f} MB from {os.path.relpath(report.file, weights)} "
-         f"in {report.seconds:.3f} s ({report.gbps:.2f} GB/s), {report.converted_tensors} tensor(s) "
+    log0(f"load: rank 0 read {format_bytes(report.bytes)} from {os.path.relpath(report.file, weights)} "
+         f"in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}), {report.converted_tensors} tensor(s) "
          f"converted to {live_dtype}")
 
     # --- optional checks, right after the load and before any update ---
@@ -676,12 +681,12 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     result["rss"]["peak_final"] = peak_rss_bytes()
     if device.type == "cuda":
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    cuda = (f", peak CUDA {result['cuda_peak_bytes'] / 2**20:.0f} MiB" if "cuda_peak_bytes" in result else "")
+    cuda = (f", peak CUDA {format_bytes(result['cuda_peak_bytes'])}" if "cuda_peak_bytes" in result else "")
     loss_txt = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
-    line = (f"rank {rank}/{world}: loaded {report.bytes / 1e6:.2f} MB from "
-            f"{os.path.relpath(report.file, weights)} in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); "
-            f"peak RSS {peak_after / 2**20:.0f} MiB after load (RSS before load {rss_before / 2**20:.0f} MiB), "
-            f"{result['rss']['peak_final'] / 2**20:.0f} MiB at the end{cuda}{loss_txt}, "
+    line = (f"rank {rank}/{world}: loaded {format_bytes(report.bytes)} from "
+            f"{os.path.relpath(report.file, weights)} in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}); "
+            f"peak RSS {format_bytes(peak_after)} after load (RSS before load {format_bytes(rss_before)}), "
+            f"{format_bytes(result['rss']['peak_final'])} at the end{cuda}{loss_txt}, "
             f"{result['tokens_per_s']:.0f} tokens/s")
     if dist.is_available() and dist.is_initialized() and world > 1:
         lines = [None] * world  # one summary per rank, printed in rank order by rank 0
