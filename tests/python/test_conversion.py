@@ -69,6 +69,7 @@ def test_hub_layout_converts_loads_trains_saves_and_exports_exactly(arch, sharde
     out = tmp_path / "out"
     r = cli("convert", src, "-o", out, "--world-size", 2, rc=0, env=CAPTURE)
     assert "capturing the model manifest" in r.err
+    assert not [n for n in os.listdir(out) if "capture" in n], os.listdir(out)  # its temporary is gone
     conversion = json.load(open(out / "reshard-model.json"))["conversion"]
     assert conversion["targets"] and not conversion["refused"]
     cli("convert", src, "-o", out, "--world-size", 3, rc=0, env=CAPTURE)  # finds OUT's manifest

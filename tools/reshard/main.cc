@@ -422,7 +422,7 @@ int main(int argc, char** argv) {
       if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
           (existing.empty() || !has_conversion)) {
         fs::create_directories(out, fec);
-        captured = fs::path(out) / ("." + std::string(reshard::kModelManifestName) + ".capture-" +
+        captured = fs::path(out) / ("." + std::string(reshard::kModelManifestName) + ".tmp-capture-" +
                                     std::to_string(::getpid()));
         if (!convert_json) std::fprintf(stderr, "capturing the model manifest (python -m reshard.model_manifest)...\n");
         const std::string why = CaptureModelManifest(src, captured);
