@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 

@@ -13,7 +13,6 @@ import stat
 import struct
 
 import pytest
-import torch
 
 import reshard
 
