@@ -20,30 +20,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
+from dist_util import torchrun as _torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 CAPTURE = {"RESHARD_MODEL_CAPTURE": "1", "RESHARD_PYTHON": sys.executable}
-
-
-def _env(**extra):
-    paths = [os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), OMP_NUM_THREADS="1",
-                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
-
-
-def _torchrun(nproc, script, *args, timeout=400):
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *map(str, [script, *args])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
-                          stdin=subprocess.DEVNULL, cwd=REPO)
-    assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -29,21 +28,7 @@ import reference_reader as rf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
-
-def _env(**extra):
-    paths = [os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), OMP_NUM_THREADS="1",
-                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
-
-
-def _torchrun(nproc, script, *args, timeout=300):
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *map(str, [script, *args])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout,
-                          stdin=subprocess.DEVNULL, cwd=REPO)
-    assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+from dist_util import TORCHRUN, dist_env as _env, torchrun as _torchrun  # noqa: E402,F401
 
 
 def _save_worker(nproc, out, save, result, *extra):
