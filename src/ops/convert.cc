@@ -375,7 +375,9 @@ fs::path FindModelManifest(const ConvertOptions& o) {
   if (fs::path p = FindModelManifestIfAny(o); !p.empty()) return p;
   Fail(ErrorCode::kNotFound,
        "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
-       "not hold (its keys are sorted). Capture them once with: python -m reshard.manifest " +
+       "not hold (its keys are sorted), and reshard convert could not capture them (it runs "
+       "$RESHARD_PYTHON, default python3, which needs the reshard package and transformers). "
+       "Capture them with: python -m reshard.model_manifest " +
            o.source.string() + " -o " + (o.out / kModelManifestName).string() +
            "  (or pass --model-manifest FILE)");
 }

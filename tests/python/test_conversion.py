@@ -179,3 +179,17 @@ def test_an_op_the_plan_cannot_express_is_refused_by_name(checkpoint, cli, tmp_p
     write_manifest(manifest, str(path))
     r = cli("convert", src, "-o", tmp_path / "out", "--world-size", 2, "--model-manifest", path, rc=3)
     assert "Transpose" in r.err and "cannot be converted" in r.err, r
+
+
+def test_fsdp1_in_one_command_captures_the_manifest_itself(checkpoint, cli, tmp_path):
+    src = checkpoint("llama", "bf16", False)
+    out = tmp_path / "out"
+    r = cli("convert", src, "-o", out, "--world-size", 2, "--layout", "fsdp1", rc=0, env=CAPTURE)
+    assert "capturing the model manifest" in r.err
+    manifest = json.load(open(out / "reshard-model.json"))
+    assert manifest["model_class"] == "LlamaForCausalLM" and manifest["format_version"] == 2
+    cli("verify", out, "--source", src, rc=0)
+    # Without a Python that has reshard: the note, then FSDP1's own refusal naming the command.
+    r = cli("convert", src, "-o", tmp_path / "out2", "--world-size", 2, "--layout", "fsdp1", rc=3,
+            env={"RESHARD_MODEL_CAPTURE": "1", "RESHARD_PYTHON": str(tmp_path / "no-such-python")})
+    assert "could not capture them" in r.err and "python -m reshard.model_manifest" in r.err, r
