@@ -148,7 +148,7 @@ def test_fsdp1_cli_manifest_inspect_and_errors(ckpts, tmp_path):
     proc = subprocess.run([RESHARD, "convert", str(src), "-o", str(out), "--world-size", "2",
                            "--layout", "fsdp1"], capture_output=True, text=True)
     assert proc.returncode == 3
-    assert "python -m reshard.manifest" in proc.stderr
+    assert "python -m reshard.model_manifest" in proc.stderr
     assert not os.path.exists(out / "reshard.json")
     m = manifest(src, out)
     assert "LlamaDecoderLayer" in m.stdout
