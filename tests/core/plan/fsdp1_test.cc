@@ -253,7 +253,7 @@ TEST(Fsdp1Plan, Refusals) {
   o.layout.kind = LayoutKind::kFsdp1;
   o.layout.world_size = 2;
   EXPECT_TRUE(ThrowsError([&] { Convert(o); }, ErrorCode::kNotFound,
-                          {"python -m reshard.manifest", "reshard-model.json"}));
+                          {"python -m reshard.model_manifest", "reshard-model.json"}));
 }
 
 TEST(Fsdp1Manifest, MalformedManifestsNameTheField) {
