@@ -455,7 +455,14 @@ ConvertResult Convert(const ConvertOptions& options) {
   }
   if (!model_path.empty()) model = ReadModelManifest(model_path);
   if (model && o.layout.kind == LayoutKind::kFsdp1 && o.layout.wrap.empty()) {
-    o.layout.wrap = model->no_split_modules;
+    // accelerate's default, the model's _no_split_modules, less the classes this model does
+    // not build (multimodal families list their vision and audio blocks, which a text-only
+    // class such as Qwen3_5ForCausalLM lacks): the units FSDP1 makes of those classes.
+    std::set<std::string> have;
+    for (const ModelModule& m : model->modules) have.insert(m.cls);
+    for (const std::string& c : model->no_split_modules) {
+      if (have.count(c)) o.layout.wrap.push_back(c);
+    }
   }
   o.layout.Normalize();
   if (o.layout.world_size == 0) {

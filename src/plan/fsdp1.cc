@@ -116,6 +116,14 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
     }
   }
 
+  // Each module's unit: the nearest wrapped module at or above it (the root at the top).
+  std::vector<size_t> owner(model.modules.size(), 0);
+  for (size_t i = 1; i < model.modules.size(); ++i) {
+    owner[i] = wrap.count(model.modules[i].cls)
+                   ? i
+                   : owner[index.at(ParentName(model.modules[i].name))];
+  }
+
   Fsdp1Plan plan;
   std::vector<bool> taken(model.params.size(), false);
   for (size_t u : post) {
@@ -130,6 +138,7 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
       const ModelModule& mod = model.modules[m];
       // Pre-order: the unit's subtree is the run of modules starting at the unit's module.
       if (!InSubtree(unit_name, mod.name)) break;
+      if (owner[m] != u) continue;  // flattened by a nested unit
       const std::string rel =
           unit_name.empty() ? mod.name
                             : (mod.name.size() == unit_name.size()
@@ -137,7 +146,11 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
                                    : mod.name.substr(unit_name.size() + 1));
       for (const auto& [local, pi] : mod.params) {
         const std::string fqn = rel.empty() ? local : rel + "." + local;
-        if (taken[pi] && !in_unit[pi]) continue;  // flattened by a nested unit
+        // A tied parameter another unit flattened first: with use_orig_params FSDP skips it
+        // (the original parameter stays alive, marked flattened); without, materialising the
+        // meta model module by module gives this unit's module a parameter of its own
+        // (reshard.fsdp1_param_init_fn), so the unit takes a copy (fsdp-layouts R14).
+        if (taken[pi] && !in_unit[pi] && layout.use_orig_params) continue;
         if (in_unit[pi]) {
           flat->shared.push_back(fqn);
           continue;
@@ -155,11 +168,18 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
                      "; FSDP1 flat parameters of F16, BF16, F32 or F64 are supported");
           }
         } else if (stored != *unit_dtype) {
+          // from_pretrained keeps some modules in fp32 (_keep_in_fp32_modules): FSDP1 needs
+          // them in units of their own, which the wrap classes can give unless the unit's own
+          // module holds both.
           Fail(ErrorCode::kInvalidArgument,
                "unit \"" + unit_name + "\" mixes dtypes (" + first_param + " is " +
                    std::string(Name(*unit_dtype)) + ", " + fqn + " is " +
-                   std::string(Name(stored)) +
-                   "); FSDP1 flattens one dtype per unit: pass --dtype bf16|fp16|fp32");
+                   std::string(Name(stored)) + "); FSDP1 flattens one dtype per unit: " +
+                   (mod.name == unit_name
+                        ? std::string()
+                        : "wrap the " + mod.cls + " modules in units of their own (--wrap " +
+                              mod.cls + ", with the other --wrap classes) or ") +
+                   "pass --dtype bf16|fp16|fp32");
         }
         if (layout.use_orig_params) {
           const uint64_t a = 16 / (Info(param_dtype.value_or(stored)).bits / 8);

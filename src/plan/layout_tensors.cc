@@ -1,6 +1,7 @@
 #include "reshard/plan/layout_tensors.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -32,15 +33,26 @@ uint64_t WholeBytes(const std::string& path, const std::string& name, DType dtyp
 void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
                     const std::vector<std::string>& paths, std::vector<TensorLocation>& out) {
   std::unordered_map<std::string, size_t> where;  // source tensor -> index into out
+  // (entry, source tensor) of a tied parameter's copy in a second FSDP1 unit (formats/
+  // model-manifest.md): the same bytes again, described once, by the first unit.
+  std::set<std::pair<std::string, std::string>> copies;
   auto add = [&](const std::string& name, DType dtype, const std::vector<uint64_t>& shape) {
     if (!where.emplace(name, out.size()).second) {
       Fail(ErrorCode::kDataLoss, paths[0] + ": tensor \"" + name + "\" is held by two entries");
     }
     out.push_back({name, dtype, shape, WholeBytes(paths[0], name, dtype, shape), {}});
   };
+  std::unordered_map<std::string, std::string> flat_owner;  // source tensor -> first flat entry
   for (const TensorEntry& e : headers[0]->tensors) {
     if (e.flat && headers[0]->kind == LayoutKind::kFsdp1) {
-      for (const FlatParamInfo& p : e.flat->params) add(p.key, e.dtype, p.shape);
+      for (const FlatParamInfo& p : e.flat->params) {
+        auto [it, first] = flat_owner.emplace(p.key, e.name);
+        if (!first && it->second != e.name) {
+          copies.emplace(e.name, p.key);
+          continue;
+        }
+        add(p.key, e.dtype, p.shape);
+      }
     } else {
       add(e.name, e.dtype, e.global_shape);
     }
@@ -54,6 +66,7 @@ void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
       const uint32_t bits = Info(e.dtype).bits;
       for (const EntrySegment& s : map.segments) {
         if (s.kind != EntrySegment::Kind::kSource) continue;
+        if (!copies.empty() && copies.count({e.name, s.source})) continue;
         auto it = where.find(s.source);
         if (it == where.end()) {
           Fail(ErrorCode::kMismatch, paths[r] + ": tensor \"" + s.source + "\" is not in " + paths[0]);

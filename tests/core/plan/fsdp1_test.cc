@@ -211,6 +211,72 @@ TEST(Fsdp1Plan, NestedUnitsPostOrderAndTiedParameters) {
   // Default wrap classes: the manifest's no_split_modules.
   o.layout.wrap.clear();
   EXPECT_EQ(Convert(o).layout_key, "fsdp1-ws8-Block");
+  // ... less those the model does not build (a multimodal family's vision block in its
+  // text-only class), as FSDP1 wraps no module of them; an explicit --wrap of one is refused.
+  test::WriteBytes(dir / "model.json", Manifest(modules, params, {"Block", "VisionBlock"}).dump());
+  fs::remove_all(o.out);
+  EXPECT_EQ(Convert(o).layout_key, "fsdp1-ws8-Block");
+  o.layout.wrap = {"Block", "VisionBlock"};
+  EXPECT_TRUE(ThrowsError([&] { Convert(o); }, ErrorCode::kInvalidArgument, {"--wrap VisionBlock"}));
+}
+
+// A tied parameter whose names sit in two units (BERT: the decoder in the root, the word
+// embeddings in their own unit). Without use_orig_params, FSDP1 over a meta-device model
+// materialised unit by unit gives the root's module a parameter of its own, so the root takes a
+// copy read from the same key; with use_orig_params it skips the flattened original. Observed
+// with torch 2.11 (FlatParameter._fqns of BertLMHeadModel with BertEmbeddings units).
+TEST(Fsdp1Plan, TiedParameterAcrossUnits) {
+  TempDir dir;
+  std::vector<TensorSpec> ts = {test::MakeTensor("emb.weight", "BF16", {5, 4}, 1),
+                                test::MakeTensor("norm.weight", "BF16", {4}, 2)};
+  test::WriteShardedCheckpoint(dir / "src", {ts});
+  ojson modules = ojson::array({Module("", "Top", {}), Module("emb", "Emb", {{"weight", 0}}),
+                                Module("norm", "Norm", {{"weight", 1}}),
+                                Module("head", "Head", {{"weight", 0}})});  // tied to emb.weight
+  ojson params = ojson::array({Param({"emb.weight", "head.weight"}, {5, 4}), Param({"norm.weight"}, {4})});
+  ModelManifest m = ParseModelManifest(Manifest(modules, params, {"Emb"}).dump(), "model.json");
+  Checkpoint ckpt = OpenCheckpoint(dir / "src");
+  LayoutSpec spec;
+  spec.kind = LayoutKind::kFsdp1;
+  spec.world_size = 2;
+  spec.wrap = {"Emb"};
+  Fsdp1Plan plan = PlanFsdp1(ckpt, m, spec);
+  ASSERT_EQ(plan.units.size(), 2u);
+  EXPECT_EQ(plan.units[0]->unit, "emb");
+  ASSERT_EQ(plan.units[0]->params.size(), 1u);
+  ASSERT_EQ(plan.units[1]->params.size(), 2u);
+  EXPECT_EQ(plan.units[1]->params[0].fqn, "norm.weight");
+  EXPECT_EQ(plan.units[1]->params[1].fqn, "head.weight");
+  EXPECT_EQ(plan.units[1]->params[1].key, "emb.weight");
+  EXPECT_EQ(plan.units[1]->params[1].offset, 4u);
+  EXPECT_EQ(plan.units[1]->numel, 24u);
+  EXPECT_TRUE(plan.units[1]->shared.empty());
+
+  spec.use_orig_params = true;
+  Fsdp1Plan orig = PlanFsdp1(ckpt, m, spec);
+  ASSERT_EQ(orig.units.size(), 2u);
+  ASSERT_EQ(orig.units[1]->params.size(), 1u);
+  EXPECT_EQ(orig.units[1]->params[0].fqn, "norm.weight");
+
+  // The copy's bytes in the root's flat parameter are the key's.
+  ConvertOptions o;
+  o.source = dir / "src";
+  o.out = dir / "out";
+  test::WriteBytes(dir / "model.json", Manifest(modules, params, {"Emb"}).dump());
+  o.model_manifest = dir / "model.json";
+  o.layout = spec;
+  o.layout.use_orig_params = false;
+  ConvertResult r = Convert(o);
+  std::string flat;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto f = test::RawRankFile::Read(r.layout_dir / RankFileName(rank, 2));
+    flat += test::RawTensorBytes(f, "_flat_param");
+  }
+  EXPECT_TRUE(test::SameBytes(flat, ts[1].data + ts[0].data));
+  VerifyOptions vo;
+  vo.path = o.out;
+  vo.source = o.source;
+  EXPECT_TRUE(Verify(vo).problems.empty());
 }
 
 TEST(Fsdp1Plan, Refusals) {
