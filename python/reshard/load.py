@@ -204,10 +204,18 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     used = set()
     device_index = None
     missing = []
-    for name, p in model.named_parameters():
+    # Parameters the model ties but the sharding split in two (fully_shard of units that hold
+    # one name each): the copy takes the values of its tie partner's entry after the load.
+    params = dict(model.named_parameters())
+    untied: List[Tuple[str, str]] = []
+    for name, p in params.items():
         key_in_file = file_key(name, entries, prefix)
         if key_in_file is None:
-            missing.append(name)
+            partner = tie_partner(model, name, params, entries, prefix)
+            if partner is None:
+                missing.append(name)
+            else:
+                untied.append((name, partner))
             continue
         e = entries[key_in_file]
         used.add(key_in_file)
@@ -266,6 +274,42 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
         warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
                       f"{', '.join(unexpected[:8])}", stacklevel=2)
 
-    return finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
-                       buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                       strict_buffers=strict_buffers)
+    for name, partner in untied:
+        a, b = local_tensor(params[name]), local_tensor(params[partner])
+        if a.shape != b.shape:
+            raise LayoutMismatchError(
+                f"parameter {name} (tied to {partner} in the model, which {path} holds): the sharding "
+                f"made them two parameters with local shapes {list(a.shape)} and {list(b.shape)}; "
+                "shard the modules holding both in one unit")
+    report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
+                         buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                         strict_buffers=strict_buffers)
+    if untied:
+        with torch.no_grad():
+            for name, partner in untied:
+                local_tensor(params[name]).copy_(local_tensor(params[partner]))
+        report.untied = [f"{name} = {partner}" for name, partner in untied]
+        warnings.warn(
+            f"{len(untied)} tied parameter pair(s) are two parameters in this sharded model "
+            f"({'; '.join(report.untied[:4])}): the sharding put them in different units. Both were "
+            "loaded with the checkpoint's values, but training updates them separately; to keep them "
+            "tied, shard the modules holding both names in one unit (e.g. do not fully_shard the "
+            "embeddings module on its own)", stacklevel=2)
+    return report
+
+
+def tie_partner(model: nn.Module, name: str, params, entries, prefix: str) -> Optional[str]:
+    """The live parameter that transformers ties `name` to (`all_tied_weights_keys`, either
+    direction) when it is a separate parameter of the model and the rank file holds it."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    if not isinstance(ties, dict):
+        return None
+    group = {name}
+    for target, source in ties.items():
+        if isinstance(target, str) and isinstance(source, str) and name in (target, source):
+            group |= {target, source}
+    for other in sorted(group - {name}):
+        if other in params and params[other] is not params[name] and \
+                file_key(other, entries, prefix) is not None:
+            return other
+    return None
