@@ -32,6 +32,8 @@
 #include "reshard/io/parallel_for.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/plan/conversion.h"
 #include "reshard/plan/layout_tensors.h"
 
 namespace reshard {
@@ -458,6 +460,7 @@ ExportResult Export(const ExportOptions& o) {
     }
   }
 
+  bool result_hub_names = false;
   // Rank files: each validated (preamble, header), of this layout and the manifest's source.
   std::vector<RankFileReader> readers;
   std::vector<const RankFileHeader*> headers;
@@ -488,7 +491,22 @@ ExportResult Export(const ExportOptions& o) {
     paths.push_back(p.string());
   }
   for (const auto& r : readers) headers.push_back(&r.header());
-  const std::vector<TensorLocation> locations = DescribeLayoutTensors(headers, paths);
+  std::vector<TensorLocation> locations = DescribeLayoutTensors(headers, paths);
+  if (o.hub_names) {
+    // The checkpoint's own names and layout: the conversion convert applied, inverted.
+    const fs::path mm = o.out / kModelManifestName;
+    std::error_code mec;
+    if (!fs::exists(mm, mec)) {
+      Fail(ErrorCode::kNotFound, o.out.string() + ": no " + std::string(kModelManifestName) +
+                                     ", so no record of the checkpoint's names; --hub-names "
+                                     "needs the conversion convert captured");
+    }
+    const ModelManifest model = ReadModelManifest(mm);
+    if (model.conversion && !model.conversion->targets.empty()) {
+      locations = HubNameLocations(locations, *model.conversion, mm.string());
+      result_hub_names = true;
+    }
+  }
 
   // Shards: save_pretrained's grouping in the source's order, each file in safetensors order.
   std::vector<uint64_t> sizes;
@@ -517,6 +535,7 @@ ExportResult Export(const ExportOptions& o) {
   if (groups.empty()) groups.emplace_back();  // no tensors: one model.safetensors all the same
   std::vector<OutFile> files(groups.size());
   ExportResult result;
+  result.hub_names = result_hub_names;
   result.layout_key = key;
   result.hf_dir = hf_dir;
   result.sharded = groups.size() > 1;

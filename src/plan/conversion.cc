@@ -180,4 +180,105 @@ void ExpandConversion(EntryMap& map, const Conversion& conversion) {
   map.segments = std::move(out);
 }
 
+std::vector<TensorLocation> HubNameLocations(const std::vector<TensorLocation>& tensors,
+                                             const Conversion& conversion,
+                                             const std::string& manifest_path) {
+  struct Run {  // key elements [key_element, +count) are bytes [byte, +count·b) of target
+    uint64_t key_element, count, byte;
+    const TensorLocation* target;
+  };
+  struct Key {
+    const ConversionExpr* expr = nullptr;
+    DType dtype = DType::kU8;
+    std::vector<Run> runs;
+  };
+  std::map<std::string, Key> keys;
+  std::vector<std::string> order;  // output order: kept tensors and keys, first appearance
+  std::set<std::string> names;
+  for (const TensorLocation& t : tensors) {
+    const ConversionTarget* target = conversion.Find(t.name);
+    if (!target) {
+      order.push_back(t.name);
+      names.insert(t.name);
+      continue;
+    }
+    const uint64_t bits = Info(t.dtype).bits;
+    if (bits % 8) {
+      Fail(ErrorCode::kUnsupported, "\"" + t.name + "\" is " + std::string(Name(t.dtype)) +
+                                        ": checkpoint names need whole-byte elements");
+    }
+    const uint64_t b = bits / 8;
+    std::vector<EntrySegment> segments;
+    ExprSegments(target->expr, 0, b ? t.nbytes / b : 0, 0, segments);
+    std::vector<const ConversionExpr*> leaves;
+    Keys(target->expr, leaves);
+    for (const ConversionExpr* leaf : leaves) {
+      Key& k = keys[leaf->key];
+      if (!k.expr) {
+        k.expr = leaf;
+        k.dtype = t.dtype;
+        order.push_back(leaf->key);
+      }
+    }
+    for (const EntrySegment& s : segments) {
+      keys[s.source].runs.push_back({s.source_element, s.count, s.element * b, &t});
+    }
+  }
+  std::vector<TensorLocation> out;
+  for (const std::string& name : order) {
+    auto it = keys.find(name);
+    if (it == keys.end()) {
+      out.push_back(*std::find_if(tensors.begin(), tensors.end(),
+                                  [&](const TensorLocation& t) { return t.name == name; }));
+      continue;
+    }
+    if (names.count(name)) {
+      Fail(ErrorCode::kMismatch, "the layout holds \"" + name + "\" itself, and " + manifest_path +
+                                     "'s conversion reads a checkpoint tensor of that name");
+    }
+    Key& k = it->second;
+    const uint64_t b = Info(k.dtype).bits / 8;
+    TensorLocation loc;
+    loc.name = name;
+    loc.dtype = k.dtype;
+    loc.shape = k.expr->shape;
+    uint64_t numel = 1;
+    for (uint64_t d : loc.shape) numel = CheckedMul(numel, d, "tensor \"" + name + "\"");
+    loc.nbytes = CheckedMul(numel, b, "tensor \"" + name + "\"");
+    std::stable_sort(k.runs.begin(), k.runs.end(),
+                     [](const Run& x, const Run& y) { return x.key_element < y.key_element; });
+    uint64_t done = 0;  // key bytes [0, done) have pieces
+    for (const Run& r : k.runs) {
+      uint64_t lo = r.key_element * b, hi = (r.key_element + r.count) * b;
+      if (hi <= done) continue;  // held by an earlier target too
+      const uint64_t skip = std::max(done, lo) - lo;
+      if (lo + skip > done) break;  // a gap: reported below
+      const uint64_t from = r.byte + skip, to = r.byte + (hi - lo);
+      // The target's pieces over its bytes [from, to), in order.
+      const auto& pieces = r.target->pieces;
+      auto p = std::upper_bound(pieces.begin(), pieces.end(), from,
+                                [](uint64_t v, const TensorPiece& q) { return v < q.dst_offset; });
+      if (p != pieces.begin()) --p;
+      for (; p != pieces.end() && p->dst_offset < to; ++p) {
+        const uint64_t a = std::max(from, p->dst_offset);
+        const uint64_t e = std::min(to, p->dst_offset + p->length);
+        if (a >= e) continue;
+        TensorPiece q = *p;
+        q.src_offset = p->src_offset + (a - p->dst_offset);
+        q.dst_offset = lo + (a - r.byte);
+        q.length = e - a;
+        loc.pieces.push_back(q);
+      }
+      done = hi;
+    }
+    if (done != loc.nbytes) {
+      Fail(ErrorCode::kMismatch, manifest_path + ": checkpoint tensor \"" + name + "\" has bytes [" +
+                                     std::to_string(done) + ", " + std::to_string(loc.nbytes) +
+                                     ") that no tensor of the layout holds; cannot write it");
+    }
+    out.push_back(std::move(loc));
+  }
+  return out;
+}
+
 }  // namespace reshard

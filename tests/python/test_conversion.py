@@ -81,6 +81,65 @@ def test_hub_layout_converts_loads_trains_saves_and_exports_exactly(arch, sharde
         assert torch.equal(_bits(v), _bits(want)), f"{name}: from_pretrained(export) differs from the trained model"
     steps = [json.load(open(tmp_path / "rs" / f"rank-{r}.json"))["losses"] for r in range(3)]
     assert steps[0][-1] < steps[0][0], steps[0]
+    # --hub-names: the checkpoint's own layout again (per-expert keys, embed_out), which
+    # from_pretrained converts back into the same trained model.
+    hub = tmp_path / "exported-hub"
+    r = cli("export", saved, "-o", hub, "--hub-names", "--json", rc=0)
+    assert json.loads(r.out)["hub_names"] is True
+    hub_keys = set()
+    for f in os.listdir(hub):
+        if f.endswith(".safetensors"):
+            hub_keys |= set(load_file(str(hub / f)))
+    source_keys = set()
+    for f in os.listdir(src):
+        if f.endswith(".safetensors"):
+            source_keys |= set(load_file(os.path.join(src, f)))
+    assert hub_keys == source_keys, sorted(hub_keys ^ source_keys)[:8]
+    again = _from_pretrained(str(hub)).state_dict()
+    assert set(again) == set(sd)
+    for name, v in again.items():
+        assert torch.equal(_bits(v), _bits(sd[name])), f"{name}: from_pretrained(export --hub-names) differs"
+
+
+@pytest.mark.parametrize("arch,sharded,ws", [("mixtral", True, 3), ("deepseek_v3", False, 2), ("gpt_neox", False, 3)])
+def test_export_hub_names_gives_back_the_source_tensors_byte_for_byte(arch, sharded, ws, checkpoint, cli, tmp_path):
+    """convert applies transformers' conversion; export --hub-names inverts it: the same keys,
+    dtypes, shapes and bytes as the checkpoint convert read."""
+    from safetensors import safe_open
+
+    src = checkpoint(arch, "bf16", sharded)
+    out, hub = tmp_path / "out", tmp_path / "hub"
+    cli("convert", src, "-o", out, "--world-size", ws, rc=0, env=CAPTURE)
+    cli("export", out, "-o", hub, "--hub-names", "--max-shard-size", "40kB", rc=0)
+
+    def tensors(d):
+        got = {}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(d, f), "pt") as h:
+                    for k in h.keys():
+                        got[k] = h.get_tensor(k)
+        return got
+
+    want, got = tensors(src), tensors(hub)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))[:8]
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(_bits(got[k]), _bits(v)), f"{k}: export --hub-names differs from the source"
+    # Without the conversion there is nothing to invert: the model's names, said so.
+    plain = tmp_path / "plain"
+    r = cli("export", out, "-o", plain, "--json", rc=0)
+    assert json.loads(r.out)["hub_names"] is False
+    assert set(tensors(plain)) != set(want)
+
+
+def test_export_hub_names_without_a_model_manifest_says_why(checkpoint, cli, tmp_path):
+    src = checkpoint("llama", "bf16", False)
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--world-size", 2, "--no-capture", rc=0)
+    r = cli("export", out, "-o", tmp_path / "hub", "--hub-names")
+    assert r.rc != 0 and "reshard-model.json" in r.text and "--hub-names" in r.text, r
+    assert not os.path.exists(tmp_path / "hub")
 
 
 def test_the_plan_equals_transformers_loader_tensor_by_tensor(checkpoint, tmp_path):

@@ -311,8 +311,7 @@ int main(int argc, char** argv) {
       "  # split across two machines into one shared OUT (may run at the same time):\n"
       "  reshard convert /shared/Llama-70B -o /shared/llama-shards --world-size 16 --ranks 0-7\n"
       "  reshard convert /shared/Llama-70B -o /shared/llama-shards --world-size 16 --ranks 8-15\n"
-      "  # FSDP1 (FlatParameters): capture the model's parameter order once, then convert\n"
-      "  python -m reshard.manifest ./Llama-3.1-8B -o ./shards/reshard-model.json\n"
+      "  # FSDP1 (FlatParameters; the model's parameter order is captured by Python itself)\n"
       "  reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 --dtype fp32\n"
       "  reshard convert ./Llama-3.1-8B -o ./shards --world-size 8 --layout fsdp1 "
       "--use-orig-params --param-dtype bf16 --dtype fp32\n"
@@ -389,9 +388,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   exp->add_option("--threads", eo.threads, "worker threads (default: all cores)");
   exp->add_flag("--force", eo.force, "replace a non-empty output directory");
+  exp->add_flag("--hub-names", eo.hub_names,
+                "write the source checkpoint's own names and layout (per-expert MoE keys, "
+                "embed_out, ...) by inverting the conversion convert applied "
+                "(OUT/reshard-model.json), for transformers 4 and other loaders; default: the "
+                "model's names and fused tensors, which transformers 5 loads as they are");
   exp->add_flag("--json", export_json, "print a machine-readable summary on stdout");
   exp->footer("Example:  reshard export ./llama-shards -o ./llama-hf --max-shard-size 5GB\n"
               "          reshard export ./llama-shards --layout fsdp2-ws8-bf16 -o ./llama-bf16\n"
+              "          reshard export ./mixtral-shards -o ./mixtral-hf --hub-names\n"
               "Files are written into a hidden directory beside the output and renamed into "
               "place at the end:\nan interrupted export leaves no output directory.");
 
@@ -535,7 +540,7 @@ int main(int argc, char** argv) {
                             {"weight_files", r.weight_files}, {"aux_files", r.aux_files},
                             {"sharded", r.sharded},          {"tensors", r.tensors},
                             {"total_size", r.total_size},    {"bytes_read", r.bytes_read},
-                            {"seconds", r.seconds}};
+                            {"seconds", r.seconds},          {"hub_names", r.hub_names}};
         if (!r.config_dtype.empty()) j["config_dtype"] = r.config_dtype;
         std::cout << j.dump(2) << "\n";
       } else {

@@ -47,6 +47,7 @@ struct ExportOptions {
   std::string dtype = "keep";     // keep, bf16, fp16, fp32: applied to the rank files' dtype
   unsigned threads = 0;           // 0: hardware concurrency
   bool force = false;             // replace a non-empty hf_dir
+  bool hub_names = false;         // the checkpoint's names (OUT/reshard-model.json's conversion inverted)
   /// Called now and then with (bytes written, bytes total) from a worker thread; calls are
   /// serialized and the values never decrease. An exception thrown here aborts the export
   /// (nothing is left behind).
@@ -59,6 +60,7 @@ struct ExportResult {
   std::vector<std::string> weight_files;  // in shard order
   std::vector<std::string> aux_files;     // copied from OUT
   bool sharded = false;                   // wrote model.safetensors.index.json
+  bool hub_names = false;                 // names inverted through a conversion
   uint64_t tensors = 0;
   uint64_t total_size = 0;                // tensor bytes written (index metadata.total_size)
   uint64_t bytes_read = 0;                // decoded rank-file bytes read (checksums checked)

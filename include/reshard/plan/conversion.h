@@ -14,6 +14,7 @@
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/model_manifest.h"
 #include "reshard/plan/byte_map.h"
+#include "reshard/plan/layout_tensors.h"
 
 namespace reshard {
 
@@ -32,5 +33,16 @@ void ExpandConversion(EntryMap& map, const Conversion& conversion);
 /// to `out` with entry elements from `entry_element` on; adjacent runs of one key are merged.
 void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint64_t entry_element,
                   std::vector<EntrySegment>& out);
+
+/// A layout's tensors (DescribeLayoutTensors: the model's names) under the checkpoint's own
+/// names, the inverse of the conversion: every tensor that is a target is replaced by the keys
+/// its expression reads, each key's pieces the bytes of the targets that hold its elements
+/// (the first target that holds an element wins where a key feeds two); other tensors are
+/// kept. Keys come in the order of the targets that first read them, among the tensors kept.
+/// Throws kUnsupported for a target of sub-byte elements and kMismatch (naming
+/// `manifest_path`) when a key's elements are not all held by the layout's tensors.
+std::vector<TensorLocation> HubNameLocations(const std::vector<TensorLocation>& tensors,
+                                             const Conversion& conversion,
+                                             const std::string& manifest_path);
 
 }  // namespace reshard

@@ -4,6 +4,7 @@
 // range of several trees (Mixtral's stack-then-cat, a chunk, nested slices), and ModelView's
 // refusals naming the key.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -113,6 +114,83 @@ TEST(Conversion, ChunksSlicesAndStacksOnInnerDimsMatchIndexMath) {
                Key("x", "[3, 4]") + "]}}]"),
       "m.json");
   for (const auto& t : m.conversion->targets) ExpectSameAsNaive(t.expr);
+}
+
+// export --hub-names: the layout's tensors under the model's names, inverted into the
+// checkpoint's keys. Each target's bytes are laid out over two ranks in FSDP2 rows; every
+// element holds the id of the (key, element) it came from (by the index calculation), so
+// reassembling each key from its pieces must give exactly its own ids. "qkv" feeds two
+// targets (a chunk), "norm" is kept as it is.
+TEST(Conversion, HubNameLocationsInvertTheConversion) {
+  std::string w1 = "[" + Key("e0.w1", "[2, 5]") + "," + Key("e1.w1", "[2, 5]") + "," + Key("e2.w1", "[2, 5]") + "]";
+  std::string w3 = "[" + Key("e0.w3", "[2, 5]") + "," + Key("e1.w3", "[2, 5]") + "," + Key("e2.w3", "[2, 5]") + "]";
+  const ModelManifest m = ParseModelManifest(
+      Manifest(R"([{"name": "gate_up", "shape": [3, 4, 5], "expr": {"op": "cat", "dim": 1, "of": [
+        {"op": "stack", "dim": 0, "of": )" + w1 + R"(}, {"op": "stack", "dim": 0, "of": )" + w3 + R"(}]}},
+        {"name": "q", "shape": [2, 5], "expr": {"op": "slice", "dim": 0, "start": 0, "stop": 2, "of": [)" +
+               Key("qkv", "[6, 5]") + R"(]}},
+        {"name": "kv", "shape": [4, 5], "expr": {"op": "slice", "dim": 0, "start": 2, "stop": 6, "of": [)" +
+               Key("qkv", "[6, 5]") + "]}}]"),
+      "m.json");
+  const Conversion& c = *m.conversion;
+  std::map<std::string, uint16_t> key_id;
+  auto id = [&](const std::string& k, uint64_t e) {
+    auto it = key_id.emplace(k, static_cast<uint16_t>(key_id.size())).first;
+    return static_cast<uint16_t>(it->second * 100 + e);
+  };
+  // Rank entries: (rank, entry) -> element values; a target's rows split as torch.chunk.
+  std::map<std::pair<uint32_t, size_t>, std::vector<uint16_t>> entries;
+  std::vector<TensorLocation> layout;
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> tensors = {
+      {"norm", {5}}, {"gate_up", {3, 4, 5}}, {"q", {2, 5}}, {"kv", {4, 5}}};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, shape] = tensors[i];
+    uint64_t numel = 1;
+    for (uint64_t d : shape) numel *= d;
+    const uint64_t row = numel / shape[0], rows0 = (shape[0] + 1) / 2;
+    TensorLocation loc{name, DType::kBF16, shape, numel * 2, {}};
+    std::vector<uint16_t> values(numel);
+    const ConversionTarget* t = c.Find(name);
+    for (uint64_t e = 0; e < numel; ++e) {
+      if (t) {
+        auto [k, ke] = Naive(t->expr, Unravel(e, shape));
+        values[e] = id(k, ke);
+      } else {
+        values[e] = id(name, e);
+      }
+    }
+    entries[{0, i}].assign(values.begin(), values.begin() + rows0 * row);
+    entries[{1, i}].assign(values.begin() + rows0 * row, values.end());
+    loc.pieces.push_back({0, i, 0, 0, rows0 * row * 2});
+    if (rows0 < shape[0]) loc.pieces.push_back({1, i, 0, rows0 * row * 2, (shape[0] - rows0) * row * 2});
+    layout.push_back(loc);
+  }
+  const std::vector<TensorLocation> hub = HubNameLocations(layout, c, "m.json");
+  std::vector<std::string> names;
+  for (const auto& l : hub) names.push_back(l.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"norm", "e0.w1", "e1.w1", "e2.w1", "e0.w3", "e1.w3", "e2.w3", "qkv"}));
+  for (const TensorLocation& l : hub) {
+    uint64_t numel = 1;
+    for (uint64_t d : l.shape) numel *= d;
+    ASSERT_EQ(l.nbytes, numel * 2) << l.name;
+    std::vector<uint16_t> got(numel, 0xffff);
+    uint64_t at = 0;
+    for (const TensorPiece& p : l.pieces) {
+      ASSERT_EQ(p.dst_offset, at) << l.name << ": pieces tile the key in order";
+      ASSERT_EQ(p.src_offset % 2, 0u);
+      const auto& src = entries.at({p.rank, p.entry});
+      ASSERT_LE(p.src_offset + p.length, src.size() * 2) << l.name;
+      for (uint64_t b = 0; b < p.length / 2; ++b) got[p.dst_offset / 2 + b] = src[p.src_offset / 2 + b];
+      at += p.length;
+    }
+    ASSERT_EQ(at, l.nbytes) << l.name;
+    for (uint64_t e = 0; e < numel; ++e) ASSERT_EQ(got[e], id(l.name, e)) << l.name << " element " << e;
+  }
+
+  // A key the layout does not hold completely is refused, naming it.
+  std::vector<TensorLocation> partial = {layout[0], layout[1], layout[2]};  // no "kv"
+  EXPECT_TRUE(ThrowsError([&] { HubNameLocations(partial, c, "m.json"); }, ErrorCode::kMismatch,
+                          {"qkv", "m.json"}));
 }
 
 TEST(Conversion, ParserRefusesShapesThatDoNotFit) {
