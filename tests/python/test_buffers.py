@@ -32,9 +32,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
-def _convert(src, out, world, *extra):
+def _convert(src, out, world, *extra, capture=False):
+    # capture: convert captures the model manifest (transformers' conversion: Pythia's embed_out).
+    env = dict(os.environ, RESHARD_MODEL_CAPTURE="1", RESHARD_PYTHON=sys.executable) if capture else None
     subprocess.run([RESHARD, "convert", str(src), "-o", str(out), "--world-size", str(world), *extra],
-                   check=True, capture_output=True)
+                   check=True, capture_output=True, env=env)
 
 
 def _constructor_buffers(src, dtype):
@@ -196,29 +198,41 @@ def _run(cmd, timeout=300):
     return proc
 
 
-@pytest.fixture(scope="module")
-def gptj_bin(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gptj_bin")
-    src = make_bin_checkpoint(str(root / "gptj-fp16-bin"), "gptj", "fp16")
-    # As the hub's GPT-J fp16 checkpoint has it: the config names the dtype, in the key that
-    # transformers < 5 wrote.
-    path = os.path.join(src, "config.json")
-    config = json.load(open(path))
-    config["torch_dtype"] = "float16"
-    json.dump(config, open(path, "w"))
+@pytest.fixture(scope="module", params=["gptj-fp16-bin", "pythia-bf16"])
+def recipe_ckpt(request, tmp_path_factory):
+    """The seed's scenario (GPT-J fp16 as a pytorch_model.bin) and a Pythia (GPT-NeoX in the
+    hub layout, embed_out, which convert renames by transformers' conversion)."""
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "gptj-fp16-bin":
+        src = make_bin_checkpoint(str(root / "gptj-fp16-bin"), "gptj", "fp16")
+        # As the hub's GPT-J fp16 checkpoint has it: the config names the dtype, in the key
+        # that transformers < 5 wrote.
+        path = os.path.join(src, "config.json")
+        config = json.load(open(path))
+        config["torch_dtype"] = "float16"
+        json.dump(config, open(path, "w"))
+        rotary = "transformer.h.0.attn.embed_positions"
+    else:
+        src = make_checkpoint(str(root / "pythia"), "gpt_neox", "bf16", False)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+            assert "embed_out.weight" in f.keys()  # the hub layout
+        rotary = "gpt_neox.rotary_emb.inv_freq"
     out = str(root / "out")
-    _convert(src, out, 2)
-    return src, out
+    _convert(src, out, 2, capture=True)
+    return request.param, src, out, rotary
 
 
 @pytest.mark.parametrize("config", ["fsdp2.yaml", "fsdp1.yaml"])
-def test_accelerate_recipes_gptj_fp16_bin(gptj_bin, tmp_path, config):
+def test_accelerate_recipes_gptj_fp16_bin_and_pythia(recipe_ckpt, tmp_path, config):
     """--check-weights compares every parameter and buffer with from_pretrained(SRC) (built in
-    the checkpoint's fp16, as the model was), in the live dtypes; the recipe trains."""
-    src, out = gptj_bin
+    the checkpoint's dtype, as the model was), in the live dtypes; the recipe trains."""
+    name, src, out, rotary = recipe_ckpt
     if config == "fsdp1.yaml":
-        _run([sys.executable, "-m", "reshard.manifest", src, "-o", os.path.join(out, "reshard-model.json")])
-        _convert(src, out, 2, "--layout", "fsdp1", "--dtype", "fp32")
+        if name == "gptj-fp16-bin":  # the manifest captured by hand; Pythia's convert captures it
+            _run([sys.executable, "-m", "reshard.manifest", src, "-o", os.path.join(out, "reshard-model.json")])
+        _convert(src, out, 2, "--layout", "fsdp1", "--dtype", "fp32", capture=True)
     json_dir = tmp_path / "json"
     proc = _run([ACCELERATE, "launch", "--config_file", os.path.join(RECIPE, config),
                  "--num_processes", "2", "--main_process_port", _free_port(),
@@ -227,7 +241,7 @@ def test_accelerate_recipes_gptj_fp16_bin(gptj_bin, tmp_path, config):
     assert "bit for bit" in proc.stdout, proc.stdout[-3000:]
     for r in range(2):
         rep = json.load(open(json_dir / f"rank-{r}.json"))
-        assert "transformer.h.0.attn.embed_positions" in rep["load"]["buffers_restored"], rep["load"]
+        assert rotary in rep["load"]["buffers_restored"], rep["load"]
         assert all(x == x for x in rep["losses"]), rep["losses"]  # no NaN
 
 
