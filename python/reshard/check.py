@@ -48,15 +48,20 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
     # after Tensor.to(live dtype) either way.
     ref = cls.from_pretrained(src, dtype=build_dtype(model) or "auto")
     ref_params = dict(ref.named_parameters())
+    ref_all = dict(ref.named_parameters(remove_duplicate=False))  # tied aliases too
+    # Tied pairs the sharding split into two parameters (reshard.load filled both from one
+    # tensor and warned): each is compared with from_pretrained's one tensor.
+    untied = dict(getattr(model, "_reshard_untied", None) or {})
     named = [(clean_name(n), p) for n, p in model.named_parameters()]
     names = [n for n, _ in named]
-    if sorted(names) != sorted(ref_params):
+    expected = set(ref_params) | {n for n in untied if n in ref_all}
+    if len(names) != len(set(names)) or set(names) != expected:
         raise AssertionError(f"parameter names differ from from_pretrained({src}): "
-                             f"{sorted(set(names) ^ set(ref_params))[:8]}")
+                             f"{sorted(set(names) ^ expected)[:8]}")
     bad = []
     for name, p in named:
         full = full_tensor(p.detach())
-        want = ref_params[name].detach().to(full.dtype)
+        want = ref_all[name].detach().to(full.dtype)
         if full.shape != want.shape or not torch.equal(bits(full), bits(want)):
             bad.append(name)
     ref_buffers = dict(ref.named_buffers())
@@ -70,7 +75,7 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
             bad.append(f"buffer {name}")
     # (FSDP1 keeps ties inside its FlatParameter; reshard.load checked the shared entries.)
     if not fsdp1 and getattr(model.config, "tie_word_embeddings", False) and \
-            model.get_output_embeddings() is not None:
+            model.get_output_embeddings() is not None and not untied:
         if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
             bad.append("tied weights are no longer tied")
     if bad:
@@ -79,7 +84,9 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
     del ref, ref_params, ref_buffers
     gc.collect()
     log(f"check-weights: {len(names)} parameters equal from_pretrained({src}) bit for bit "
-        f"(live dtype {next(model.parameters()).dtype})")
+        f"(live dtype {next(model.parameters()).dtype})" +
+        (f"; {len(untied)} tied pair(s) split by the sharding, each equal to the one tensor"
+         if untied else ""))
     return len(names)
 
 

@@ -289,6 +289,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             for name, partner in untied:
                 local_tensor(params[name]).copy_(local_tensor(params[partner]))
         report.untied = [f"{name} = {partner}" for name, partner in untied]
+        model._reshard_untied = {name: partner for name, partner in untied}  # for check_weights
         warnings.warn(
             f"{len(untied)} tied parameter pair(s) are two parameters in this sharded model "
             f"({'; '.join(report.untied[:4])}): the sharding put them in different units. Both were "
