@@ -195,6 +195,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     if rank_file.world_size != world_size or rank_file.rank != coord:
         raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
                            f"expected {coord} of {world_size}")
+    rank_file.check_listed(out, key, coord)  # the file OUT/reshard.json lists: source, dtype, size
     entries = {t.name: t for t in rank_file.tensors}
     prefix = getattr(model, "base_model_prefix", "") or ""
     convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"

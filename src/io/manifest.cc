@@ -93,4 +93,45 @@ ModelManifest ReadModelManifest(const std::filesystem::path& path) {
   return ParseModelManifest(ReadWholeFile(path, 256ull << 20), path.string());
 }
 
+void CheckListed(const RankFileReader& reader, const Manifest& manifest, const std::string& key,
+                 uint32_t rank, const std::string& manifest_path) {
+  const RankFileHeader& h = reader.header();
+  const std::string path = reader.path();
+  const std::string again = "; convert again into this OUT (reshard convert SRC -o OUT ...) and "
+                            "check it with reshard verify OUT --source SRC";
+  const auto lit = manifest.layouts.find(key);
+  if (lit == manifest.layouts.end()) {
+    Fail(ErrorCode::kMismatch, path + ": " + manifest_path + " lists no layout " + key);
+  }
+  const ManifestLayout& ml = lit->second;
+  if (h.layout_key != key || h.dtype_policy != ml.dtype || h.world_size != ml.world_size ||
+      h.rank != rank) {
+    Fail(ErrorCode::kMismatch, path + ": holds rank " + std::to_string(h.rank) + " of layout " +
+                                   h.layout_key + " (dtype " + h.dtype_policy + ", world size " +
+                                   std::to_string(h.world_size) + "), but " + manifest_path +
+                                   " lists it as rank " + std::to_string(rank) + " of " + key +
+                                   " (dtype " + ml.dtype + ", world size " +
+                                   std::to_string(ml.world_size) + ")" + again);
+  }
+  if (!(h.source == manifest.source)) {
+    Fail(ErrorCode::kMismatch, path + ": converted from source " + Hex16(h.source.fingerprint) +
+                                   ", but " + manifest_path + " names source " +
+                                   Hex16(manifest.source.fingerprint) +
+                                   " (two conversions of different sources into one OUT?)" + again);
+  }
+  const auto rit = std::find_if(ml.ranks.begin(), ml.ranks.end(),
+                                [&](const ManifestRank& r) { return r.rank == h.rank; });
+  if (rit == ml.ranks.end()) {
+    Fail(ErrorCode::kMismatch, path + ": rank " + std::to_string(h.rank) + " of " + key +
+                                   " is not listed in " + manifest_path + again);
+  }
+  if (reader.file_size() != rit->size || reader.preamble().header_xxh3 != rit->header_xxh3) {
+    Fail(ErrorCode::kMismatch,
+         path + ": differs from " + manifest_path + "'s entry (size " +
+             std::to_string(reader.file_size()) + ", header " + Hex16(reader.preamble().header_xxh3) +
+             "; the manifest says " + std::to_string(rit->size) + ", " + Hex16(rit->header_xxh3) +
+             "): it was rewritten after the conversion" + again);
+  }
+}
+
 }  // namespace reshard

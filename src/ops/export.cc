@@ -469,25 +469,7 @@ ExportResult Export(const ExportOptions& o) {
   for (const ManifestRank& mr : ml.ranks) {
     const fs::path p = o.out / ml.dir / RankFileName(mr.rank, ml.world_size);
     readers.push_back(RankFileReader::Open(p));
-    const RankFileReader& r = readers.back();
-    const RankFileHeader& h = r.header();
-    if (r.file_size() != mr.size || r.preamble().header_xxh3 != mr.header_xxh3) {
-      Fail(ErrorCode::kMismatch,
-           p.string() + ": differs from the manifest's entry (size " +
-               std::to_string(r.file_size()) + ", header " + Hex16(r.preamble().header_xxh3) +
-               "; the manifest says " + std::to_string(mr.size) + ", " + Hex16(mr.header_xxh3) +
-               "): it was rewritten after the conversion; run reshard convert again");
-    }
-    if (!(h.source == manifest->source)) {
-      Fail(ErrorCode::kMismatch, p.string() + ": converted from source " +
-                                     Hex16(h.source.fingerprint) + ", the manifest names " +
-                                     Hex16(manifest->source.fingerprint));
-    }
-    if (h.layout_key != key || h.dtype_policy != ml.dtype) {
-      Fail(ErrorCode::kMismatch, p.string() + ": holds layout " + h.layout_key + " (dtype " +
-                                     h.dtype_policy + "), expected " + key + " (dtype " +
-                                     ml.dtype + ")");
-    }
+    CheckListed(readers.back(), *manifest, key, mr.rank, mpath);
     paths.push_back(p.string());
   }
   for (const auto& r : readers) headers.push_back(&r.header());

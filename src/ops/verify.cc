@@ -149,6 +149,8 @@ class Verifier {
       return;
     }
     manifest_source_ = m->source;
+    manifest_ = *m;
+    manifest_path_ = mpath;
     if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
     for (const auto& [key, ml] : m->layouts) {
       LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}};
@@ -213,6 +215,15 @@ class Verifier {
                                   " (world size " + std::to_string(ws) + ")");
       }
       if (!seen.insert(h.rank).second) Problem(r.path(), "", "rank " + std::to_string(h.rank) + " appears twice");
+      // The file the manifest lists (its size and header hash, layout, dtype policy, source):
+      // a rank file of another conversion into the same OUT is not this layout's.
+      if (manifest_ && manifest_->layouts.count(l.key) && h.layout_key == h0.layout_key) {
+        try {
+          CheckListed(r, *manifest_, l.key, h.rank, manifest_path_);
+        } catch (const Error& e) {
+          Problem(r.path(), "", e.what());
+        }
+      }
       const fs::path expected_name = RankFileName(h.rank, h.world_size);
       if (fs::path(r.path()).filename() != expected_name) {
         Problem(r.path(), "", "holds rank " + std::to_string(h.rank) + ", expected file name " +
@@ -466,6 +477,8 @@ class Verifier {
   unsigned threads_;
   std::optional<Checkpoint> ckpt_;
   std::optional<SourceFingerprint> manifest_source_;
+  std::optional<Manifest> manifest_;  // OUT/reshard.json, when verifying OUT
+  std::string manifest_path_;
   std::optional<std::vector<std::set<std::string>>> rank_state_;  // ReadRankState
   std::string rank_state_path_;
   std::vector<File> sources_;

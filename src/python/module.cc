@@ -348,6 +348,18 @@ PYBIND11_MODULE(_C, m) {
                              "An opened rank file: preamble and header checked, header parsed once.")
       .def_static("open", &OpenRankFile, py::arg("path"),
                   "Opens and validates a rank file (formats/rank-file.md invariants 1-7).")
+      .def(
+          "check_listed",
+          [](const RankFileHandle& f, const std::string& out, const std::string& key, uint32_t rank) {
+            py::gil_scoped_release release;
+            const auto manifest = reshard::ReadManifest(out);
+            const std::string mpath = (std::filesystem::path(out) / reshard::kManifestName).string();
+            if (!manifest) reshard::Fail(reshard::ErrorCode::kNotFound, mpath + ": no such file");
+            reshard::CheckListed(*f.reader, *manifest, key, rank, mpath);
+          },
+          py::arg("out"), py::arg("key"), py::arg("rank"),
+          "Checks that this is the file OUT/reshard.json lists as rank `rank` of layout `key` "
+          "(size, header hash, layout, dtype policy, source); raises LayoutMismatchError.")
       .def_property_readonly("path", [](const RankFileHandle& f) { return f.reader->path(); })
       .def_property_readonly("file_size", [](const RankFileHandle& f) { return f.reader->file_size(); })
       .def_property_readonly("rank", [](const RankFileHandle& f) { return f.header().rank; })

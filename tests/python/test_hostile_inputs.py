@@ -206,3 +206,36 @@ def test_escape_sequences_in_tensor_names_are_shown_escaped(cli, tmp_path):
     cli("convert", path, "-o", out, "--world-size", "1", rc=0)
     r = cli("inspect", out / "fsdp2-ws1" / "rank-00000-of-00001.reshard", rc=0)
     assert "\x1b" not in r.out and "evil\\x1b" in r.out, r.out
+
+
+# ---- 4, 5. rank files of another conversion under OUT's manifest ----------------------------
+
+@pytest.mark.parametrize("what", ["another dtype policy", "another source"])
+def test_a_rank_file_of_another_conversion_is_refused_by_load_verify_and_export(converted, cli, tmp_path,
+                                                                                what):
+    """OUT's manifest says fsdp2-ws1 of source S; its rank file was replaced by one written as
+    fsdp2-ws1-bf16 (issue 25, 5), or by a conversion of another source into the same OUT
+    (issue 25, 4). The load must not take it silently; verify and export name it."""
+    from checkpoints import make_checkpoint
+
+    src, good = converted
+    out = _copy_tree(good, tmp_path / "out")
+    other = tmp_path / "other"
+    if what == "another dtype policy":
+        cli("convert", src, "-o", other, "--world-size", 1, "--dtype", "bf16", rc=0)
+        replacement, needle = other / "fsdp2-ws1-bf16" / "rank-00000-of-00001.reshard", "fsdp2-ws1-bf16"
+    else:
+        make_checkpoint(str(tmp_path / "src2"), "qwen2", "fp32", False, seed=1)
+        cli("convert", tmp_path / "src2", "-o", other, "--world-size", 1, rc=0)
+        replacement, needle = other / "fsdp2-ws1" / "rank-00000-of-00001.reshard", "converted from source"
+    target = out / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
+    os.chmod(target, 0o644)
+    with open(replacement, "rb") as a, open(target, "wb") as b:
+        b.write(a.read())
+    with pytest.raises(reshard.LayoutMismatchError, match=needle):
+        reshard.load(_model(good), str(out))
+    r = cli("verify", out, rc=1)
+    assert needle in r.text and str(target) in r.text, r.text
+    r = cli("export", out, "-o", tmp_path / "hf")
+    assert r.rc != 0 and needle in r.text, r.text
+    assert not (tmp_path / "hf").exists()

@@ -3,7 +3,9 @@
 // Their bytes are parsed and serialized by reshard/format/manifest.h and model_manifest.h.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <string>
 #include <optional>
 
 #include "reshard/format/checkpoint.h"
@@ -23,5 +25,15 @@ ManifestLayout ScanLayout(const std::filesystem::path& out, const LayoutSpec& la
                           const SourceFingerprint& source);
 
 ModelManifest ReadModelManifest(const std::filesystem::path& path);
+
+class RankFileReader;
+
+/// Checks that `reader` is the file OUT's manifest lists as rank `rank` of layout `key`: the
+/// size and header hash recorded when it was written, and its header's layout key, dtype
+/// policy and source are the manifest's. A rank file replaced by another conversion into the
+/// same OUT (another source, dtype or layout) fails here. Throws kMismatch naming the file,
+/// what it holds and what `manifest_path` says, and the command that fixes it.
+void CheckListed(const RankFileReader& reader, const Manifest& manifest, const std::string& key,
+                 uint32_t rank, const std::string& manifest_path);
 
 }  // namespace reshard
