@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -130,6 +131,7 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
         if rank_file.rank != coord or rank_file.world_size != world_size:
             reasons.append(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}")
             continue
+        rank_file.check_listed(out, key, coord)  # the file OUT/reshard.json lists
         diff = None
         for u, _, _, lv in lives:
             diff = flat_difference(u, lv, entries.get(flat_entry_name(u)), world_size)
@@ -168,9 +170,29 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
     prefix = getattr(model, "base_model_prefix", "") or ""
     used = {flat_entry_name(u) for u, *_ in lives}
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
-    return finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
-                       buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                       strict_buffers=strict_buffers)
+    report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
+                         buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                         strict_buffers=strict_buffers)
+    # A tied parameter in two units (without use_orig_params each unit has its own copy, filled
+    # from the one checkpoint tensor: formats/model-manifest.md).
+    first: Dict[str, str] = {}
+    untied = []
+    for u, *_ in lives:
+        for p in entries[flat_entry_name(u)].flat.params:
+            full = f"{u}.{p.fqn}" if u else p.fqn
+            if p.key in first:
+                untied.append((full, first[p.key]))
+            else:
+                first[p.key] = full
+    if untied:
+        report.untied = [f"{a} = {b}" for a, b in untied]
+        model._reshard_untied = dict(untied)  # for check_weights
+        warnings.warn(
+            f"{len(untied)} tied parameter pair(s) are two parameters in this FSDP1 model "
+            f"({'; '.join(report.untied[:4])}): their modules are in different units. Both were loaded "
+            "with the checkpoint's values, but training updates them separately; to keep them tied, "
+            "wrap the modules holding both names in one unit, or use use_orig_params=True", stacklevel=3)
+    return report
 
 
 def fsdp1_param_init_fn(device):
