@@ -287,19 +287,13 @@ class Converter {
 };
 
 // The model manifest: the option, else SOURCE/ or OUT/reshard-model.json; empty when none.
-fs::path FindModelManifestIfAny(const ConvertOptions& o) {
-  if (o.model_manifest) return *o.model_manifest;
-  std::error_code ec;
-  const fs::path src_dir = fs::is_directory(o.source, ec) ? o.source : o.source.parent_path();
-  for (const fs::path& dir : {src_dir, o.out}) {
-    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
-  }
-  return {};
+fs::path ModelManifestIfAny(const ConvertOptions& o) {
+  return o.model_manifest ? *o.model_manifest : FindModelManifest(o.source, o.out);
 }
 
 // FSDP1 needs one.
-fs::path FindModelManifest(const ConvertOptions& o) {
-  if (fs::path p = FindModelManifestIfAny(o); !p.empty()) return p;
+fs::path RequireModelManifest(const ConvertOptions& o) {
+  if (fs::path p = ModelManifestIfAny(o); !p.empty()) return p;
   Fail(ErrorCode::kNotFound,
        "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
        "not hold (its keys are sorted), and reshard convert could not capture them (it runs "
@@ -370,15 +364,24 @@ std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
 
 }  // namespace
 
+fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
+  std::error_code ec;
+  const fs::path src_dir = fs::is_directory(source, ec) ? source : source.parent_path();
+  for (const fs::path& dir : {src_dir, out}) {
+    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
+  }
+  return {};
+}
+
 ConvertResult Convert(const ConvertOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ConvertOptions o = options;
   std::optional<ModelManifest> model;
   fs::path model_path;
   if (o.layout.kind == LayoutKind::kFsdp1) {
-    model_path = FindModelManifest(o);
+    model_path = RequireModelManifest(o);
   } else {
-    model_path = FindModelManifestIfAny(o);
+    model_path = ModelManifestIfAny(o);
   }
   if (!model_path.empty()) model = ReadModelManifest(model_path);
   if (model && o.layout.kind == LayoutKind::kFsdp1 && o.layout.wrap.empty()) {
