@@ -5,6 +5,7 @@
 
 #include "format/json_util.h"
 #include "reshard/base/error.h"
+#include "reshard/format/shape.h"
 
 namespace reshard {
 
@@ -30,12 +31,6 @@ uint64_t NumelOf(const std::vector<uint64_t>& shape, const std::string& what) {
   uint64_t n = 1;
   for (uint64_t d : shape) n = CheckedMul(n, d, what);
   return n;
-}
-
-std::string ShapeString(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 // Conversion trees are shallow (a stack inside a cat, a slice of a key); deeper is not a
@@ -80,8 +75,8 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
     }
     for (size_t i = 1; i < x.of.size(); ++i) {
       if (x.of[i].shape != s0) {
-        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeString(x.of[i].shape),
-                  ShapeString(s0) + " (stacked operands have one shape)");
+        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeText(x.of[i].shape),
+                  ShapeText(s0) + " (stacked operands have one shape)");
       }
     }
     x.shape = s0;
@@ -95,7 +90,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
       std::vector<uint64_t> si = x.of[i].shape;
       if (si.size() == s0.size()) si[x.dim] = s0[x.dim];
       if (si != s0) {
-        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeString(x.of[i].shape),
+        FailField(path, f + ".of[" + std::to_string(i) + "]", "shape " + ShapeText(x.of[i].shape),
                   "the shape of the first operand but for dim " + std::to_string(x.dim));
       }
       x.shape[x.dim] += x.of[i].shape[x.dim];
@@ -111,7 +106,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
     x.stop = GetU64(Member(v, "stop", path, f), path, f + ".stop");
     if (x.start > x.stop || x.stop > s0[x.dim]) {
       FailField(path, f, "slice [" + std::to_string(x.start) + ", " + std::to_string(x.stop) + ")",
-                "a range inside dim " + std::to_string(x.dim) + " of " + ShapeString(s0));
+                "a range inside dim " + std::to_string(x.dim) + " of " + ShapeText(s0));
     }
     x.shape = s0;
     x.shape[x.dim] = x.stop - x.start;
@@ -133,8 +128,8 @@ Conversion ParseConversion(const json& v, const std::string& path) {
     const std::vector<uint64_t> shape = ShapeOf(Member(targets[i], "shape", path, f), path, f + ".shape");
     t.expr = ParseExpr(Member(targets[i], "expr", path, f), path, f + ".expr", 0);
     if (t.expr.shape != shape) {
-      FailField(path, f + ".shape", ShapeString(shape),
-                ShapeString(t.expr.shape) + " (the shape its expr gives)");
+      FailField(path, f + ".shape", ShapeText(shape),
+                ShapeText(t.expr.shape) + " (the shape its expr gives)");
     }
     c.targets.push_back(std::move(t));
   }

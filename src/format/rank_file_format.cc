@@ -8,6 +8,7 @@
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
 #include "reshard/base/version.h"
+#include "reshard/format/shape.h"
 
 namespace reshard {
 
@@ -30,12 +31,6 @@ uint64_t GetLE(const uint8_t* p, int bytes) {
   uint64_t v = 0;
   for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | p[i];
   return v;
-}
-
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 std::vector<uint64_t> GetShape(const json& v, const std::string& path, const std::string& field) {

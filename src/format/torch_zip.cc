@@ -6,6 +6,7 @@
 
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
+#include "reshard/format/shape.h"
 #include "reshard/format/torch_pickle.h"
 
 #define XXH_INLINE_ALL
@@ -14,12 +15,6 @@
 namespace reshard {
 
 namespace {
-
-std::string ShapeText(const std::vector<uint64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
 
 std::string StrideText(const std::vector<int64_t>& v) {
   std::string s = "(";

@@ -3,22 +3,18 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cctype>
-#include <cerrno>
-#include <cstdlib>
-#include <zstd.h>
-
 #include <algorithm>
-#include <map>
-#include <set>
-#include <tuple>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <span>
 #include <thread>
-
+#include <tuple>
 
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
@@ -32,6 +28,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/parallel_for.h"
 #include "reshard/io/rank_file.h"
+#include "reshard/io/rank_file_writer.h"
 #include "reshard/plan/byte_map.h"
 #include "reshard/plan/conversion.h"
 #include "reshard/plan/fsdp1.h"
@@ -46,15 +43,11 @@ namespace {
 // At most this many rank files are open for writing at once.
 constexpr size_t kMaxOpenRankFiles = 64;
 
+// One rank file of a group being written, and where each of its entries' bytes come from.
 struct RankWriter {
   uint32_t rank = 0;
-  RankPlan plan;
-  RankFileHeader header;
-  std::vector<EntryMap> maps;  // one per entry: where its bytes come from
-  fs::path tmp_path;
-  fs::path final_path;
-  File file;
-  uint64_t cursor = 0;  // zstd: next free byte in the data region
+  RankFileWriter file;
+  std::vector<EntryMap> maps;  // one per entry
 };
 
 // One chunk of one tensor of one rank file: `length` bytes of the rank file, filled by the
@@ -62,27 +55,11 @@ struct RankWriter {
 // ordering the reads).
 struct WorkItem {
   uint32_t writer = 0;     // index into the group's writers
-  uint32_t tensor = 0;     // index into the writer's plan
+  uint32_t tensor = 0;     // index into the writer's entries
   uint64_t chunk = 0;
   uint64_t source_offset = 0;
   uint64_t length = 0;
   size_t file_index = 0;
-};
-
-// Removes temporary files on scope exit unless released.
-class TempFiles {
- public:
-  void Add(const fs::path& p) { paths_.push_back(p); }
-  void Clear() { paths_.clear(); }
-  ~TempFiles() {
-    for (const auto& p : paths_) {
-      std::error_code ec;
-      fs::remove(p, ec);
-    }
-  }
-
- private:
-  std::vector<fs::path> paths_;
 };
 
 bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source,
@@ -165,20 +142,19 @@ class Converter {
 
  private:
   void RunGroup(const std::vector<uint32_t>& ranks, ConvertResult& result) {
-    TempFiles temps;
-    std::vector<RankWriter> writers(ranks.size());
+    std::vector<RankWriter> writers;  // destroyed uncommitted, each removes its temporary
+    writers.reserve(ranks.size());
     std::vector<WorkItem> items;
     const SourceLookup lookup = [this](std::string_view name) { return ckpt_.Find(name); };
     const fs::path dir = o_.out / o_.layout.Key();
+    RankFileWriterOptions wo;
+    wo.codec = o_.codec;
+    wo.sync_directory = false;  // once for the group, below
     for (size_t w = 0; w < ranks.size(); ++w) {
-      RankWriter& rw = writers[w];
-      rw.rank = ranks[w];
-      rw.plan = Plan(rw.rank);
-      rw.final_path = dir / RankFileName(rw.rank, o_.layout.world_size);
-      rw.tmp_path = dir / ("." + rw.final_path.filename().string() + TempSuffix());
-      temps.Add(rw.tmp_path);
-      rw.file = File::Create(rw.tmp_path);
-      RankFileHeader& h = rw.header;
+      const uint32_t rank = ranks[w];
+      const RankPlan plan = Plan(rank);
+      const fs::path final_path = dir / RankFileName(rank, o_.layout.world_size);
+      RankFileHeader h;
       h.writer = std::string(WriterString());
       h.layout_key = o_.layout.Key();
       h.kind = o_.layout.kind;
@@ -187,11 +163,10 @@ class Converter {
       h.wrap = o_.layout.wrap;
       h.use_orig_params = o_.layout.use_orig_params;
       h.param_dtype = o_.layout.param_dtype;
-      h.rank = rw.rank;
+      h.rank = rank;
       h.source = ckpt_.fingerprint;
       h.chunk_size = o_.chunk_size;
-      for (uint32_t ti = 0; ti < rw.plan.tensors.size(); ++ti) {
-        const PlannedTensor& p = rw.plan.tensors[ti];
+      for (const PlannedTensor& p : plan.tensors) {
         TensorEntry e;
         e.name = p.name;
         e.dtype = p.dtype;
@@ -199,41 +174,40 @@ class Converter {
         e.sharded = p.sharded;
         e.rows = p.rows;
         e.local_shape = p.local_shape;
-        e.nbytes = p.nbytes;
-        e.offset = p.offset;
-        e.stored_size = p.nbytes;
-        e.codec = p.nbytes == 0 ? Codec::kRaw : o_.codec;
         e.flat = p.flat;
-        const uint64_t n = e.ChunkCount(o_.chunk_size);
-        e.chunk_xxh3.resize(n);
-        if (e.codec == Codec::kZstd) e.frames.resize(n);
-        rw.maps.push_back(MapEntry(e, h.kind, h.world_size, h.rank, rw.final_path.string()));
+        h.tensors.push_back(std::move(e));
+      }
+      writers.push_back({rank, RankFileWriter::Create(final_path, std::move(h), wo), {}});
+      RankWriter& rw = writers.back();
+      const std::vector<TensorEntry>& entries = rw.file.header().tensors;  // sizes laid out
+      for (uint32_t ti = 0; ti < entries.size(); ++ti) {
+        const TensorEntry& e = entries[ti];
+        rw.maps.push_back(MapEntry(e, o_.layout.kind, o_.layout.world_size, rank,
+                                   final_path.string()));
         if (conversion_) ExpandConversion(rw.maps.back(), *conversion_);
         const EntryMap& map = rw.maps.back();
         if (const std::string why = CheckSources(map, lookup); !why.empty()) {
-          Fail(ErrorCode::kMismatch, rw.final_path.string() + ": tensor \"" + e.name + "\": " + why);
+          Fail(ErrorCode::kMismatch, final_path.string() + ": tensor \"" + e.name + "\": " + why);
         }
-        for (uint64_t c = 0; c < n; ++c) {
+        for (uint64_t c = 0; c < e.ChunkCount(o_.chunk_size); ++c) {
           const uint64_t begin = c * o_.chunk_size;  // a multiple of 4096: whole elements
-          WorkItem it{static_cast<uint32_t>(w), ti, c, 0, std::min(o_.chunk_size, p.nbytes - begin), 0};
+          WorkItem it{static_cast<uint32_t>(w), ti, c, 0, std::min(o_.chunk_size, e.nbytes - begin), 0};
           std::tie(it.file_index, it.source_offset) = FirstSourceByte(map, lookup, begin);
           items.push_back(it);
         }
-        h.tensors.push_back(std::move(e));
       }
-      if (o_.codec == Codec::kRaw) rw.file.Truncate(kDataOffset + rw.plan.data_size);
     }
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
       return a.file_index != b.file_index ? a.file_index < b.file_index
                                           : a.source_offset < b.source_offset;
     });
 
-    // Workers take items in source order from one counter: no barrier between chunks.
-    // Raw chunks go straight to their precomputed offsets. zstd frames are compressed in
-    // parallel and appended to their rank file in file order: a worker whose frame is not
-    // next for that file waits (blocking, not spinning) until it is; the smallest unwritten
-    // item is always held by a running worker, so this cannot deadlock.
-    const size_t bound = ZSTD_compressBound(o_.chunk_size);
+    // Workers take items in source order from one counter: no barrier between chunks. Each
+    // chunk is filled, hashed and encoded (zstd: compressed) in parallel; raw chunks go
+    // straight to their places. zstd frames are appended to their rank file in item order: a
+    // worker whose frame is not next for that file waits (blocking, not spinning) until it
+    // is; the smallest unwritten item is always held by a running worker, so this cannot
+    // deadlock.
     const bool zstd = o_.codec == Codec::kZstd;
     std::vector<uint64_t> seq(items.size());
     {
@@ -248,55 +222,36 @@ class Converter {
     const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
       sources_[file].PReadExact(dst, n, at);
     };
-    struct FreeCCtx {
-      void operator()(ZSTD_CCtx* c) const { ZSTD_freeCCtx(c); }
-    };
     ParallelForOptions po;
     po.threads = threads_;
     if (o_.progress) po.progress = [&](uint64_t) { o_.progress(done_bytes_.load(), total_bytes); };
     ParallelFor(items.size(), po, [&] {
       return [&, buf = std::unique_ptr<char[]>(new char[o_.chunk_size]),
-              packed = std::unique_ptr<char[]>(zstd ? new char[bound] : nullptr),
               scratch = std::vector<char>(),  // source elements of a converting chunk
-              cctx = std::unique_ptr<ZSTD_CCtx, FreeCCtx>(zstd ? ZSTD_createCCtx() : nullptr)](
+              encoder = ChunkEncoder(o_.codec, o_.chunk_size, o_.zstd_level)](
                  size_t i) mutable -> uint64_t {
         if (failed.load()) return 0;  // the loop is ending
         try {
           const WorkItem& it = items[i];
           RankWriter& rw = writers[it.writer];
-          TensorEntry& e = rw.header.tensors[it.tensor];
-          const char* data = buf.get();
           const uint64_t source_bytes = FillEntry(rw.maps[it.tensor], lookup, read_source,
                                                   it.chunk * o_.chunk_size, it.length, buf.get(),
                                                   scratch);
-          e.chunk_xxh3[it.chunk] = Xxh3(data, it.length);
+          const std::span<const char> data =
+              rw.file.EncodeChunk(it.tensor, it.chunk, buf.get(), encoder);
           if (!zstd) {
-            rw.file.PWriteExact(data, it.length, kDataOffset + e.offset + it.chunk * o_.chunk_size);
-            stored += it.length;
+            rw.file.WriteChunk(it.tensor, it.chunk, data);
           } else {
-            const size_t n = ZSTD_compressCCtx(cctx.get(), packed.get(), bound, data, it.length,
-                                               o_.zstd_level);
-            if (ZSTD_isError(n)) {
-              Fail(ErrorCode::kIo, std::string("zstd compression failed: ") + ZSTD_getErrorName(n));
-            }
             std::unique_lock<std::mutex> lock(write_mu);
             write_cv.wait(lock, [&] { return next_seq[it.writer] == seq[i] || failed.load(); });
             if (failed.load()) return 0;
-            if (it.chunk == 0) {
-              rw.cursor = AlignUp(rw.cursor, kDataAlignment);
-              e.offset = rw.cursor;
-            }
-            const uint64_t at = rw.cursor;
-            rw.cursor += n;
-            e.frames[it.chunk] = {at - e.offset, n};
-            e.stored_size = rw.cursor - e.offset;
-            // Written under the lock: file order is the order of the cursor.
-            rw.file.PWriteExact(packed.get(), n, kDataOffset + at);
+            // Written under the lock: file order is the order of `seq`.
+            rw.file.WriteChunk(it.tensor, it.chunk, data);
             ++next_seq[it.writer];
             lock.unlock();
             write_cv.notify_all();
-            stored += n;
           }
+          stored += data.size();
           read += source_bytes;
           done_bytes_ += it.length;
           return it.length;
@@ -314,38 +269,10 @@ class Converter {
     result.bytes_stored += stored.load();
 
     for (RankWriter& rw : writers) {
-      uint64_t data_size = rw.plan.data_size;
-      if (o_.codec == Codec::kZstd) {
-        // Place empty tensors (no chunks) right after their predecessor, keeping offsets sorted.
-        uint64_t end = 0;
-        for (auto& e : rw.header.tensors) {
-          if (e.nbytes == 0) e.offset = AlignUp(end, kDataAlignment);
-          end = e.offset + e.stored_size;
-        }
-        data_size = AlignUp(rw.cursor, kDataAlignment);
-      }
-      for (auto& e : rw.header.tensors) {
-        e.xxh3 = CombineChunkChecksums(e.chunk_xxh3);
-        result.bytes_decoded += e.nbytes;
-      }
-      const std::string header = SerializeHeader(rw.header);
-      Preamble p;
-      p.data_size = data_size;
-      p.header_offset = kDataOffset + data_size;
-      p.header_size = header.size();
-      p.header_xxh3 = Xxh3(header);
-      rw.file.PWriteExact(header.data(), header.size(), p.header_offset);
-      rw.file.Truncate(p.header_offset + p.header_size);
-      const auto pre = EncodePreamble(p);
-      rw.file.PWriteExact(pre.data(), pre.size(), 0);
-      rw.file.Sync();
-      rw.file.Close();
-      if (::rename(rw.tmp_path.c_str(), rw.final_path.c_str()) != 0) {
-        Fail(ErrorCode::kIo, rw.final_path.string() + ": cannot rename into place");
-      }
+      for (const auto& e : rw.file.header().tensors) result.bytes_decoded += e.nbytes;
+      rw.file.Commit();
       result.ranks_written.push_back(rw.rank);
     }
-    temps.Clear();
     SyncDirectory(dir);
   }
 
@@ -360,19 +287,13 @@ class Converter {
 };
 
 // The model manifest: the option, else SOURCE/ or OUT/reshard-model.json; empty when none.
-fs::path FindModelManifestIfAny(const ConvertOptions& o) {
-  if (o.model_manifest) return *o.model_manifest;
-  std::error_code ec;
-  const fs::path src_dir = fs::is_directory(o.source, ec) ? o.source : o.source.parent_path();
-  for (const fs::path& dir : {src_dir, o.out}) {
-    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
-  }
-  return {};
+fs::path ModelManifestIfAny(const ConvertOptions& o) {
+  return o.model_manifest ? *o.model_manifest : FindModelManifest(o.source, o.out);
 }
 
 // FSDP1 needs one.
-fs::path FindModelManifest(const ConvertOptions& o) {
-  if (fs::path p = FindModelManifestIfAny(o); !p.empty()) return p;
+fs::path RequireModelManifest(const ConvertOptions& o) {
+  if (fs::path p = ModelManifestIfAny(o); !p.empty()) return p;
   Fail(ErrorCode::kNotFound,
        "--layout fsdp1 needs the model's modules and parameter order, which a checkpoint does "
        "not hold (its keys are sorted), and reshard convert could not capture them (it runs "
@@ -443,15 +364,24 @@ std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
 
 }  // namespace
 
+fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
+  std::error_code ec;
+  const fs::path src_dir = fs::is_directory(source, ec) ? source : source.parent_path();
+  for (const fs::path& dir : {src_dir, out}) {
+    if (fs::exists(dir / kModelManifestName, ec)) return dir / kModelManifestName;
+  }
+  return {};
+}
+
 ConvertResult Convert(const ConvertOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ConvertOptions o = options;
   std::optional<ModelManifest> model;
   fs::path model_path;
   if (o.layout.kind == LayoutKind::kFsdp1) {
-    model_path = FindModelManifest(o);
+    model_path = RequireModelManifest(o);
   } else {
-    model_path = FindModelManifestIfAny(o);
+    model_path = ModelManifestIfAny(o);
   }
   if (!model_path.empty()) model = ReadModelManifest(model_path);
   if (model && o.layout.kind == LayoutKind::kFsdp1 && o.layout.wrap.empty()) {

@@ -9,6 +9,7 @@
 #include "reshard/base/human.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
+#include "reshard/format/shape.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
@@ -138,11 +139,7 @@ json SourceJson(const fs::path& path) {
 
 std::string Bytes(uint64_t n) { return FormatBytes(static_cast<double>(n)); }
 
-std::string Shape(const json& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i].get<uint64_t>());
-  return out + "]";
-}
+std::string Shape(const json& s) { return ShapeText(s.get<std::vector<uint64_t>>()); }
 
 }  // namespace
 

@@ -6,6 +6,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/base/error.h"
+#include "reshard/format/shape.h"
 
 namespace reshard {
 
@@ -15,12 +16,6 @@ uint64_t Product(const std::vector<uint64_t>& s, size_t from, size_t to) {
   uint64_t n = 1;
   for (size_t i = from; i < to && i < s.size(); ++i) n *= s[i];
   return n;
-}
-
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
 }
 
 void Keys(const ConversionExpr& x, std::vector<const ConversionExpr*>& out) {

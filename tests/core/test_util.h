@@ -42,6 +42,21 @@ class TempDir {
   fs::path path_;
 };
 
+/// Sets (or, with no value, unsets) an environment variable for the scope, restoring what was
+/// there on destruction.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, std::optional<std::string> value);
+  ScopedEnv(const char* name, const char* value);  // nullptr: unset
+  ~ScopedEnv();
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 std::string ReadBytes(const fs::path& path);
 void WriteBytes(const fs::path& path, std::string_view bytes);
 /// Names of the regular files under `dir`, recursively, relative to it, sorted.

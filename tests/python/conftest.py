@@ -3,7 +3,8 @@
 * ``reshard_bin``: the CLI under test, from $RESHARD_BIN (default /work/main/build/reshard).
   A missing binary is a test error, never a skip.
 * ``cli``: runs the CLI and returns a ``CliResult`` (rc, stdout, stderr); ``cli(..., rc=N)``
-  also asserts the exit code and shows both streams when it differs.
+  also asserts the exit code and shows both streams when it differs; ``cli(..., tty=True)``
+  runs it with stdout and stderr on one pseudo-terminal (everything it printed in ``out``).
 * ``checkpoint``: ``checkpoint(arch, dtype, sharded, seed=0)`` returns the directory of a tiny
   checkpoint built once per session (tests/python/checkpoints.py). Tests must not modify it;
   copy it first (``tmp_path``) when a test needs to change a source.
@@ -12,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import pty
+import select
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -67,17 +70,44 @@ def reshard_bin() -> str:
     return path
 
 
+def _run_on_tty(cmd, env, timeout) -> Tuple[int, str]:
+    """Runs `cmd` with stdout and stderr on a pseudo-terminal; returns (rc, everything). Fails
+    when it prints nothing for `timeout` seconds."""
+    leader, follower = pty.openpty()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([leader], [], [], timeout)
+        if not ready:
+            p.kill()
+            raise AssertionError(f"{cmd} printed nothing for {timeout} s")
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    return p.wait(timeout=timeout), b"".join(chunks).decode()
+
+
 @pytest.fixture(scope="session")
 def cli(reshard_bin):
-    def run(*args, rc=None, timeout=120, env=None) -> CliResult:
+    def run(*args, rc=None, timeout=120, env=None, tty=False) -> CliResult:
         args = tuple(str(a) for a in args)
         full_env = dict(os.environ)
         full_env.setdefault("OMP_NUM_THREADS", "2")
         if env:
             full_env.update(env)
-        p = subprocess.run([reshard_bin, *args], capture_output=True, text=True,
-                           timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
-        r = CliResult(args, p.returncode, p.stdout, p.stderr)
+        if tty:
+            code, text = _run_on_tty([reshard_bin, *args], full_env, timeout)
+            r = CliResult(args, code, text, "")
+        else:
+            p = subprocess.run([reshard_bin, *args], capture_output=True, text=True,
+                               timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+            r = CliResult(args, p.returncode, p.stdout, p.stderr)
         if rc is not None:
             assert r.rc == rc, f"expected exit {rc}\n{r}"
         return r

@@ -5,11 +5,7 @@ is piped, none with --json, whose output is unchanged)."""
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
-import select
-import subprocess
 
 import pytest
 
@@ -58,39 +54,16 @@ def test_cli_sizes_fit(cli, ckpt, tmp_path):
         assert re.search(SIZE, text) and "0.00 GB" not in text and " kB" not in text, text
 
 
-def run_on_tty(reshard_bin, *args, timeout=120):
-    """Runs the CLI with stdout and stderr on a pseudo-terminal; returns (rc, everything)."""
-    leader, follower = pty.openpty()
-    p = subprocess.Popen([reshard_bin, *map(str, args)], stdin=subprocess.DEVNULL, stdout=follower,
-                         stderr=follower, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    os.close(follower)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([leader], [], [], timeout)
-        if not ready:
-            p.kill()
-            raise AssertionError(f"reshard {args} printed nothing for {timeout} s")
-        try:
-            data = os.read(leader, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(leader)
-    return p.wait(timeout=timeout), b"".join(chunks).decode()
-
-
 PROGRESS = re.compile(rf"\r\x1b\[K  (\S+: )?{SIZE} / {SIZE}  ({SIZE}/s|-)  ETA [0-9]+ s")
 
 
-def test_progress_on_a_terminal_only(cli, reshard_bin, out, ckpt, tmp_path):
-    rc, text = run_on_tty(reshard_bin, "verify", out, "--source", ckpt)
-    assert rc == 0 and PROGRESS.search(text), repr(text)
+def test_progress_on_a_terminal_only(cli, out, ckpt, tmp_path):
+    text = cli("verify", out, "--source", ckpt, tty=True, rc=0).out
+    assert PROGRESS.search(text), repr(text)
     assert re.search(r"fsdp2-ws2: ", text), repr(text)  # verify names the layout it checks
     assert "OK: " in text
-    rc, text = run_on_tty(reshard_bin, "export", out, "-o", tmp_path / "hf-tty")
-    assert rc == 0 and PROGRESS.search(text), repr(text)
+    text = cli("export", out, "-o", tmp_path / "hf-tty", tty=True, rc=0).out
+    assert PROGRESS.search(text), repr(text)
     # The last progress line shows everything done: "X / X".
     last = [m.group(0) for m in PROGRESS.finditer(text)][-1]
     done, total = re.search(rf"({SIZE}) / ({SIZE})", last).group(1, 4)
@@ -99,11 +72,11 @@ def test_progress_on_a_terminal_only(cli, reshard_bin, out, ckpt, tmp_path):
     for r in (cli("verify", out, "--source", ckpt, rc=0), cli("export", out, "-o", tmp_path / "hf-pipe", rc=0)):
         assert "ETA" not in r.text and "\r" not in r.text, r
     # --json on a terminal: the JSON alone, unchanged.
-    rc, text = run_on_tty(reshard_bin, "verify", out, "--json")
-    assert rc == 0 and "ETA" not in text, repr(text)
+    text = cli("verify", out, "--json", tty=True, rc=0).out
+    assert "ETA" not in text, repr(text)
     assert json.loads(text)["ok"] is True
-    rc, text = run_on_tty(reshard_bin, "export", out, "-o", tmp_path / "hf-json", "--json")
-    assert rc == 0 and "ETA" not in text and json.loads(text)["tensors"] > 0, repr(text)
+    text = cli("export", out, "-o", tmp_path / "hf-json", "--json", tty=True, rc=0).out
+    assert "ETA" not in text and json.loads(text)["tensors"] > 0, repr(text)
 
 
 def test_load_report_reads_as_a_sentence():

@@ -149,22 +149,14 @@ constexpr const char* kRevisionHelp =
 
 namespace fs = std::filesystem;
 
-// The model manifest convert would use without --model-manifest (SRC/ or OUT/
-// reshard-model.json) and whether it records the conversion; empty when there is none.
-fs::path ExistingModelManifest(const fs::path& src, const fs::path& out, bool* has_conversion) {
-  std::error_code ec;
-  const fs::path dir = fs::is_directory(src, ec) ? src : src.parent_path();
-  for (const fs::path& d : {dir, out}) {
-    const fs::path p = d / reshard::kModelManifestName;
-    if (!fs::exists(p, ec)) continue;
-    try {
-      *has_conversion = reshard::ReadModelManifest(p).conversion.has_value();
-    } catch (const reshard::Error&) {
-      *has_conversion = false;  // convert reports it
-    }
-    return p;
+// Whether the model manifest `path` records transformers' conversion of the checkpoint's
+// names (one that cannot be read counts as not: convert reports it).
+bool HasConversion(const fs::path& path) {
+  try {
+    return reshard::ReadModelManifest(path).conversion.has_value();
+  } catch (const reshard::Error&) {
+    return false;
   }
-  return {};
 }
 
 // Runs `python -m reshard.model_manifest SRC -o FILE` (RESHARD_PYTHON, else python3): the
@@ -422,8 +414,9 @@ int main(int argc, char** argv) {
       std::error_code fec;
       const bool hf_dir = fs::exists((fs::is_directory(src, fec) ? fs::path(src) : fs::path(src).parent_path()) /
                                      "config.json", fec);
-      bool has_conversion = false;
-      const fs::path existing = ExistingModelManifest(src, out, &has_conversion);
+      // The one convert would use without --model-manifest.
+      const fs::path existing = reshard::FindModelManifest(src, out);
+      const bool has_conversion = !existing.empty() && HasConversion(existing);
       if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
           (existing.empty() || !has_conversion)) {
         fs::create_directories(out, fec);

@@ -51,6 +51,12 @@ struct ConvertResult {
   std::vector<std::string> wrap;            // FSDP1: the wrap classes used
 };
 
+/// The model manifest convert uses when ConvertOptions::model_manifest is unset:
+/// SOURCE/reshard-model.json (beside SOURCE when it is a file), else OUT/reshard-model.json;
+/// empty when neither exists.
+std::filesystem::path FindModelManifest(const std::filesystem::path& source,
+                                        const std::filesystem::path& out);
+
 /// Converts `options.source` into `options.out/<layout key>/rank-*.reshard` and updates the
 /// manifest. Rank files already present and valid for the same source and layout are left
 /// alone. OUT's lock is held while the manifest is read and while it is rebuilt; rank files

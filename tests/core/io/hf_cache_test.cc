@@ -17,34 +17,11 @@ namespace reshard {
 namespace {
 
 namespace fs = std::filesystem;
+using test::ScopedEnv;
 using test::ThrowsError;
 
 constexpr const char* kMain = "0123456789abcdef0123456789abcdef01234567";
 constexpr const char* kDev = "fedcba9876543210fedcba9876543210fedcba98";
-
-// Sets (or unsets) an environment variable for the scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value->c_str(), 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // No variable of the host leaks into a test.
 struct CleanEnv {

@@ -783,5 +783,23 @@ TEST_F(VerifyTest, MissingPathThrows) {
   EXPECT_TRUE(ThrowsError([&] { Verify(v); }, ErrorCode::kNotFound, {"absent"}));
 }
 
+// The model manifest convert uses without --model-manifest, and that the CLI looks for
+// before capturing one: SOURCE's (beside a weight file), else OUT's; none: empty.
+TEST(FindModelManifest, SourceThenOut) {
+  TempDir dir;
+  const fs::path src = dir / "src", out = dir / "out";
+  fs::create_directories(src);
+  fs::create_directories(out);
+  test::WriteBytes(src / "model.safetensors", "x");
+  EXPECT_TRUE(FindModelManifest(src, out).empty());
+  EXPECT_TRUE(FindModelManifest(src / "model.safetensors", out).empty());
+  test::WriteBytes(out / "reshard-model.json", "{}");
+  EXPECT_EQ(FindModelManifest(src, out), out / "reshard-model.json");
+  test::WriteBytes(src / "reshard-model.json", "{}");
+  EXPECT_EQ(FindModelManifest(src, out), src / "reshard-model.json");
+  EXPECT_EQ(FindModelManifest(src / "model.safetensors", out), src / "reshard-model.json");
+  EXPECT_EQ(FindModelManifest(dir / "missing", out), out / "reshard-model.json");
+}
+
 }  // namespace
 }  // namespace reshard

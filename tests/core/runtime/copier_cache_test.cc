@@ -23,6 +23,7 @@
 namespace reshard {
 namespace {
 
+using test::ScopedEnv;
 using test::ThrowsError;
 
 // Copies land at once; records what the cache asked of it.
@@ -212,30 +213,6 @@ TEST(LoadThroughCache, HostTargetsNeedNoCopierAndDeviceTargetsNeedACache) {
   EXPECT_TRUE(ThrowsError([&] { LoadThroughCache(nullptr, r, device, 0, LoadOptions{}); },
                           ErrorCode::kUnsupported, {"no CUDA support"}));
 }
-
-// Sets an environment variable for the scope (restoring what was there).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = ::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 TEST(Knobs, ArgumentThenEnvironmentThenDefault) {
   ScopedEnv unset("RESHARD_TEST_KNOB", nullptr);

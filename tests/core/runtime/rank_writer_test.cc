@@ -1,13 +1,16 @@
-// RankFileWriter and SaveRankFile: files written from memory read back through
-// RankFileReader and the test's own decoder (test_util), bytes and checksums equal to ones
-// computed independently; incomplete or corrupted files never reach their final name; the
-// manifest of a saved layout.
+// RankFileWriter (reshard/io/rank_file_writer.h, the writer of convert and save) and
+// SaveRankFile: files written from memory read back through RankFileReader and the test's
+// own decoder (test_util), bytes and checksums equal to ones computed independently; raw
+// chunks in any order equal to appended bytes; zstd frames; incomplete or corrupted files
+// never reach their final name; the manifest of a saved layout.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -218,6 +221,110 @@ TEST(RankFileWriter, BadEntriesRefusedBeforeWriting) {
   h.chunk_size = 1000;
   EXPECT_TRUE(ThrowsError([&] { RankFileWriter::Create(path, h); }, ErrorCode::kInvalidArgument,
                           {"chunk_size 1000"}));
+  EXPECT_TRUE(test::ListFiles(dir.path()).empty());
+}
+
+// Whole chunks, in reverse order and from two threads at once, give the same bytes as the
+// same tensors appended in order: the two ways into a raw file are one layout.
+TEST(RankFileWriter, WholeChunksInAnyOrderFromThreadsEqualAppend) {
+  TempDir dir;
+  RankFileHeader h = MakeHeader(kSpecs, 2, 0, Saved(4, 2));
+  std::vector<std::string> data;
+  for (const auto& e : h.tensors) data.push_back(test::PatternBytes(Bytes(e), 70 + data.size()));
+  const fs::path appended = dir / "a" / RankFileName(0, 2);
+  const fs::path chunked = dir / "c" / RankFileName(0, 2);
+  fs::create_directories(appended.parent_path());
+  fs::create_directories(chunked.parent_path());
+  {
+    RankFileWriter w = RankFileWriter::Create(appended, h);
+    for (size_t i = 0; i < data.size(); ++i) w.Append(i, data[i].data(), data[i].size());
+    w.Commit();
+  }
+  RankFileWriter w = RankFileWriter::Create(chunked, h, {Codec::kRaw, false});
+  std::vector<std::pair<size_t, uint64_t>> chunks;  // (tensor, chunk), last first
+  for (size_t i = 0; i < data.size(); ++i) {
+    for (uint64_t c = 0; c < w.header().tensors[i].ChunkCount(kChunk); ++c) chunks.push_back({i, c});
+  }
+  std::reverse(chunks.begin(), chunks.end());
+  auto write = [&](size_t parity) {
+    ChunkEncoder enc(Codec::kRaw, kChunk);
+    for (size_t k = parity; k < chunks.size(); k += 2) {
+      const auto [i, c] = chunks[k];
+      const char* at = data[i].data() + c * kChunk;
+      w.WriteChunk(i, c, w.EncodeChunk(i, c, at, enc));
+    }
+  };
+  std::thread other(write, 1);
+  write(0);
+  other.join();
+  for (size_t i = 0; i < data.size(); ++i) EXPECT_EQ(w.Written(i), data[i].size());
+  w.Commit(/*verify_data=*/true);
+  EXPECT_TRUE(test::SameBytes(test::ReadBytes(chunked), test::ReadBytes(appended)));
+}
+
+// zstd: one frame per chunk, appended in file order; empty tensors stay raw and sit after
+// their predecessor; the file reads back through the reader and the test's frame table.
+TEST(RankFileWriter, ZstdFramesAppendedInFileOrder) {
+  TempDir dir;
+  const fs::path path = dir / RankFileName(1, 2);
+  RankFileHeader h = MakeHeader(kSpecs, 2, 1, Saved(6, 1));
+  RankFileWriter w = RankFileWriter::Create(path, h, {Codec::kZstd});
+  EXPECT_EQ(w.codec(), Codec::kZstd);
+  std::vector<std::string> data;
+  for (const auto& e : w.header().tensors) {
+    // Half the bytes repeat, so that frames are smaller than their chunks.
+    std::string d = test::PatternBytes(e.nbytes / 2, 90 + data.size());
+    d += std::string(e.nbytes - d.size(), 'z');
+    data.push_back(d);
+  }
+  EXPECT_TRUE(ThrowsError([&] { w.Append(0, data[0].data(), 1); }, ErrorCode::kInvalidArgument,
+                          {"Append writes raw files"}));
+  ChunkEncoder raw(Codec::kRaw, kChunk);
+  EXPECT_TRUE(ThrowsError([&] { w.EncodeChunk(0, 0, data[0].data(), raw); },
+                          ErrorCode::kInvalidArgument, {"a raw encoder for a zstd file"}));
+  ChunkEncoder enc(Codec::kZstd, kChunk, 3);
+  uint64_t stored = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    for (uint64_t c = 0; c < w.header().tensors[i].ChunkCount(kChunk); ++c) {
+      const auto frame = w.EncodeChunk(i, c, data[i].data() + c * kChunk, enc);
+      stored += frame.size();
+      w.WriteChunk(i, c, frame);
+    }
+  }
+  const uint64_t size = w.Commit(/*verify_data=*/true);
+  EXPECT_EQ(size, fs::file_size(path));
+  RankFileReader r = RankFileReader::Open(path);
+  uint64_t total_stored = 0, previous_end = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    const TensorEntry& e = r.header().tensors[i];
+    EXPECT_EQ(e.codec, e.nbytes == 0 ? Codec::kRaw : Codec::kZstd) << e.name;
+    EXPECT_EQ(e.frames.size(), e.nbytes == 0 ? 0u : e.ChunkCount(kChunk)) << e.name;
+    EXPECT_EQ(e.offset % 4096, 0u) << e.name;
+    EXPECT_GE(e.offset, previous_end) << e.name;
+    previous_end = e.offset + e.stored_size;
+    total_stored += e.stored_size;
+    EXPECT_EQ(e.chunk_xxh3, test::RefChunkHashes(data[i], kChunk)) << e.name;
+    std::string got(e.nbytes, '\0');
+    r.ReadTensor(e, got.data());
+    EXPECT_TRUE(test::SameBytes(got, data[i])) << e.name;
+  }
+  EXPECT_EQ(total_stored, stored);
+  uint64_t decoded = 0;
+  for (const auto& d : data) decoded += d.size();
+  EXPECT_LT(stored, decoded);  // frames, not chunks
+}
+
+TEST(RankFileWriter, ZstdIncompleteCommitRefused) {
+  TempDir dir;
+  const fs::path path = dir / RankFileName(0, 2);
+  RankFileWriter w = RankFileWriter::Create(path, MakeHeader(kSpecs, 2, 0, Saved(8, 8)),
+                                            {Codec::kZstd});
+  ChunkEncoder enc(Codec::kZstd, kChunk);
+  const std::string d = test::PatternBytes(kChunk, 3);
+  w.WriteChunk(0, 0, w.EncodeChunk(0, 0, d.data(), enc));
+  EXPECT_TRUE(ThrowsError([&] { w.Commit(); }, ErrorCode::kInvalidArgument,
+                          {"tensor \"big\" is incomplete: 0 of"}));
+  EXPECT_FALSE(fs::exists(path));
   EXPECT_TRUE(test::ListFiles(dir.path()).empty());
 }
 
