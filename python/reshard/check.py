@@ -54,7 +54,7 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
     untied = dict(getattr(model, "_reshard_untied", None) or {})
     named = [(clean_name(n), p) for n, p in model.named_parameters()]
     names = [n for n, _ in named]
-    expected = set(ref_params) | {n for n in untied if n in ref_all}
+    expected = set(ref_params) | {n for pair in untied.items() for n in pair if n in ref_all}
     if len(names) != len(set(names)) or set(names) != expected:
         raise AssertionError(f"parameter names differ from from_pretrained({src}): "
                              f"{sorted(set(names) ^ expected)[:8]}")
@@ -73,11 +73,20 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
             want = want.to(b.dtype)
         if want is None or b.dtype != want.dtype or not torch.equal(bits(b.detach().cpu()), bits(want)):
             bad.append(f"buffer {name}")
-    # (FSDP1 keeps ties inside its FlatParameter; reshard.load checked the shared entries.)
-    if not fsdp1 and getattr(model.config, "tie_word_embeddings", False) and \
-            model.get_output_embeddings() is not None and not untied:
-        if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-            bad.append("tied weights are no longer tied")
+    # Ties as from_pretrained has them (FSDP1 keeps ties inside its FlatParameter, and
+    # reshard.load checked the shared entries): each group of names of one reference parameter
+    # is one live parameter, unless the sharding split it (reshard.load filled both and warned).
+    if not fsdp1:
+        def groups(m, clean):
+            by_id: dict = {}
+            for n, p in m.named_parameters(remove_duplicate=False):
+                by_id.setdefault(id(p), set()).add(clean_name(n) if clean else n)
+            return list(by_id.values())
+        live = groups(model, True)
+        split = [set(pair) for pair in untied.items()]
+        for g in groups(ref, False):
+            if len(g) > 1 and not any(g <= h for h in live) and not any(s <= g for s in split):
+                bad.append(f"tied weights {' = '.join(sorted(g))} are no longer tied")
     if bad:
         raise AssertionError(f"{len(bad)} tensor(s) differ from from_pretrained({src}) right after "
                              f"reshard.load: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")

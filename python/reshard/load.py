@@ -307,9 +307,9 @@ def tie_partner(model: nn.Module, name: str, params, entries, prefix: str) -> Op
     if not isinstance(ties, dict):
         return None
     group = {name}
-    for target, source in ties.items():
-        if isinstance(target, str) and isinstance(source, str) and name in (target, source):
-            group |= {target, source}
+    for tied, source in ties.items():
+        if isinstance(tied, str) and isinstance(source, str) and name in (tied, source):
+            group |= {tied, source}
     for other in sorted(group - {name}):
         if other in params and params[other] is not params[name] and \
                 file_key(other, entries, prefix) is not None:
