@@ -1,0 +1,538 @@
+#!/usr/bin/env python
+"""The architecture coverage matrix: which transformers architectures reshard converts and
+loads exactly, under FSDP2 at world sizes 2 and 3 and FSDP1 at 2.
+
+    export PYTHONPATH=$PWD/python RESHARD_BIN=$PWD/build/reshard
+    .venv/bin/python scripts/coverage/matrix.py                    # every causal-LM type
+    .venv/bin/python scripts/coverage/matrix.py llama mixtral@fp16  # some entries only
+
+For every entry (a model type; `TYPE@fp16`, `TYPE@bin-fp16`, ... for the fp16 and .bin
+variants of the families that ship them, tiny.FP16_FAMILIES / tiny.BIN_FAMILIES):
+
+1. build a tiny model from its config class's defaults (scripts/coverage/tiny.py), seeded
+   random parameters, save_pretrained (or torch.save for .bin) into CACHE/<id>/src, and capture
+   the FSDP1 model manifest (reshard.model_manifest);
+2. convert it with the CLI ($RESHARD_BIN): --world-size 2 and 3, and --layout fsdp1
+   --world-size 2 (OUT/reshard-model.json), into CACHE/<id>/out;
+3. one torchrun job per world size (gloo, CPU) runs scripts/coverage/worker.py over all
+   entries: reshard.empty_model(OUT), shard, to_empty, reshard.load, and compare every
+   parameter, buffer, tie and the logits of a fixed batch with from_pretrained(SRC).
+
+Each case ends as pass, refused (a ReshardError from convert or load: its message), mismatch
+(a load that succeeded but differs: which tensors), crash (any other exception, or the case ran
+past --limit-s) or skipped (the tiny model could not be built: why). The records go to
+--json (default scripts/coverage/results/<task>.json) and the table to --doc (default
+docs/coverage.md).
+
+Reruns are cheap: checkpoints are rebuilt only when tiny.py or transformers change,
+conversions only when the CLI binary or the checkpoint changes, and load results are reused
+while the CLI, the reshard package, the worker and the checkpoint are the same (--force
+reruns the loads). Progress is printed as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+
+import tiny  # noqa: E402
+
+STATUSES = ("pass", "fsdp-refuses", "refused", "mismatch", "crash", "skipped")
+DEFAULT_CACHE = os.path.join(REPO, ".work", "coverage")
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def file_digest(paths: List[str]) -> str:
+    h = hashlib.sha1()
+    for path in paths:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def reshard_bin() -> str:
+    return os.environ.get("RESHARD_BIN", os.path.join(REPO, "build", "reshard"))
+
+
+def package_dir() -> str:
+    import reshard
+
+    return os.path.dirname(os.path.abspath(reshard.__file__))
+
+
+def load_fingerprint() -> str:
+    """What a load result depends on besides the checkpoint: the CLI, the package (Python and
+    extension), the worker."""
+    pkg = package_dir()
+    files = sorted(glob.glob(os.path.join(pkg, "*.py")) + glob.glob(os.path.join(pkg, "_C*.so")))
+    return tiny.build_fingerprint() + "-" + file_digest([reshard_bin(), os.path.join(HERE, "worker.py")] + files)
+
+
+def short(text: str, cache: str, n: int = 0) -> str:
+    """A message with the cache's paths replaced by SRC / OUT placeholders."""
+    text = text.replace(os.path.join(cache, ""), "<cache>/")
+    return text if not n or len(text) <= n else text[:n - 3] + "..."
+
+
+# -- conversions -----------------------------------------------------------------------------
+
+LAYOUTS = {  # case -> the convert arguments that make its layout
+    "fsdp2-ws2": ["--world-size", "2"],
+    "fsdp2-ws3": ["--world-size", "3"],
+    "fsdp1-ws2": ["--world-size", "2", "--layout", "fsdp1"],
+}
+
+
+def layout_args(build: Dict[str, Any], case: str) -> List[str]:
+    """The convert arguments of a case, with the FSDP1 units and use_orig_params the model
+    needs (tiny.fsdp1_needs)."""
+    args = list(LAYOUTS[case])
+    needs = build.get("fsdp1") or {}
+    if case.startswith("fsdp1"):
+        for cls in needs.get("wrap") or []:
+            args += ["--wrap", cls]
+        if needs.get("use_orig_params"):
+            args.append("--use-orig-params")
+    return args
+
+
+def convert(build: Dict[str, Any], cache: str, cases: List[str]) -> Dict[str, Dict[str, Any]]:
+    """Converts the entry's checkpoint for every case; returns {case: refusal/crash record} for
+    the conversions that failed (the others are ready to load). Cached by a stamp naming the
+    CLI and the checkpoint."""
+    entry_dir = os.path.join(cache, build["id"])
+    out = os.path.join(entry_dir, "out")
+    stamp_path = os.path.join(entry_dir, "convert.json")
+    stamp = {"bin": file_digest([reshard_bin()]), "build": build.get("fingerprint"),
+             "manifest": file_digest([os.path.join(entry_dir, "reshard-model.json")])}
+    done: Dict[str, Any] = {}
+    if os.path.exists(stamp_path):
+        with open(stamp_path) as f:
+            old = json.load(f)
+        if old.get("stamp") == stamp:
+            done = old.get("cases", {})
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out, exist_ok=True)
+    shutil.copyfile(os.path.join(entry_dir, "reshard-model.json"), os.path.join(out, "reshard-model.json"))
+    failed = {}
+    for case in cases:
+        if case not in done:
+            t0 = time.time()
+            p = subprocess.run([reshard_bin(), "convert", build["src"], "-o", out, *layout_args(build, case)],
+                               capture_output=True, text=True)
+            done[case] = {"rc": p.returncode, "stderr": (p.stderr or p.stdout)[-3000:],
+                          "seconds": round(time.time() - t0, 2)}
+        r = done[case]
+        if r["rc"] != 0:
+            message = r["stderr"].strip()
+            status = "refused" if 0 < r["rc"] < 128 and message else "crash"
+            failed[case] = {"id": build["id"], "case": case, "status": status, "stage": "convert",
+                            "message": f"reshard convert exited {r['rc']}: {message}"}
+    with open(stamp_path, "w") as f:
+        json.dump({"stamp": stamp, "cases": done}, f, indent=1)
+    return failed
+
+
+# -- the torchrun jobs -----------------------------------------------------------------------
+
+def read_jsonl(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by a killed job
+    return out
+
+
+def run_job(world: int, entries: List[Dict[str, Any]], results: str, limit_s: float, fingerprint: str,
+            job_log: str) -> None:
+    """Runs the worker under torchrun over `entries` (each with its cases) until every case has a
+    record in `results`; a job that dies (a case past its limit, a crashed process) is recorded
+    against the case it was in, and started again with what is left."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(package_dir())] +
+                                          [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    attempts = 0
+    while True:
+        have = {(r["id"], r["case"]) for r in read_jsonl(results) if r.get("fingerprint") == fingerprint
+                and "status" in r}
+        todo = []
+        for e in entries:
+            cases = [c for c in e["cases"] if (e["id"], f"{c}-ws{world}") not in have]
+            if cases:
+                todo.append(dict(e, cases=cases))
+        if not todo:
+            return
+        attempts += 1
+        if attempts > len(entries) * 3 + 3:
+            raise RuntimeError(f"world size {world}: the job keeps failing; see {job_log}")
+        plan_path = f"{results}.plan-ws{world}.json"
+        with open(plan_path, "w") as f:
+            json.dump({"entries": todo, "results": results, "limit_s": limit_s, "fingerprint": fingerprint}, f)
+        for marker in glob.glob(f"{results}.timeout.*"):
+            os.remove(marker)
+        n_cases = sum(len(e["cases"]) for e in todo)
+        log(f"== torchrun --nproc-per-node {world}: {len(todo)} entries, {n_cases} cases (log: {job_log})")
+        before = len(read_jsonl(results))
+        log_offset = os.path.getsize(job_log) if os.path.exists(job_log) else 0
+        with open(job_log, "a") as err:
+            p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(world),
+                                  os.path.join(HERE, "worker.py"), "--plan", plan_path],
+                                 env=env, stderr=err, start_new_session=True)
+            try:
+                rc = p.wait(timeout=limit_s * n_cases + 600)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)  # the job this function started (its own session)
+                rc = p.wait()
+        lines = read_jsonl(results)[before:]
+        if rc == 0:
+            continue
+        # The case that was running when the job died: the last start without a result.
+        started = [r for r in lines if r.get("event") == "start"]
+        finished = {(r["id"], r["case"]) for r in lines if "status" in r}
+        running = next((s for s in reversed(started) if (s["id"], s["case"]) not in finished), None)
+        if running is None:
+            raise RuntimeError(f"world size {world}: torchrun exited {rc} before any case; see {job_log}")
+        markers = glob.glob(f"{results}.timeout.*")
+        if markers:
+            message = f"ran past the {limit_s:.0f} s limit per case (the job was stopped)"
+            error_class = "Timeout"
+        else:
+            message = f"the job died during this case (torchrun exit {rc}){fatal_error(job_log, log_offset)}"
+            error_class = "ProcessDied"
+        with open(results, "a") as f:
+            f.write(json.dumps({"id": running["id"], "case": running["case"], "status": "crash", "stage": "process",
+                                "error_class": error_class, "message": message,
+                                "fingerprint": fingerprint}) + "\n")
+        log(f"   {running['id']} {running['case']}: crash: {message}")
+
+
+def fatal_error(job_log: str, offset: int) -> str:
+    """What faulthandler wrote for a process killed by a signal: the error and the innermost
+    frames of the thread that had it ("" when nothing was written)."""
+    with open(job_log, errors="replace") as f:
+        f.seek(offset)
+        lines = f.read().splitlines()
+    fatal = next((x.strip() for x in lines if x.startswith("Fatal Python error")), None)
+    if fatal is None:
+        return "; see the job log"
+    for i, line in enumerate(lines):
+        if line.startswith("Current thread"):
+            frames = []
+            for x in lines[i + 1:i + 12]:
+                x = x.strip()
+                if not x.startswith("File "):
+                    break
+                frames.append(x.replace(os.path.dirname(os.path.dirname(os.__file__)), "..."))
+            return f": {fatal} in " + " <- ".join(frames[:4])
+    return f": {fatal}"
+
+
+# -- the whole run ---------------------------------------------------------------------------
+
+def run(ids: List[str], cache: str, world_sizes=(2, 3), fsdp1: bool = True, limit_s: float = 120.0,
+        force: bool = False, task: str = "causal-lm", extra: Optional[List[Dict[str, Any]]] = None
+        ) -> Dict[str, Any]:
+    """Builds, converts and loads every entry; returns {"meta": ..., "builds": ..., "records":
+    [...]}, one record per entry and case. `extra`: entries loaded in the same jobs without being
+    built or converted here ({id, src, out, model_class, dtype, cases}: a test's controls);
+    their records are under "extra"."""
+    t_start = time.time()
+    os.makedirs(cache, exist_ok=True)
+    entries = [tiny.parse_entry_id(i) for i in ids]
+    cases = [f"fsdp2-ws{w}" for w in world_sizes] + (["fsdp1-ws2"] if fsdp1 and 2 in world_sizes else [])
+
+    log(f"== build: {len(entries)} tiny checkpoints into {cache}")
+    t0 = time.time()
+    with open(os.path.join(cache, "build.log"), "a") as build_log:
+        def progress(i, n, rec):
+            log(f"[{i + 1}/{n}] build {rec['id']:32s} {rec['status']:12s} {rec.get('layout', '')}"
+                f" {rec.get('build_s', '')}s {short(rec.get('error', ''), cache, 120)}")
+        builds = tiny.build_with_timeout(entries, cache, limit_s, task, log=build_log, progress=progress)
+    build_s = time.time() - t0
+    by_id = {b["id"]: b for b in builds}
+
+    log("== convert")
+    t0 = time.time()
+    records: Dict[tuple, Dict[str, Any]] = {}
+    runnable: List[Dict[str, Any]] = []
+    for b in builds:
+        if b.get("status") != "built":
+            for case in cases:
+                records[(b["id"], case)] = {"id": b["id"], "case": case, "status": "skipped", "stage": "build",
+                                            "message": f"tiny model not built ({b.get('stage')}): {b.get('error')}"}
+            continue
+        failed = convert(b, cache, cases)
+        for case, rec in failed.items():
+            records[(b["id"], case)] = rec
+        ok = [c for c in cases if c not in failed]
+        if ok:
+            runnable.append({"id": b["id"], "src": b["src"], "out": os.path.join(cache, b["id"], "out"),
+                             "model_class": b["model_class"], "dtype": b["dtype"], "cases": ok,
+                             "fsdp1": b.get("fsdp1") or {}})
+    convert_s = time.time() - t0
+    log(f"   {len(runnable)} entries to load, {sum(1 for r in records.values() if r['stage'] == 'convert')} "
+        f"conversions refused ({convert_s:.0f} s)")
+    runnable += extra or []
+
+    fingerprint = load_fingerprint()
+    results = os.path.join(cache, f"results-{task}.jsonl")
+    if force and os.path.exists(results):
+        os.remove(results)
+    job_seconds = {}
+    for world in world_sizes:
+        kinds = ["fsdp2"] + (["fsdp1"] if fsdp1 and world == 2 else [])
+        entries_w = []
+        for r in runnable:
+            mine = [k for k in kinds if f"{k}-ws{world}" in r["cases"]]
+            if mine:
+                entries_w.append(dict(r, cases=mine))
+        t0 = time.time()
+        run_job(world, entries_w, results, limit_s, fingerprint, os.path.join(cache, f"job-ws{world}.log"))
+        job_seconds[f"ws{world}"] = round(time.time() - t0, 1)
+    extra_ids = {e["id"] for e in extra or []}
+    extra_records = []
+    for r in read_jsonl(results):
+        if r.get("fingerprint") == fingerprint and "status" in r and r["id"] in extra_ids:
+            extra_records.append(r)
+        if r.get("fingerprint") == fingerprint and "status" in r and r["id"] in by_id:
+            if (r["id"], r["case"]) in records and records[(r["id"], r["case"])]["stage"] == "convert":
+                continue
+            if r["case"] in cases:
+                records[(r["id"], r["case"])] = r
+
+    out_records = []
+    for e in entries:
+        b = by_id[e["id"]]
+        for case in cases:
+            rec = dict(records.get((e["id"], case)) or {"id": e["id"], "case": case, "status": "crash",
+                                                         "stage": "matrix", "message": "no result recorded"})
+            rec.pop("fingerprint", None)
+            rec.pop("event", None)
+            if "message" in rec:
+                rec["message"] = short(rec["message"], cache)
+            if "traceback" in rec:
+                rec["traceback"] = short(rec["traceback"], cache)
+            rec.update(model_type=e["model_type"], dtype=e["dtype"], format=e["format"],
+                       model_class=b.get("model_class"), layout=b.get("layout"))
+            out_records.append(rec)
+    return {"meta": meta(task, cases, time.time() - t_start, build_s, convert_s, job_seconds),
+            "builds": [{k: b.get(k) for k in ("id", "model_class", "layout", "no_split_modules", "persistent_buffers",
+                                              "tied", "numel", "status", "error", "n_renamed", "n_fused")}
+                       for b in builds],
+            "records": out_records, "extra": extra_records}
+
+
+def meta(task, cases, total_s, build_s, convert_s, job_seconds) -> Dict[str, Any]:
+    import torch
+    import transformers
+
+    import reshard
+
+    try:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"task": task, "cases": cases, "date": datetime.date.today().isoformat(),
+            "transformers": transformers.__version__, "torch": torch.__version__,
+            "reshard": reshard.__version__, "commit": commit, "seconds": round(total_s, 1),
+            "build_s": round(build_s, 1), "convert_s": round(convert_s, 1), "job_s": job_seconds,
+            "cpus": os.cpu_count()}
+
+
+# -- the document ----------------------------------------------------------------------------
+
+def totals(records: List[Dict[str, Any]], cases: List[str]) -> Dict[str, Dict[str, int]]:
+    out = {c: {s: 0 for s in STATUSES} for c in cases}
+    for r in records:
+        out[r["case"]][r["status"]] += 1
+    return out
+
+
+def cell(r: Dict[str, Any]) -> str:
+    s = r["status"]
+    if s == "pass":
+        notes = []
+        if str(r.get("logits", "")).startswith("not compared"):
+            notes.append("logits not compared")
+        if r.get("ties_split_by_sharding"):
+            notes.append("tie split by the FSDP units: " + ", ".join(r["ties_split_by_sharding"]))
+        if str(r.get("check_weights", "ok")) != "ok":
+            notes.append("**--check-weights disagrees**: " + str(r["check_weights"])[:120])
+        return "pass" + (f" ({'; '.join(notes)})" if notes else "")
+    if s == "mismatch":
+        names = [d.split(":")[0] for d in r.get("differ", [])]
+        more = r.get("n_differ", len(names)) - 3
+        return "**mismatch**: " + ", ".join(names[:3]) + (f" (+{more})" if more > 0 else "")
+    msg = (r.get("message") or "").splitlines()[0] if r.get("message") else ""
+    if s == "refused":
+        return f"refused ({r.get('stage')}): {reason(msg)}"
+    if s == "fsdp-refuses":
+        return f"FSDP refuses the model ({r.get('stage')}): {msg[:110]}"
+    if s == "crash":
+        fallback = r.get("root_only")
+        return f"**crash** ({r.get('stage')}): {r.get('error_class', '')}: {msg[:100]}" + \
+            (f"; root-only unit: {cell(fallback)}" if fallback else "")
+    return f"skipped: {msg[:100]}"
+
+
+def reason(msg: str) -> str:
+    """A refusal's message, short enough for a table cell."""
+    for cut in (" Is OUT converted", " Convert this model", " Create it with", " Convert for it"):
+        if cut in msg:
+            msg = msg[:msg.index(cut)]
+    return msg[:140] + ("..." if len(msg) > 140 else "")
+
+
+def md_escape(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def write_doc(result: Dict[str, Any], path: str, command: str) -> None:
+    m = result["meta"]
+    cases = m["cases"]
+    records = result["records"]
+    by_entry: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for r in records:
+        by_entry.setdefault(r["id"], {})[r["case"]] = r
+    t = totals(records, cases)
+    n_all = len(by_entry)
+    all_pass = sum(1 for cs in by_entry.values() if all(cs[c]["status"] == "pass" for c in cases))
+    silent = sum(t[c]["mismatch"] for c in cases)
+    lines = [
+        "# Architecture coverage",
+        "",
+        "Generated by `scripts/coverage/matrix.py`; do not edit by hand. Every architecture of "
+        f"transformers {m['transformers']}'s `AutoModelForCausalLM` mapping, built as a tiny model from its "
+        "config class's own defaults (scripts/coverage/tiny.py) with seeded random parameters, written with "
+        "`save_pretrained` in bf16 (plus fp16 and `.bin` variants of the families that ship them), converted "
+        "with `reshard convert` and loaded with `reshard.load` into a model built by `reshard.empty_model` "
+        "and sharded by FSDP2 (`fully_shard` on the `_no_split_modules` classes, on the modules whose own "
+        "parameters from_pretrained keeps in fp32, and on the root) at world sizes 2 and 3 and by FSDP1 "
+        "(`FullyShardedDataParallel`, `ModuleWrapPolicy` of the same classes, with `use_orig_params` where "
+        "a unit mixes frozen and trainable parameters; convert gets the same `--wrap` / `--use-orig-params`) "
+        "at 2, over gloo on CPU: what FSDP itself needs to shard the model as from_pretrained builds it. "
+        "A case **passes** when every parameter, every buffer (persistent or not) and the logits of a fixed "
+        "batch are bit-equal to `from_pretrained` of the same checkpoint, tied parameters are still one "
+        "(or were split into two by the FSDP units before the load, which the cell names: both hold the "
+        "one tensor's values, and reshard.load warns), and reshard's own `--check-weights` agrees. "
+        "**FSDP refuses**: torch's FSDP itself refuses the model as from_pretrained builds it (one module "
+        "holding parameters of two dtypes, which no unit can flatten), before or after reshard's part; "
+        "**refused**: convert or load raised a `ReshardError` (its message); **mismatch**: the load succeeded "
+        "but something differs (a silent mismatch); **crash**: any other exception, or the case ran past "
+        "the time limit; **skipped**: the tiny model could not be built here.",
+        "",
+        f"- Command: `{command}`",
+        f"- Date: {m['date']}; reshard {m['reshard']} (commit {m['commit']}), transformers {m['transformers']}, "
+        f"torch {m['torch']}; {m['cpus']} CPUs; {m['seconds']:.0f} s in all (build {m['build_s']:.0f} s, "
+        f"convert {m['convert_s']:.0f} s, loads " + ", ".join(f"{k} {v:.0f} s" for k, v in m["job_s"].items()) + ")",
+        f"- Entries: {n_all} ({sum(1 for e in by_entry if '@' not in e)} model types, "
+        f"{sum(1 for e in by_entry if '@' in e)} fp16 / .bin variants); **{all_pass} pass every case "
+        f"({100.0 * all_pass / max(n_all, 1):.1f} %)**; silent mismatches: **{silent}**",
+        "",
+        "| case | pass | FSDP refuses | refused | mismatch | crash | skipped | pass rate |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        n = sum(t[c].values())
+        lines.append(f"| {c} | " + " | ".join(str(t[c][s]) for s in STATUSES) +
+                     f" | {100.0 * t[c]['pass'] / max(n, 1):.1f} % |")
+    lines += ["", "| architecture | model class | checkpoint layout | " + " | ".join(cases) + " |",
+              "|---|---|---|" + "---|" * len(cases)]
+    for eid in sorted(by_entry):
+        cs = by_entry[eid]
+        first = cs[cases[0]]
+        lines.append(f"| {eid} | {first.get('model_class') or ''} | {first.get('layout') or '-'} | " +
+                     " | ".join(md_escape(cell(cs[c])) for c in cases) + " |")
+    lines += ["", "Checkpoint layout: *identical* (the file's names and shapes are the model's), *renamed* "
+              "(transformers renames some keys on load), *fused* (transformers builds some tensors from several "
+              "of the file's, e.g. per-expert MoE weights stacked into one).", "", "## Details", ""]
+    for eid in sorted(by_entry):
+        for c in cases:
+            r = by_entry[eid][c]
+            if r["status"] == "pass":
+                continue
+            if r["status"] == "mismatch":
+                text = "; ".join(r.get("differ", [])[:12]) + (" ..." if r.get("n_differ", 0) > 12 else "")
+            else:
+                text = (r.get("message") or "")[:600]
+            lines.append(f"- **{eid}** {c}: {r['status']} ({r.get('stage')}"
+                         f"{', ' + r['error_class'] if r.get('error_class') else ''}"
+                         f"{', ranks ' + str(r['ranks']) if r.get('ranks') else ''}): {md_escape(text)}")
+    lines.append("")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("entries", nargs="*", help="model types or variants (TYPE@fp16, TYPE@bin-fp16); "
+                    "default: every type of the task and the variants")
+    ap.add_argument("--task", default="causal-lm", choices=tiny.TASKS)
+    ap.add_argument("--no-variants", action="store_true", help="without the fp16 / .bin variants")
+    ap.add_argument("--cache", default=DEFAULT_CACHE, help=f"checkpoints, conversions, results (default {DEFAULT_CACHE})")
+    ap.add_argument("--json", default=None, help="records (default scripts/coverage/results/<task>.json)")
+    ap.add_argument("--doc", default=None, help="the table (default docs/coverage.md for a full run, none otherwise)")
+    ap.add_argument("--world-sizes", default="2,3")
+    ap.add_argument("--no-fsdp1", action="store_true")
+    ap.add_argument("--limit-s", type=float, default=120.0, help="time limit per case (and per build)")
+    ap.add_argument("--force", action="store_true", help="rerun every load (checkpoints stay cached)")
+    args = ap.parse_args(argv)
+
+    full = not args.entries
+    ids = args.entries or [e["id"] for e in tiny.entries_for(tiny.model_types(args.task), not args.no_variants)]
+    result = run(ids, os.path.abspath(args.cache), tuple(int(w) for w in args.world_sizes.split(",")),
+                 not args.no_fsdp1, args.limit_s, args.force, args.task)
+    shown, skip = [], False  # the options as given, less the machine's cache directory
+    for a in (argv if argv is not None else sys.argv[1:]):
+        if skip or a == "--cache" or a.startswith("--cache="):
+            skip = a == "--cache"
+            continue
+        shown.append(a)
+    command = " ".join(["python scripts/coverage/matrix.py"] + shown)
+    result["meta"]["command"] = command
+    json_path = args.json or (os.path.join(HERE, "results", f"{args.task}.json") if full else
+                              os.path.join(args.cache, f"matrix-{args.task}.json"))
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    doc = args.doc or (os.path.join(REPO, "docs", "coverage.md") if full else None)
+    if doc:
+        write_doc(result, doc, command)
+    t = totals(result["records"], result["meta"]["cases"])
+    log(f"== done in {result['meta']['seconds']:.0f} s: {json_path}" + (f", {doc}" if doc else ""))
+    for c, counts in t.items():
+        log(f"   {c}: " + ", ".join(f"{s} {n}" for s, n in counts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The coverage matrix (scripts/coverage/matrix.py) on a fixed sample of architectures, in CI.
+
+Each sample architecture is built as a tiny model from its config class's defaults, written with
+save_pretrained, converted with the CLI for FSDP2 at world sizes 2 and 3 and FSDP1 at 2, and
+loaded in one torchrun job per world size (gloo, CPU); every parameter, buffer and the logits
+are compared bit for bit with from_pretrained (scripts/coverage/worker.py). The whole matrix is
+scripts/coverage/matrix.py's job, its output docs/coverage.md.
+
+What is asserted:
+* no case of the sample is a silent mismatch (a load that succeeded but differs) or a crash;
+  a refusal carries reshard's message;
+* the architectures that pass today (PASS_TODAY, one per mechanism) pass every case, and
+  reshard's own check_weights agrees: a regression fails here; the others (REFUSED_TODAY, refused
+  by reshard or by FSDP itself, with the reason given) may start to pass;
+* BERT's tie split by the FSDP units is named, and a legacy BERT checkpoint (LayerNorm.gamma /
+  .beta) converts and loads exactly;
+* the instrument itself sees a difference: a control loads llama's conversion but compares it
+  with a checkpoint one element of which was changed, and must be a mismatch naming that
+  parameter and the logits, in every case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+COVERAGE = os.path.join(REPO, "scripts", "coverage")
+if COVERAGE not in sys.path:
+    sys.path.insert(0, COVERAGE)
+
+import matrix  # noqa: E402
+import tiny  # noqa: E402
+
+# Every case of these passes today: one architecture per mechanism.
+PASS_TODAY = {
+    "llama": "plain Llama-style decoder",
+    "gpt2": "tied embeddings (lm_head = wte), Conv1D weights",
+    "gemma": "tied embeddings, embed_scale computed in the model's dtype",
+    "gptj": "non-persistent rotary table (embed_positions) recomputed in fp32",
+    "apertus": "persistent buffers (act_fn.beta / eps) whole on every rank",
+    "gptj@bin-fp16": "a torch.save .bin checkpoint in fp16",
+    "gpt_neox": "the hub's names differ from the model's (embed_out -> lm_head), renamed on load",
+    "mixtral": "per-expert MoE weights fused into gate_up_proj / down_proj on load",
+    "bert": "a tie (decoder = word_embeddings) that the FSDP units split into two parameters",
+    "ernie4_5_moe": "keep-in-fp32 router modules: FSDP units of their own (FSDP2 and FSDP1 --wrap)",
+    "marian": "a frozen parameter (sinusoidal positions): FSDP1 with use_orig_params",
+    "bart": "_no_split_modules names an encoder class the causal-LM class does not build",
+}
+# Refused today in some case, with reshard's message naming the reason; they may start to pass.
+# One module holds fp32 A_log and bf16 weights: convert refuses its FSDP1 unit by name, and
+# FSDP2 itself refuses to shard it (reshard's load succeeded; FSDP's lazy init does not).
+REFUSED_TODAY = {
+    "olmo_hybrid": {"fsdp1-ws2": ("refused", "mixes dtypes"),
+                    "fsdp2-ws2": ("fsdp-refuses", "uniform original parameter dtype"),
+                    "fsdp2-ws3": ("fsdp-refuses", "uniform original parameter dtype")},
+}
+CASES = ("fsdp2-ws2", "fsdp2-ws3", "fsdp1-ws2")
+CONTROL_TENSOR = "model.layers.1.mlp.down_proj.weight"
+
+
+def _control(cache: str) -> dict:
+    """llama's conversion checked against a copy of its checkpoint with one element changed."""
+    from safetensors.torch import load_file, save_file
+
+    build = tiny.build(tiny.parse_entry_id("llama"), cache)
+    assert build["status"] == "built", build
+    src = os.path.join(cache, "control-llama", "src")
+    shutil.copytree(build["src"], src)
+    path = os.path.join(src, "model.safetensors")
+    tensors = load_file(path)
+    w = tensors[CONTROL_TENSOR]
+    w[3, 5] = -w[3, 5] if w[3, 5] != 0 else torch.ones((), dtype=w.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return {"id": "control-llama", "src": src, "out": os.path.join(cache, "llama", "out"),
+            "model_class": build["model_class"], "dtype": "bf16", "cases": list(CASES)}
+
+
+def _legacy_bert(cache: str) -> dict:
+    """BERT as checkpoints written before transformers 4 have it (LayerNorm.gamma / .beta),
+    which from_pretrained renames by its legacy conversion; convert captures it."""
+    from safetensors.torch import load_file, save_file
+
+    from reshard import model_manifest
+
+    build = tiny.build(tiny.parse_entry_id("bert"), cache)
+    assert build["status"] == "built", build
+    entry_dir = os.path.join(cache, "legacy-bert")
+    src = os.path.join(entry_dir, "src")
+    shutil.copytree(build["src"], src)
+    path = os.path.join(src, "model.safetensors")
+    tensors = load_file(path)
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in tensors.items()}
+    assert sum(k.endswith(".gamma") for k in legacy) >= 3
+    save_file(legacy, path, metadata={"format": "pt"})
+    assert model_manifest.main([src, "-o", os.path.join(entry_dir, "reshard-model.json")]) == 0
+    b = dict(build, id="legacy-bert", src=src)
+    failed = matrix.convert(b, cache, list(CASES))
+    assert not failed, failed
+    return {"id": "legacy-bert", "src": src, "out": os.path.join(entry_dir, "out"),
+            "model_class": build["model_class"], "dtype": "bf16", "cases": list(CASES),
+            "fsdp1": build.get("fsdp1") or {}}
+
+
+@pytest.fixture(scope="module")
+def coverage(tmp_path_factory, reshard_bin):
+    cache = str(tmp_path_factory.mktemp("coverage"))
+    os.environ.setdefault("RESHARD_BIN", reshard_bin)
+    extra = [_control(cache), _legacy_bert(cache)]
+    result = matrix.run(list(PASS_TODAY) + list(REFUSED_TODAY), cache, extra=extra, limit_s=240)
+    return result, cache
+
+
+def _describe(records) -> str:
+    return "\n".join(f"{r['id']:16s} {r['case']:10s} {r['status']:9s} {matrix.cell(r)[:160]}" for r in records)
+
+
+def test_sample_passes_or_is_refused_with_a_reason(coverage):
+    result, _ = coverage
+    records = result["records"]
+    assert {(r["id"], r["case"]) for r in records} == {(e, c) for e in list(PASS_TODAY) + list(REFUSED_TODAY)
+                                                       for c in CASES}, _describe(records)
+    bad = [r for r in records if r["status"] not in ("pass", "refused", "fsdp-refuses")]
+    assert not bad, "silent mismatch, crash or skipped in the sample:\n" + _describe(bad) + "\n" + \
+        json.dumps(bad, indent=1, default=str)[:6000]
+    for r in records:
+        if r["status"] == "refused":
+            assert r.get("stage") in ("convert", "load") and len(r.get("message", "")) > 20, r
+        if r["status"] == "fsdp-refuses":
+            assert r.get("stage") in ("shard", "forward") and "FSDP" in r.get("message", "") or \
+                "flatten" in r.get("message", ""), r
+
+
+def test_what_passes_today_still_passes(coverage):
+    result, _ = coverage
+    regressed = [r for r in result["records"] if r["id"] in PASS_TODAY and
+                 (r["status"] != "pass" or r.get("logits") != "equal")]
+    assert not regressed, "passed before, not now:\n" + _describe(regressed)
+    for r in result["records"]:
+        if r["id"] in PASS_TODAY:
+            assert r["params_checked"] > 0 and r["buffers_checked"] >= 0, r
+
+
+def test_what_is_refused_today_names_its_reason(coverage):
+    result, _ = coverage
+    for r in result["records"]:
+        if r["id"] in REFUSED_TODAY and r["status"] != "pass":
+            status, reason = REFUSED_TODAY[r["id"]][r["case"]]
+            assert r["status"] == status and reason in r["message"], r
+
+
+def test_check_weights_agrees_and_ties_split_by_the_units_are_named(coverage):
+    """reshard's own --check-weights passes wherever the independent comparison does; BERT's
+    tie is two parameters once FSDP shards the embeddings in a unit of their own (FSDP2, and
+    FSDP1 without use_orig_params): both equal from_pretrained's one tensor, and the record
+    says so."""
+    result, _ = coverage
+    for r in result["records"]:
+        if r["status"] == "pass":
+            assert r.get("check_weights") == "ok", r
+    bert = {r["case"]: r for r in result["records"] if r["id"] == "bert"}
+    for case in ("fsdp2-ws2", "fsdp2-ws3"):
+        assert bert[case]["ties_split_by_sharding"] == [
+            "cls.predictions.decoder.weight = bert.embeddings.word_embeddings.weight"], bert[case]
+    legacy = {r["case"]: r for r in result["extra"] if r["id"] == "legacy-bert"}
+    assert set(legacy) == set(CASES) and all(r["status"] == "pass" for r in legacy.values()), legacy
+
+
+def test_the_instrument_sees_one_changed_element(coverage):
+    result, _ = coverage
+    control = {r["case"]: r for r in result["extra"] if r["id"] == "control-llama"}
+    assert set(control) == set(CASES), control
+    for case, r in control.items():
+        assert r["status"] == "mismatch", (case, r)
+        named = [d.split(":")[0] for d in r["differ"]]
+        assert f"parameter {CONTROL_TENSOR}" in named and "logits" in named, (case, r["differ"])
+        assert all(n in (f"parameter {CONTROL_TENSOR}", "logits") for n in named), (case, r["differ"])
+
+
+def test_the_table(coverage, tmp_path):
+    result, _ = coverage
+    result["meta"]["command"] = "pytest tests/python/test_coverage.py"
+    doc = tmp_path / "coverage.md"
+    matrix.write_doc(result, str(doc), result["meta"]["command"])
+    text = doc.read_text()
+    assert "| fsdp2-ws2 |" in text and "| llama | LlamaForCausalLM | identical | pass | pass | pass |" in text, text
+    assert "| mixtral | MixtralForCausalLM | fused |" in text, text
