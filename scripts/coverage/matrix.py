@@ -454,6 +454,7 @@ def write_doc(result: Dict[str, Any], path: str, command: str) -> None:
         f"- Entries: {n_all} ({sum(1 for e in by_entry if '@' not in e)} model types, "
         f"{sum(1 for e in by_entry if '@' in e)} fp16 / .bin variants); **{all_pass} pass every case "
         f"({100.0 * all_pass / max(n_all, 1):.1f} %)**; silent mismatches: **{silent}**",
+    ] + ([f"- {m['note']}"] if m.get("note") else []) + [
         "",
         "| case | pass | FSDP refuses | refused | mismatch | crash | skipped | pass rate |",
         "|---|---|---|---|---|---|---|---|",
