@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -126,6 +127,15 @@ def test_convert_verify_inspect_a_model_id(cli, hub, src, tmp_path):
     r = cli("inspect", "Org/Tiny", "--json", rc=0, env=env)
     assert json.loads(r.out)["tensor_count"] == len(load_source(src)), r
     assert r.err == "", r  # --json: nothing but the JSON
+
+
+def test_convert_of_a_model_id_captures_the_model_manifest_of_its_snapshot(cli, hub, tmp_path):
+    env = {"HF_HUB_CACHE": str(hub), "RESHARD_MODEL_CAPTURE": "1", "RESHARD_PYTHON": sys.executable}
+    out = tmp_path / "out"
+    r = cli("convert", "Org/Tiny", "-o", out, "--world-size", 2, rc=0, env=env)
+    assert "capturing the model manifest" in r.err and "no model manifest" not in r.err, r
+    model = json.loads((out / "reshard-model.json").read_text())
+    assert model["model_class"] == "Qwen2ForCausalLM" and model["params"], model.keys()
 
 
 def test_revision_ref_and_commit(cli, hub, checkpoint, tmp_path):

@@ -412,10 +412,12 @@ int main(int argc, char** argv) {
       fs::path captured;
       const char* env_capture = std::getenv("RESHARD_MODEL_CAPTURE");
       std::error_code fec;
-      const bool hf_dir = fs::exists((fs::is_directory(src, fec) ? fs::path(src) : fs::path(src).parent_path()) /
+      // The resolved checkpoint directory (a model id's snapshot in the Hugging Face cache).
+      const fs::path source = co.source;
+      const bool hf_dir = fs::exists((fs::is_directory(source, fec) ? source : source.parent_path()) /
                                      "config.json", fec);
       // The one convert would use without --model-manifest.
-      const fs::path existing = reshard::FindModelManifest(src, out);
+      const fs::path existing = reshard::FindModelManifest(source, out);
       const bool has_conversion = !existing.empty() && HasConversion(existing);
       if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
           (existing.empty() || !has_conversion)) {
@@ -423,7 +425,7 @@ int main(int argc, char** argv) {
         captured = fs::path(out) / ("." + std::string(reshard::kModelManifestName) + ".tmp-capture-" +
                                     std::to_string(::getpid()));
         if (!convert_json) std::fprintf(stderr, "capturing the model manifest (python -m reshard.model_manifest)...\n");
-        const std::string why = CaptureModelManifest(src, captured);
+        const std::string why = CaptureModelManifest(source, captured);
         if (why.empty()) {
           co.model_manifest = captured;
         } else {
