@@ -383,7 +383,7 @@ int main(int argc, char** argv) {
   exp->add_flag("--hub-names", eo.hub_names,
                 "write the source checkpoint's own names and layout (per-expert MoE keys, "
                 "embed_out, ...) by inverting the conversion convert applied "
-                "(OUT/reshard-model.json), for transformers 4 and other loaders; default: the "
+                "(OUT/reshard-model.json), for tools that expect the hub's names; default: the "
                 "model's names and fused tensors, which transformers 5 loads as they are");
   exp->add_flag("--json", export_json, "print a machine-readable summary on stdout");
   exp->footer("Example:  reshard export ./llama-shards -o ./llama-hf --max-shard-size 5GB\n"
