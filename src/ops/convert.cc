@@ -197,18 +197,30 @@ class Converter {
         }
       }
     }
-    std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
-      return a.file_index != b.file_index ? a.file_index < b.file_index
-                                          : a.source_offset < b.source_offset;
-    });
+    const bool zstd = o_.codec == Codec::kZstd;
+    if (!zstd) {
+      // Raw chunks go to fixed places: read the source in order.
+      std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+        return a.file_index != b.file_index ? a.file_index < b.file_index
+                                            : a.source_offset < b.source_offset;
+      });
+    } else {
+      // zstd frames are appended, and a rank file's tensors must lie in header order (formats/
+      // rank-file.md): items go tensor by tensor, chunk by chunk, the ranks' pieces of one
+      // chunk side by side (so the source is still read roughly in order). Source order is not
+      // header order under FSDP1 (flat parameters gather pieces of many source tensors) or a
+      // conversion (renamed, stacked keys).
+      std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+        return a.tensor != b.tensor ? a.tensor < b.tensor : a.chunk < b.chunk;
+      });
+    }
 
-    // Workers take items in source order from one counter: no barrier between chunks. Each
+    // Workers take items in that order from one counter: no barrier between chunks. Each
     // chunk is filled, hashed and encoded (zstd: compressed) in parallel; raw chunks go
     // straight to their places. zstd frames are appended to their rank file in item order: a
     // worker whose frame is not next for that file waits (blocking, not spinning) until it
     // is; the smallest unwritten item is always held by a running worker, so this cannot
     // deadlock.
-    const bool zstd = o_.codec == Codec::kZstd;
     std::vector<uint64_t> seq(items.size());
     {
       std::vector<uint64_t> per_writer(writers.size(), 0);

@@ -78,6 +78,10 @@ CASES = [
      ["--use-orig-params", "--param-dtype", "bf16", "--dtype", "fp32"],
      ["--live-dtype", "fp32", "--orig", "--param-dtype", "bf16"]),
     ("llama-ws5-padded", "llama", 5, [], ["--live-dtype", "bf16"]),
+    # zstd frames are appended in header order, not source order (a flat parameter gathers
+    # pieces of many source tensors): 4 KiB chunks make several frames per flat shard.
+    ("llama-ws3-zstd", "llama", 3, ["--compress", "zstd", "--chunk-size", "4096"],
+     ["--live-dtype", "bf16"]),
     ("qwen2-tied-ws2-orig", "qwen2", 2, ["--use-orig-params"], ["--live-dtype", "fp32", "--orig"]),
     ("qwen2-tied-ws3", "qwen2", 3, [], ["--live-dtype", "fp32"]),
     ("gpt2-two-classes-ws3-orig-mp", "gpt2", 3,
