@@ -26,7 +26,7 @@ if [ ${#need[@]} -gt 0 ] && [ "${RESHARD_SKIP_APT:-0}" != 1 ]; then
 fi
 
 # 2. Python environment pinned to the GPU machine's versions.
-PY_PINS="torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 safetensors==0.8.0 numpy pytest pybind11 scikit-build-core==1.1.2"
+PY_PINS="torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 safetensors==0.8.0 peft==0.21.2 numpy pytest pybind11 scikit-build-core==1.1.2"
 STAMP="$VENV/.reshard-deps"
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"

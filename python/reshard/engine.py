@@ -118,6 +118,7 @@ class LoadReport:
     staging_alloc_seconds: float = 0.0  # of `seconds`: pinned staging made by this load (0: reused/prepared)
     pooled: bool = False  # the reader threads were the copy engine's own (started once, by prepare)
     untied: List[str] = dataclasses.field(default_factory=list)  # "copy = source": tied in the model, split by the sharding, loaded from one entry
+    adapters: dict = dataclasses.field(default_factory=dict)  # PEFT: {"source": adapter dir or how initialised, "tensors": n}
 
     def __str__(self) -> str:  # what a person reads; repr() keeps every field
         return (f"rank {self.rank}/{self.world_size}: loaded {_C.format_bytes(self.bytes)} of {self.layout} "

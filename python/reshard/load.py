@@ -95,14 +95,14 @@ def file_key(name: str, keys, prefix: str) -> Optional[str]:
 
 def finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                 buffers, needs_fresh, device_index, *, threads, verify, io,
-                strict_buffers) -> LoadReport:
+                strict_buffers, rename=None) -> LoadReport:
     """Moves the bytes (direct targets through the native loader, converted ones and buffers
     through host batches), restores non-persistent buffers, waits for the device, reports."""
     n_threads = threads or default_threads()
     dev = device_index or 0
     result = load_tensors(rank_file, direct, device=dev, threads=n_threads, verify=verify, io=io)
     b, sec = load_via_host(rank_file, entries, converted + buffers, dev, n_threads, verify)
-    restored = restore_buffers(model, needs_fresh, strict_buffers)
+    restored = restore_buffers(model, needs_fresh, strict_buffers, rename)
     if device_index is not None:
         torch.cuda.synchronize(device_index)
     total_bytes, total_seconds = result.bytes + b, result.seconds + sec
@@ -115,15 +115,22 @@ def finish_load(model, rank_file, key, world_size, coord, entries, direct, conve
                       pooled=result.pooled)
 
 
-def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: set):
+def _identity(name: str) -> str:
+    return name
+
+
+def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: set, rename=None):
     """Persistent buffers come from the file ((key, buffer) pairs); non-persistent ones (and
     persistent ones the file lacks) are restored as from_pretrained computes them (their
-    names; fresh_buffers)."""
-    persistent = persistent_buffer_names(model)
+    names; fresh_buffers). `rename` maps a live name to the Hugging Face model's (PEFT)."""
+    rename = rename or _identity
+    persistent = {rename(n) for n in persistent_buffer_names(model)}
     targets = []
     needs_fresh = []
     for name, b in model.named_buffers():
-        name = clean_name(name)
+        name = rename(clean_name(name))
+        if name is None:  # a PEFT adapter's (none today)
+            continue
         key_in_file = file_key(name, entries, prefix)
         if name in persistent and key_in_file is not None:
             e = entries[key_in_file]
@@ -145,10 +152,14 @@ def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: 
     return targets, needs_fresh
 
 
-def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bool) -> List[str]:
+def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bool,
+                    rename=None) -> List[str]:
     restored = []
     if needs_fresh:
-        fresh = fresh_buffers(model)
+        from .adapters import adapter_names, is_peft_model
+
+        fresh = fresh_buffers(adapter_names(model).inner if is_peft_model(model) else model)
+        rename = rename or _identity
         missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
         if missing_fresh and strict_buffers:
             raise InvalidArgumentError(
@@ -157,15 +168,15 @@ def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bo
                 "them yourself and pass strict_buffers=False")
         with torch.no_grad():
             for name, b in model.named_buffers():
-                name = clean_name(name)
-                if name in needs_fresh and fresh is not None and name in fresh:
+                name = rename(clean_name(name))
+                if name is not None and name in needs_fresh and fresh is not None and name in fresh:
                     b.copy_(fresh[name])
                     restored.append(name)
     return restored
 
 
 def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
-         io: str = "auto", strict_buffers: bool = True) -> LoadReport:
+         io: str = "auto", strict_buffers: bool = True, adapter: Optional[str] = None) -> LoadReport:
     """Loads this rank's shard from OUT into `model` in place.
 
     `model` is an FSDP2 model (fully_shard'ed, to_empty'd, before its first forward) or a plain
@@ -176,19 +187,47 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     failure; then the model must be considered not loaded.
 
     FSDP1 models (FullyShardedDataParallel, any sharding strategy) load from an fsdp1 layout
-    whose units match the live FlatParameters exactly (reshard.load_fsdp1)."""
+    whose units match the live FlatParameters exactly (reshard.load_fsdp1).
+
+    PEFT (LoRA) models: the base parameters load from OUT by their original names; the adapter
+    parameters from `adapter` (a PEFT adapter directory: adapter_model.safetensors and
+    adapter_config.json) when given, else with PEFT's own initialisation, which
+    reshard.empty_model(OUT, peft_config=...) keeps (reshard.adapters)."""
+    from .adapters import adapter_names, is_peft_model, load_adapters
     from .load_fsdp1 import fsdp1_units, load_fsdp1
 
+    out = os.fspath(out)  # a pathlib.Path too
+
+    names = adapter_names(model) if is_peft_model(model) else None
     units = fsdp1_units(model)
     if units:
+        if names is not None:
+            raise UnsupportedError(
+                "a PEFT model under FSDP1 (FullyShardedDataParallel): reshard loads PEFT models "
+                "under FSDP2 (fully_shard) or unsharded")
         return load_fsdp1(model, out, units, threads=threads, verify=verify, io=io,
                           strict_buffers=strict_buffers)
+    if adapter is not None and names is None:
+        raise InvalidArgumentError(f"adapter={adapter!r} given, but the model has no PEFT layers "
+                                   "(wrap it with peft.get_peft_model, or build it with "
+                                   "reshard.empty_model(OUT, peft_config=...))")
+    hf_model = names.inner if names is not None else model
+    rename = names.base_name if names is not None else _identity
     world_size, coord = shard_coordinate(model)
-    if world_size == 1 and hasattr(model, "tie_weights"):
+    if world_size == 1 and hasattr(hf_model, "tie_weights"):
         # nn.Module.to_empty gives each module its own new parameter, silently untying
         # shared weights of a plain (not fully_shard'ed) model; tie them again first.
-        model.tie_weights()
-    float_dtypes = {local_tensor(p).dtype for _, p in model.named_parameters() if p.is_floating_point()}
+        hf_model.tie_weights()
+    # Parameters by the Hugging Face model's names; a PEFT model's adapters apart.
+    params, adapter_params = {}, {}
+    for n, p in model.named_parameters():
+        n = clean_name(n)
+        base = rename(n)
+        if base is None:
+            adapter_params[n] = p
+        else:
+            params[base] = p
+    float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
     path, key = find_rank_file(out, world_size, coord, live_dtype)
     rank_file = open_rank_file(path)
@@ -197,7 +236,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                            f"expected {coord} of {world_size}")
     rank_file.check_listed(out, key, coord)  # the file OUT/reshard.json lists: source, dtype, size
     entries = {t.name: t for t in rank_file.tensors}
-    prefix = getattr(model, "base_model_prefix", "") or ""
+    prefix = getattr(hf_model, "base_model_prefix", "") or ""
     convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
 
     direct = []
@@ -207,12 +246,11 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     missing = []
     # Parameters the model ties but the sharding split in two (fully_shard of units that hold
     # one name each): the copy takes the values of its tie partner's entry after the load.
-    params = dict(model.named_parameters())
     untied: List[Tuple[str, str]] = []
     for name, p in params.items():
         key_in_file = file_key(name, entries, prefix)
         if key_in_file is None:
-            partner = tie_partner(model, name, params, entries, prefix)
+            partner = tie_partner(hf_model, name, params, entries, prefix)
             if partner is None:
                 missing.append(name)
             else:
@@ -255,7 +293,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
 
         head = (f"{len(missing)} parameter(s) of the model are not in {path}: {', '.join(missing[:8])}"
                 f"{' ...' if len(missing) > 8 else ''}. ")
-        cause = hub_names_cause(model, [k for k in entries if k not in used], missing)
+        cause = hub_names_cause(hf_model, [k for k in entries if k not in used], missing)
         if cause:
             raise LayoutMismatchError(
                 head + cause[0].upper() + cause[1:] + f". Convert again with Python (reshard, transformers) importable, which captures "
@@ -263,11 +301,12 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                 f"{os.path.join(out, 'reshard-model.json')})")
         raise LayoutMismatchError(head + "Is OUT converted from this model's checkpoint? " + convert_cmd)
 
-    buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
+    buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used, rename)
     unexpected = sorted(set(entries) - used)
     aliases = set()
     for n, _ in model.named_parameters(remove_duplicate=False):
-        k = file_key(n, entries, prefix)
+        n = rename(clean_name(n))
+        k = file_key(n, entries, prefix) if n is not None else None
         if k is not None:
             aliases.add(k)
     unexpected = [k for k in unexpected if k not in aliases]
@@ -284,7 +323,9 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                 "shard the modules holding both in one unit")
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                         strict_buffers=strict_buffers)
+                         strict_buffers=strict_buffers, rename=rename)
+    if names is not None:
+        report.adapters = load_adapters(model, names, adapter_params, adapter)
     if untied:
         with torch.no_grad():
             for name, partner in untied:

@@ -159,10 +159,15 @@ def keep_in_fp32_as_from_pretrained(model: nn.Module, dtype: torch.dtype) -> Lis
     return cast
 
 
-def empty_model(out: str, dtype="auto", model_class=None, revision=None) -> nn.Module:
+def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_config=None,
+                adapter_name: str = "default") -> nn.Module:
     """Builds the Hugging Face model described by OUT/config.json with parameters on the
     meta device and buffers computed for real, ready for fully_shard → to_empty → load.
-    OUT may also be a model id in the local Hugging Face cache (reshard.resolve_source)."""
+    OUT may also be a model id in the local Hugging Face cache (reshard.resolve_source).
+
+    With `peft_config` (a peft.LoraConfig) the model is wrapped by peft.get_peft_model, and
+    PEFT's initialisation of the adapters (the values it gives them on an unsharded model in
+    the same random state) is kept for reshard.load, which writes each rank's part of it."""
     import transformers
     from accelerate import init_empty_weights
 
@@ -192,6 +197,10 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None) -> nn.M
     init_buffers_as_from_pretrained(model)
     model._reshard_buffers = buffer_values(model)
     model._reshard_build_dtype = dtype
+    if peft_config is not None:
+        from .adapters import wrap
+
+        model = wrap(model, peft_config, adapter_name)
     prepare_quietly()  # the copy engine's set-up overlaps fully_shard / to_empty
     return model
 

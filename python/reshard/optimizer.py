@@ -133,6 +133,7 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     scalars, and the param_groups' hyper-parameters. `optimizer` must hold the model's
     parameters in the same groups, in the same order, as when saved. Returns the number of
     parameters whose state was restored. Raises ReshardError on any mismatch."""
+    out = os.fspath(out)  # a pathlib.Path too
     from torch.distributed.tensor import DTensor
 
 

@@ -279,6 +279,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     else it writes the model's config.json) and writes OUT/reshard.json once every file is in
     place. OUT must not already hold a reshard.json. Raises ReshardError on every rank when
     any rank fails; then OUT holds no manifest."""
+    out = os.fspath(out)  # a pathlib.Path too
     out = os.path.abspath(out)
     group = _Group()
     job, writes = _fsdp1_start(model, group)
