@@ -28,6 +28,8 @@ from torch import nn
 from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
 from .model import clean_name
 
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's; formats/manifest.md (aux files of an adapter save)
+
 # Initialisations of LoRA's weights that use only the random generator (not the base weights).
 RANDOM_INITS = (True, False, "gaussian")
 
@@ -218,7 +220,7 @@ def read_adapter_dir(path: str) -> Tuple[Dict[str, torch.Tensor], dict]:
     if not os.path.isdir(path):
         raise NotFoundError(f"{path}: not a directory (expected a PEFT adapter directory with "
                             "adapter_model.safetensors and adapter_config.json)")
-    cfg_path = os.path.join(path, "adapter_config.json")
+    cfg_path = os.path.join(path, ADAPTER_CONFIG)
     st_path = os.path.join(path, "adapter_model.safetensors")
     if not os.path.exists(st_path):
         bin_hint = (" (it has adapter_model.bin, a pickle: save it again with "
@@ -264,7 +266,7 @@ def _local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def load_adapters(model: nn.Module, names: AdapterNames, params: Dict[str, torch.Tensor],
-                  adapter: Optional[str]) -> dict:
+                  adapter: Optional[str], world_size: int = 1, coord: int = 0, **load_kw) -> dict:
     """Writes every adapter parameter's local part: from the adapter directory when given,
     else PEFT's initialisation kept by reshard.empty_model(OUT, peft_config=...). Returns
     what the report says about them.
@@ -277,6 +279,18 @@ def load_adapters(model: nn.Module, names: AdapterNames, params: Dict[str, torch
     if not params:
         return {}
     overridden: List[str] = []
+    if adapter is not None and os.path.exists(os.path.join(adapter, "reshard.json")):
+        # A reshard.save of the adapters: this rank's shards, through the copy engine.
+        from .load import load_saved_adapters
+
+        cfg_path = os.path.join(adapter, ADAPTER_CONFIG)
+        if not os.path.exists(cfg_path):
+            raise InvalidArgumentError(
+                f"adapter={adapter}: a reshard output directory without {ADAPTER_CONFIG}, so not a "
+                "save of a PEFT model's adapters (a model's weights load with reshard.load(model, OUT))")
+        n = load_saved_adapters(adapter, world_size, coord, {names.saved_key(k): p for k, p in params.items()},
+                                **load_kw)
+        return {"source": adapter, "tensors": len(params), "bytes": n}
     if adapter is not None:
         tensors, cfg = read_adapter_dir(adapter)
         source = adapter
@@ -334,3 +348,39 @@ def load_adapters(model: nn.Module, names: AdapterNames, params: Dict[str, torch
     if overridden:
         report["base_tensors_from_adapter"] = overridden
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving: the adapters by PEFT's saved names, and PEFT's adapter_config.json.
+
+
+def save_names(model: nn.Module) -> AdapterNames:
+    """The name map for reshard.save of a PEFT model; one adapter only (PEFT's saved names
+    drop the adapter's name)."""
+    names = adapter_names(model)
+    if len(names.adapter_names) != 1:
+        raise UnsupportedError(f"the PEFT model holds {len(names.adapter_names)} adapters "
+                               f"({names.adapter_names}); reshard.save saves a model with one")
+    return names
+
+
+def adapter_config_json(model: nn.Module, names: AdapterNames) -> str:
+    """adapter_config.json as PeftModel.save_pretrained writes it (inference_mode true, the
+    base model's name or path)."""
+    import tempfile
+
+    config = getattr(model, "peft_config", {}).get(names.adapter_names[0])
+    if config is None:
+        raise UnsupportedError("the PEFT model has no peft_config for its adapter; reshard.save "
+                               "saves models made by peft.get_peft_model")
+    saved_mode = config.inference_mode
+    try:
+        config.inference_mode = True
+        if not getattr(config, "base_model_name_or_path", None):
+            config.base_model_name_or_path = getattr(getattr(names.inner, "config", None), "_name_or_path", None)
+        with tempfile.TemporaryDirectory() as d:
+            config.save_pretrained(d)
+            with open(os.path.join(d, ADAPTER_CONFIG)) as f:
+                return f.read()
+    finally:
+        config.inference_mode = saved_mode

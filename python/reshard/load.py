@@ -47,6 +47,13 @@ def shard_coordinate(model: nn.Module) -> Tuple[int, int]:
         if found is None:
             found = (this, name)
         elif found[0] != this:
+            if (1, 0) in (found[0], this) and hasattr(model, "reshard"):
+                plain = found[1] if found[0] == (1, 0) else name
+                raise UnsupportedError(
+                    f"parameter {plain} is not sharded while others are (world size {max(found[0], this)[0]}): "
+                    "FSDP2 leaves a module's parameters unsharded after a forward without backward "
+                    "(an eval, generate): call model.reshard() first, or shard every parameter with "
+                    "fully_shard on one mesh")
             raise UnsupportedError(
                 f"parameters {found[1]} and {name} are sharded differently ({found[0]} vs {this} "
                 "as (world size, shard coordinate)); shard every parameter with fully_shard on one mesh")
@@ -175,6 +182,76 @@ def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bo
     return restored
 
 
+def param_target(name: str, p: torch.Tensor, key_in_file: str, e, path: str, convert_cmd: str,
+                 device_index: Optional[int]):
+    """Checks live parameter `name` against its rank-file entry `e` and says how it loads:
+    ("direct", a native target), ("converted", (key, local)) when the dtypes differ, or
+    ("empty", None) for an empty shard; and the rank's CUDA device index so far."""
+    local = local_tensor(p)
+    if local.device.type == "meta":
+        raise InvalidArgumentError(f"parameter {name} is on the meta device: call "
+                                   "model.to_empty(device=...) before reshard.load")
+    if list(p.shape) != e.global_shape:
+        raise LayoutMismatchError(
+            f"parameter {name}: the model has global shape {list(p.shape)}, {path} has "
+            f"{e.global_shape}: another model or config. Convert this model's checkpoint: {convert_cmd}")
+    if list(local.shape) != e.local_shape:
+        raise LayoutMismatchError(
+            f"parameter {name}: local shard shape {list(local.shape)} but {path} holds "
+            f"{e.local_shape} (rows {e.shard}); the layout does not match this job. "
+            f"Convert for it: {convert_cmd}")
+    if not local.is_contiguous():
+        raise UnsupportedError(f"parameter {name}: local shard is not contiguous")
+    try:
+        file_dtype = torch_dtype(e.dtype)
+    except ValueError:
+        raise UnsupportedError(f"parameter {name}: file dtype {e.dtype} has no torch dtype") from None
+    on_device, device_index = target_device(local, f"parameter {name}", device_index)
+    if e.nbytes == 0:
+        return "empty", None, device_index
+    if local.dtype == file_dtype:
+        return "direct", target(key_in_file, local, e.nbytes, on_device), device_index
+    if not (local.dtype.is_floating_point and file_dtype.is_floating_point):
+        raise UnsupportedError(
+            f"parameter {name}: live dtype {local.dtype}, file dtype {file_dtype}; only "
+            "floating-point dtypes are converted at load time")
+    return "converted", (key_in_file, local), device_index
+
+
+def load_saved_adapters(out: str, world_size: int, coord: int, params, *, threads, verify, io) -> int:
+    """Loads a PEFT model's adapter parameters (`params`: PEFT's saved key -> live parameter)
+    from OUT, a reshard.save of the adapters at this world size, through the copy engine;
+    returns the bytes read. Raises naming what does not match."""
+    path, key = find_rank_file(out, world_size, coord)
+    rank_file = open_rank_file(path)
+    if rank_file.world_size != world_size or rank_file.rank != coord:
+        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
+                                  f"expected {coord} of {world_size}")
+    rank_file.check_listed(out, key, coord)
+    entries = {t.name: t for t in rank_file.tensors}
+    absent = sorted(k for k in params if k not in entries)
+    extra = sorted(k for k in entries if k not in params)
+    if absent or extra:
+        what = (f"has no tensor {', '.join(absent[:4])}" if absent else
+                f"has tensor(s) the model has no adapter parameter for: {', '.join(extra[:4])}")
+        raise LayoutMismatchError(f"{path}: {what}: the adapters of another base model or PEFT config")
+    cmd = "reshard.save the adapters from a job of this world size"
+    direct, converted, device_index = [], [], None
+    for k, p in params.items():
+        kind, t, device_index = param_target(k, p, k, entries[k], path, cmd, device_index)
+        if kind == "direct":
+            direct.append(t)
+        elif kind == "converted":
+            converted.append(t)
+    dev = device_index or 0
+    n_threads = threads or default_threads()
+    r = load_tensors(rank_file, direct, device=dev, threads=n_threads, verify=verify, io=io)
+    b, _ = load_via_host(rank_file, entries, converted, dev, n_threads, verify)
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
+    return r.bytes + b
+
+
 def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
          io: str = "auto", strict_buffers: bool = True, adapter: Optional[str] = None) -> LoadReport:
     """Loads this rank's shard from OUT into `model` in place.
@@ -256,38 +333,13 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             else:
                 untied.append((name, partner))
             continue
-        e = entries[key_in_file]
         used.add(key_in_file)
-        local = local_tensor(p)
-        if local.device.type == "meta":
-            raise InvalidArgumentError(f"parameter {name} is on the meta device: call "
-                               "model.to_empty(device=...) before reshard.load")
-        if list(p.shape) != e.global_shape:
-            raise LayoutMismatchError(
-                f"parameter {name}: the model has global shape {list(p.shape)}, {path} has "
-                f"{e.global_shape}: another model or config. Convert this model's checkpoint: {convert_cmd}")
-        if list(local.shape) != e.local_shape:
-            raise LayoutMismatchError(
-                f"parameter {name}: local shard shape {list(local.shape)} but {path} holds "
-                f"{e.local_shape} (rows {e.shard}); the layout does not match this job. "
-                f"Convert for it: {convert_cmd}")
-        if not local.is_contiguous():
-            raise UnsupportedError(f"parameter {name}: local shard is not contiguous")
-        try:
-            file_dtype = torch_dtype(e.dtype)
-        except ValueError:
-            raise UnsupportedError(f"parameter {name}: file dtype {e.dtype} has no torch dtype") from None
-        on_device, device_index = target_device(local, f"parameter {name}", device_index)
-        if e.nbytes == 0:
-            continue
-        if local.dtype == file_dtype:
-            direct.append(target(key_in_file, local, e.nbytes, on_device))
-        else:
-            if not (local.dtype.is_floating_point and file_dtype.is_floating_point):
-                raise UnsupportedError(
-                    f"parameter {name}: live dtype {local.dtype}, file dtype {file_dtype}; only "
-                    "floating-point dtypes are converted at load time")
-            converted.append((key_in_file, local))
+        kind, t, device_index = param_target(name, p, key_in_file, entries[key_in_file], path,
+                                             convert_cmd, device_index)
+        if kind == "direct":
+            direct.append(t)
+        elif kind == "converted":
+            converted.append(t)
     if missing:
         from .conversion import hub_names_cause
 
@@ -325,7 +377,8 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
                          strict_buffers=strict_buffers, rename=rename)
     if names is not None:
-        report.adapters = load_adapters(model, names, adapter_params, adapter)
+        report.adapters = load_adapters(model, names, adapter_params, adapter, world_size, coord,
+                                        threads=threads, verify=verify, io=io)
     if untied:
         with torch.no_grad():
             for name, partner in untied:

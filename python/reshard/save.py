@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from .engine import raw_save_entry, save_entry, save_tensors, write_saved_manifest
-from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, ReshardError, error_class
+from .errors import (InvalidArgumentError, LayoutMismatchError, NotFoundError, ReshardError, UnsupportedError,
+                     error_class)
 from .layout import chunk_rows, flat_entry_name, layout_key, rank_file_name, read_manifest
 from .load import local_tensor, shard_coordinate
 from .load_fsdp1 import Fsdp1Job, flat_object, fsdp1_job, fsdp1_local_shard
@@ -128,16 +129,25 @@ def _raise_first(errs: List[Optional[Tuple[str, str]]], what: str) -> None:
         raise error_class(code)(f"{what} failed on rank {r}{more}: {text}")
 
 
-def _model_entries(model: nn.Module, world: int, coord: int):
+def _model_entries(model: nn.Module, world: int, coord: int, peft_names=None):
+    """Every parameter sharded like the live one and the persistent buffers whole; of a PEFT
+    model, only the adapter parameters, by the names PEFT's save_pretrained gives them."""
     from torch.distributed.tensor import DTensor
 
     entries, keep = [], []
     for name, p in model.named_parameters():
+        if peft_names is not None:
+            name = clean_name(name)
+            if peft_names.base_name(name) is not None:
+                continue  # the base model: unchanged by LoRA, loaded from its conversion
+            name = peft_names.saved_key(name)
         is_d = isinstance(p, DTensor)
         e, t = save_entry(name, local_tensor(p).detach(), list(p.shape), world, coord,
                       sharded_like_param=is_d or world == 1)
         entries.append(e)
         keep.append(t)
+    if peft_names is not None:
+        return entries, keep
     persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
         if name in persistent:  # whole on every rank, as FSDP2 holds them (and convert stores them)
@@ -173,11 +183,18 @@ def _write_atomic(path: str, data) -> None:
         raise
 
 
-def _copy_aux(model: nn.Module, source: Optional[str], out: str) -> List[str]:
+def _copy_aux(model: nn.Module, source: Optional[str], out: str, peft_names=None) -> List[str]:
     """config/tokenizer files: those listed by the source's manifest when SOURCE is a reshard
     output directory (a checkpoint loaded with reshard.load), else config.json (and
-    generation_config.json) written from the model."""
+    generation_config.json) written from the model. A PEFT model's adapters: PEFT's
+    adapter_config.json (and the base model's config.json)."""
     names: List[str] = []
+    if peft_names is not None:
+        from .adapters import ADAPTER_CONFIG, adapter_config_json
+
+        _write_atomic(os.path.join(out, ADAPTER_CONFIG), adapter_config_json(model, peft_names))
+        names.append(ADAPTER_CONFIG)
+        model = peft_names.inner
     manifest = read_manifest(source) if source else None
     if manifest is not None:
         names = [a for a in manifest.get("aux_files", []) if os.path.exists(os.path.join(source, a))]
@@ -282,7 +299,13 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     out = os.fspath(out)  # a pathlib.Path too
     out = os.path.abspath(out)
     group = _Group()
+    from .adapters import is_peft_model, save_names
+
+    peft_names = save_names(model) if is_peft_model(model) else None
     job, writes = _fsdp1_start(model, group)
+    if job is not None and peft_names is not None:
+        raise UnsupportedError("reshard.save of a PEFT model under FSDP1: PEFT models are saved "
+                               "under FSDP2 (fully_shard) or unsharded")
     if job is not None:
         world, coord, key = job.world, job.coord, job.key
     else:
@@ -315,7 +338,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         if job is not None:
             entries, keep = _fsdp1_model_entries(model, job)
         else:
-            entries, keep = _model_entries(model, world, coord)
+            entries, keep = _model_entries(model, world, coord, peft_names)
         if optimizer is not None:
             opt_entries, opt_keep, meta = optimizer_entries(optimizer, model, world, coord,
                                                              fsdp1=job is not None)
@@ -366,7 +389,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
                     meta["rank_state"] = [by_coord[c] for c in range(world)]
                 _write_atomic(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON), json.dumps(meta, indent=1))
                 check_optimizer_files(out, key, world, save_id, step)
-            aux = _copy_aux(model, source, out)
+            aux = _copy_aux(model, source, out, peft_names)
             write_saved_manifest(out, world, save_id, step, aux,
                                     fsdp1=job.fsdp1 if job is not None else None)
         except Exception as e:  # noqa: BLE001

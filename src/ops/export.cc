@@ -434,12 +434,31 @@ ExportResult Export(const ExportOptions& o) {
                                    std::to_string(ml.world_size) +
                                    " rank files; run reshard convert for the missing ranks");
   }
+  bool holds_adapter = false;
   for (const auto& a : manifest->aux_files) {
     if (!IsPlainFileName(a) || a.ends_with(".safetensors") ||
         a == "model.safetensors.index.json") {
       FailField(mpath, "aux_files", "\"" + Printable(a) + "\"",
                 "plain file names other than the weight files and their index");
     }
+    holds_adapter = holds_adapter || a == kAdapterConfigName;
+  }
+  // reshard.save of a PEFT model writes its adapters (PEFT's own key names) and the adapter's
+  // adapter_config.json: exported as PEFT writes an adapter, never as a model.
+  if (o.adapter && !holds_adapter) {
+    Fail(ErrorCode::kInvalidArgument,
+         o.out.string() + ": --adapter, but its manifest lists no " +
+             std::string(kAdapterConfigName) +
+             ": not a save of a PEFT model's adapters (reshard.save of a PEFT model writes one)");
+  }
+  if (!o.adapter && holds_adapter) {
+    Fail(ErrorCode::kInvalidArgument,
+         o.out.string() + " holds the adapters of a PEFT model (" +
+             std::string(kAdapterConfigName) +
+             "), not a model: export them as a PEFT adapter directory with --adapter");
+  }
+  if (o.adapter && o.hub_names) {
+    Fail(ErrorCode::kInvalidArgument, "--adapter and --hub-names: an adapter has PEFT's names");
   }
 
   // The destination: checked before any data is read.
@@ -513,7 +532,14 @@ ExportResult Export(const ExportOptions& o) {
     sizes.push_back(t.nbytes);
     outs.push_back(t);
   }
-  std::vector<std::vector<size_t>> groups = SplitIntoShards(sizes, o.max_shard_size);
+  // One adapter_model.safetensors (PEFT reads no index); else save_pretrained's shards.
+  std::vector<std::vector<size_t>> groups;
+  if (o.adapter) {
+    groups.emplace_back(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) groups[0][i] = i;
+  } else {
+    groups = SplitIntoShards(sizes, o.max_shard_size);
+  }
   if (groups.empty()) groups.emplace_back();  // no tensors: one model.safetensors all the same
   std::vector<OutFile> files(groups.size());
   ExportResult result;
@@ -523,7 +549,9 @@ ExportResult Export(const ExportOptions& o) {
   result.sharded = groups.size() > 1;
   result.tensors = locations.size();
   for (size_t g = 0; g < groups.size(); ++g) {
-    files[g].name = result.sharded ? ShardName(g, groups.size()) : "model.safetensors";
+    files[g].name = o.adapter         ? std::string(kAdapterWeightsName)
+                    : result.sharded ? ShardName(g, groups.size())
+                                     : "model.safetensors";
     for (size_t i : groups[g]) files[g].tensors.push_back(outs[i]);
     LayOutFile(files[g]);
     result.weight_files.push_back(files[g].name);
@@ -619,12 +647,13 @@ ExportResult Export(const ExportOptions& o) {
     }
   }
   for (const auto& a : manifest->aux_files) {
+    if (o.adapter && a != kAdapterConfigName) continue;  // a PEFT directory: the adapter's own files
     const fs::path from = o.out / a;
     if (!fs::exists(from, ec)) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");
     }
     std::optional<std::string> config;
-    if (a == "config.json" && float_dtype && !mixed && !TorchFloatName(*float_dtype).empty()) {
+    if (a == "config.json" && !o.adapter && float_dtype && !mixed && !TorchFloatName(*float_dtype).empty()) {
       config = ConfigWithDtype(from, TorchFloatName(*float_dtype));
     }
     if (config) {

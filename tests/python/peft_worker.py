@@ -43,6 +43,14 @@ def main():
     ap.add_argument("--r", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--ref-adapter", default=None,
+                    help="the reference's adapter directory (default: --adapter)")
+    ap.add_argument("--save", default=None, help="reshard.save the adapters and optimizer here after "
+                                                  "--steps, then train --more steps")
+    ap.add_argument("--more", type=int, default=3)
+    ap.add_argument("--dump", default=None, help="rank 0 writes the trained adapters (full, live names) here")
+    ap.add_argument("--resume", action="store_true", help="reshard.load_optimizer from --adapter "
+                                                          "(a reshard.save), train --more steps")
     args = ap.parse_args()
 
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -68,13 +76,14 @@ def main():
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     report = reshard.load(model, args.out, adapter=args.adapter)
-    assert report.adapters["source"] == (args.adapter or report.adapters["source"]), report.adapters
+    assert report.adapters["source"] == (str(args.adapter) if args.adapter else report.adapters["source"]), \
+        report.adapters
     assert report.adapters["tensors"] > 0, report.adapters
 
     torch.manual_seed(args.seed)
     base = AutoModelForCausalLM.from_pretrained(args.src, dtype="auto")
-    if args.adapter:
-        ref = PeftModel.from_pretrained(base, args.adapter, is_trainable=True)
+    if args.adapter or args.ref_adapter:
+        ref = PeftModel.from_pretrained(base, args.ref_adapter or args.adapter, is_trainable=True)
     else:
         ref = get_peft_model(base, config())
     ref_params = dict(ref.named_parameters())
@@ -100,26 +109,50 @@ def main():
     ids = torch.randint(0, inner.config.vocab_size, (2, 16), generator=g)
     with torch.no_grad():
         logits, ref_logits = model(ids).logits, ref(ids).logits
+    model.reshard()  # a forward without backward leaves the root unsharded (FSDP2)
     assert torch.equal(bits(logits), bits(ref_logits)), \
         f"logits differ: max abs {(logits.float() - ref_logits.float()).abs().max().item()}"
 
     before = {n: full(p).clone() for n, p in live.items()}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
-    losses = []
-    for _ in range(args.steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+
+    def train(n):
+        got = []
+        for _ in range(n):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.item())
+        return got
+
+    if args.resume:
+        restored = reshard.load_optimizer(opt, model, args.adapter)
+        assert restored == len(adapters), (restored, len(adapters))
+        losses = train(args.more)
+        with open(os.path.join(args.result, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "adapters": report.adapters, "losses": losses}, f)
+        print(f"rank {rank}: resumed, losses {losses}")
+        dist.destroy_process_group()
+        return
+    losses = train(args.steps)
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
-    after = {n: full(p) for n, p in live.items()}
+    after = {n: full(p).clone() for n, p in live.items()}
+    more = []
+    if args.save:
+        if args.dump and rank == 0:
+            from safetensors.torch import save_file
+
+            save_file({n: after[n].contiguous() for n in adapters}, args.dump)
+        saved = reshard.save(model, args.save, optimizer=opt, step=args.steps)
+        assert saved.wrote and saved.bytes > 0, saved
+        more = train(args.more)
     changed = sorted(n for n in live if not torch.equal(bits(before[n]), bits(after[n])))
     assert changed, "training changed nothing"
     assert all(n in adapters for n in changed), f"base parameters changed: {[n for n in changed if n not in adapters]}"
 
     with open(os.path.join(args.result, f"rank-{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, "adapters": report.adapters, "losses": losses,
+        json.dump({"rank": rank, "world": world, "adapters": report.adapters, "losses": losses, "more": more,
                    "changed": len(changed), "adapter_params": len(adapters)}, f)
     print(f"rank {rank}: OK, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     dist.destroy_process_group()

@@ -92,6 +92,42 @@ def test_saved_adapter_loads_as_peft_model_from_pretrained(checkpoint, cli, tmp_
         assert reports[0]["adapters"]["tensors"] == 10  # + lora_embedding_A / _B
 
 
+def test_save_export_adapter_and_resume(checkpoint, cli, tmp_path):
+    """10 steps at world size 3 -> reshard.save (adapters + optimizer) -> 3 more steps.
+    `reshard export --adapter` gives a PEFT directory whose tensors are the trained adapters
+    bit for bit; a new job loads the base from OUT and the adapters from the save (checked
+    against PeftModel.from_pretrained of the export), restores the optimizer and continues with
+    the uninterrupted run's losses exactly (same world size, CPU: deterministic)."""
+    from safetensors.torch import load_file
+
+    src, out = _converted(checkpoint, cli, tmp_path, "qwen2", "fp32", False, 3)
+    saved, dump = tmp_path / "saved", tmp_path / "trained.safetensors"
+    first = _run(3, src, out, tmp_path, "--save", saved, "--dump", dump)
+    names = sorted(os.listdir(saved))
+    assert "adapter_config.json" in names and "reshard.json" in names, names
+    r = cli("verify", saved, rc=0)
+    assert "OK" in r.out
+    r = cli("export", saved, "-o", tmp_path / "plain", rc=2)  # not a model: says what to run
+    assert "--adapter" in r.err
+    exported = tmp_path / "exported"
+    cli("export", saved, "-o", exported, "--adapter", rc=0)
+    assert sorted(os.listdir(exported)) == ["adapter_config.json", "adapter_model.safetensors"]
+    trained = load_file(str(dump))
+    got = load_file(str(exported / "adapter_model.safetensors"))
+    assert len(got) == len(trained) == 8
+    for live_name, t in trained.items():
+        key = live_name.replace(".default.", ".")
+        assert torch.equal(got[key], t), f"{key}: exported adapter differs from the trained one"
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    torchrun(3, WORKER, "--src", src, "--out", out, "--result", resumed_dir, "--adapter", saved,
+             "--ref-adapter", exported, "--resume", timeout=400)
+    for rank in range(3):
+        again = json.load(open(resumed_dir / f"rank-{rank}.json"))
+        assert again["adapters"]["source"] == str(saved)
+        assert again["losses"] == first[rank]["more"], (again["losses"], first[rank]["more"])
+
+
 # --- refusals (one process, world size 1) ---------------------------------------------------
 
 

@@ -380,6 +380,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   exp->add_option("--threads", eo.threads, "worker threads (default: all cores)");
   exp->add_flag("--force", eo.force, "replace a non-empty output directory");
+  exp->add_flag("--adapter", eo.adapter,
+                "OUT is a reshard.save of a PEFT (LoRA) model's adapters: write a PEFT adapter "
+                "directory (adapter_model.safetensors, adapter_config.json) that "
+                "PeftModel.from_pretrained loads");
   exp->add_flag("--hub-names", eo.hub_names,
                 "write the source checkpoint's own names and layout (per-expert MoE keys, "
                 "embed_out, ...) by inverting the conversion convert applied "
@@ -389,6 +393,7 @@ int main(int argc, char** argv) {
   exp->footer("Example:  reshard export ./llama-shards -o ./llama-hf --max-shard-size 5GB\n"
               "          reshard export ./llama-shards --layout fsdp2-ws8-bf16 -o ./llama-bf16\n"
               "          reshard export ./mixtral-shards -o ./mixtral-hf --hub-names\n"
+              "          reshard export ./lora-step-100 -o ./lora-adapter --adapter\n"
               "Files are written into a hidden directory beside the output and renamed into "
               "place at the end:\nan interrupted export leaves no output directory.");
 

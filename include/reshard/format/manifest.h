@@ -14,6 +14,10 @@
 namespace reshard {
 
 inline constexpr std::string_view kManifestName = "reshard.json";
+// A save of a PEFT model's adapters (reshard.save) lists PEFT's adapter config among its aux
+// files; `reshard export --adapter` writes the adapters as PEFT does (formats/manifest.md).
+inline constexpr std::string_view kAdapterConfigName = "adapter_config.json";
+inline constexpr std::string_view kAdapterWeightsName = "adapter_model.safetensors";
 inline constexpr std::string_view kManifestFormatName = "reshard.manifest";
 inline constexpr uint32_t kManifestVersion = 1;
 inline constexpr std::string_view kLockName = ".reshard.lock";

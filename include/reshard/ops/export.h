@@ -48,6 +48,7 @@ struct ExportOptions {
   unsigned threads = 0;           // 0: hardware concurrency
   bool force = false;             // replace a non-empty hf_dir
   bool hub_names = false;         // the checkpoint's names (OUT/reshard-model.json's conversion inverted)
+  bool adapter = false;           // a save of a PEFT model's adapters: a PEFT adapter directory
   /// Called now and then with (bytes written, bytes total) from a worker thread; calls are
   /// serialized and the values never decrease. An exception thrown here aborts the export
   /// (nothing is left behind).
