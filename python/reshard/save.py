@@ -189,11 +189,12 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str, peft_names=None
     generation_config.json) written from the model. A PEFT model's adapters: PEFT's
     adapter_config.json (and the base model's config.json)."""
     names: List[str] = []
+    adapter: List[str] = []
     if peft_names is not None:
         from .adapters import ADAPTER_CONFIG, adapter_config_json
 
         _write_atomic(os.path.join(out, ADAPTER_CONFIG), adapter_config_json(model, peft_names))
-        names.append(ADAPTER_CONFIG)
+        adapter.append(ADAPTER_CONFIG)
         model = peft_names.inner
     manifest = read_manifest(source) if source else None
     if manifest is not None:
@@ -219,7 +220,7 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str, peft_names=None
                 names.append("generation_config.json")
             except Exception:  # a generation config that cannot be serialized is not essential
                 pass
-    return names
+    return adapter + [a for a in names if a not in adapter]
 
 
 # ---- FSDP1 (FullyShardedDataParallel, FlatParameter) -----------------------------------------

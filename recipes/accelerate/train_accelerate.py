@@ -24,6 +24,11 @@ Two things accelerate 1.15 does not do for a meta-device model, handled here:
   and ignores the FSDP plugin); FSDP2 itself runs on CPU with gloo, so without a GPU the recipe
   switches accelerate's state to FSDP2 itself. On GPUs nothing is patched.
 
+LoRA (``--lora R [--lora-targets q_proj,v_proj]``, FSDP2): the model is built with
+``reshard.empty_model(OUT, peft_config=LoraConfig(...))`` (PEFT wraps it on the meta device and
+reshard keeps PEFT's initial adapter values), the optimizer holds the adapters only, and
+``reshard.load`` fills the frozen base from the rank files and the adapters with those values.
+
 FSDP1 (``recipes/accelerate/fsdp1.yaml``, ``fsdp_version: 1``): OUT needs an fsdp1 layout
 matching the plugin (``python -m reshard.manifest SRC -o OUT/reshard-model.json``, then
 ``reshard convert SRC -o OUT --world-size N --layout fsdp1 --dtype fp32``: accelerate keeps fp32
@@ -68,6 +73,8 @@ def parse_args(argv=None):
                     help="after the load, every parameter must equal from_pretrained(SRC) converted "
                          "to the live dtype (fp32 under mixed precision), bit for bit")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
+    ap.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R only (FSDP2)")
+    ap.add_argument("--lora-targets", default=None, help="modules LoRA wraps (default: PEFT's for the model)")
     return ap.parse_args(argv)
 
 
@@ -97,12 +104,12 @@ def enable_fsdp2_on_cpu(accelerator, plugin) -> None:
 
 
 def repoint_optimizer(optimizer, model, names_per_group) -> None:
-    """Sets the optimizer's parameters to the model's (sharded) parameters, by name."""
+    """Sets the optimizer's parameters to the model's (sharded) trainable parameters, by name."""
     params = dict(model.named_parameters())
     for group, names in zip(optimizer.param_groups, names_per_group):
         group["params"] = [params[n] for n in names]
     seen = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    if len(set(seen)) != len(seen) or set(seen) != {id(p) for p in model.parameters()}:
+    if len(set(seen)) != len(seen) or set(seen) != {id(p) for p in model.parameters() if p.requires_grad}:
         raise RuntimeError("optimizer parameters do not match the model's after prepare")
 
 
@@ -131,8 +138,18 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
 
     # 1. Empty model (meta parameters) and its optimizer.
-    model = reshard.empty_model(args.out)
-    cls = reference_class(model)
+    if args.lora and fsdp1:
+        raise SystemExit("--lora runs under FSDP2 (recipes/accelerate/fsdp2.yaml)")
+    if args.lora and args.check_weights:
+        raise SystemExit("--check-weights compares with from_pretrained; not with --lora")
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                 target_modules=args.lora_targets.split(",") if args.lora_targets else None)
+    model = reshard.empty_model(args.out, peft_config=peft_config)
+    cls = reference_class(model.get_base_model() if args.lora else model)
     file_dtype = next(model.parameters()).dtype
     if fsdp1:
         # 2'. FSDP1: prepare the model (units materialised by param_init_fn, fp32 upcast under
@@ -141,7 +158,7 @@ def main(argv=None) -> int:
         optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=args.lr))
         still_meta = False
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
         name_of = {id(p): n for n, p in model.named_parameters()}
         names_per_group = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
 
@@ -168,6 +185,7 @@ def main(argv=None) -> int:
               "mixed_precision": accelerator.mixed_precision, "prepared_on_meta": still_meta,
               "local_param_bytes": local_param_bytes(model),
               "optimizer_params": len({id(p) for g in optimizer.param_groups for p in g["params"]}),
+              "adapters": report.adapters,
               "load": {"file": report.file, "bytes": report.bytes, "seconds": report.seconds,
                        "gbps": report.gbps, "converted_tensors": report.converted_tensors,
                        "buffers_restored": report.buffers_restored},

@@ -205,6 +205,24 @@ def test_accelerate_recipe_two_processes(tiny, tmp_path, config, live_dtype):
     print(f"\naccelerate recipe ({config}) 2 ranks: loss {first:.3f} -> {last:.3f}")
 
 
+def test_accelerate_recipe_lora_two_processes(tiny, tmp_path):
+    """The recipe's LoRA variant as recipes/accelerate.md writes it: accelerate shards the PEFT
+    model (bf16 mixed precision), the optimizer holds the 8 adapter tensors, the adapters start
+    as PEFT initialises them, and the loss falls."""
+    pytest.importorskip("peft", reason="peft is a pinned test dependency (scripts/setup.sh)")
+    json_dir = tmp_path / "json"
+    _run([ACCELERATE, "launch", "--config_file", os.path.join(RECIPE, "fsdp2.yaml"),
+          "--num_processes", "2", "--main_process_port", _free_port(),
+          os.path.join(RECIPE, "train_accelerate.py"), tiny["out2"], "--lora", "4", "--steps", "30",
+          "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+          "--seq-len", "64", "--batch-size", "4", "--lr", "3e-2", "--log-every", "5", "--json-out", json_dir])
+    for rep in _reports(json_dir, 2):
+        assert rep["optimizer_params"] == 28, rep  # 2 layers x 7 targets x (A, B)
+        assert rep["adapters"]["source"].startswith("initialised as PEFT"), rep["adapters"]
+        assert rep["prepared_on_meta"]
+    _loss_fell(_reports(json_dir, 2)[0]["losses"], 0.05)
+
+
 # ---------------------------------------------------------------------------------------
 # Host memory on a model big enough to tell
 # ---------------------------------------------------------------------------------------
@@ -417,6 +435,41 @@ def test_trainer_fsdp1_resume_gives_the_uninterrupted_losses(tiny, reshard_bin, 
         assert second[r]["losses"] == whole[r]["losses"][3:], (second[r]["losses"], whole[r]["losses"])
         assert second[r]["grad_norms"] == whole[r]["grad_norms"][3:]
     _run([reshard_bin, "verify", saves / "step-00000006"])
+
+
+def test_trainer_lora_trains_adapters_only_and_resumes_exactly(tiny, reshard_bin, tmp_path):
+    """--lora 4 (PEFT's default targets for Llama: q_proj, v_proj), two ranks: the optimizer
+    holds the 8 adapter tensors only; 3 steps + save + resume 3 give exactly the losses of 6
+    uninterrupted steps (the base from OUT, the adapters and optimizer from the checkpoint);
+    the checkpoint holds the adapters alone and exports as a PEFT adapter directory."""
+    pytest.importorskip("peft", reason="peft is a pinned test dependency (scripts/setup.sh)")
+
+    def train(json_dir, *extra):
+        proc, _ = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", tiny["out2"],
+                        "--lora", "4", "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3",
+                        "--json-out", json_dir, *map(str, extra)], timeout=400)
+        return _reports(json_dir, 2), proc
+
+    whole, proc = train(tmp_path / "whole", "--steps", 6)
+    assert "lora: r=4, 8 adapter tensor(s)" in proc.stdout, proc.stdout
+    assert whole[0]["lora"]["trainable_tensors"] == 8
+    assert whole[0]["lora"]["adapters"]["source"].startswith("initialised as PEFT")
+    _loss_fell(whole[0]["losses"], 0.0)
+    saves = tmp_path / "saves"
+    first, _ = train(tmp_path / "first", "--steps", 3, "--save-dir", saves)
+    ckpt = saves / "step-00000003"
+    with open(ckpt / "reshard.json") as f:
+        manifest = json.load(f)
+    assert "adapter_config.json" in manifest["aux_files"], manifest["aux_files"]
+    _run([reshard_bin, "verify", ckpt])
+    _run([reshard_bin, "export", ckpt, "-o", tmp_path / "adapter", "--adapter"])
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    second, proc = train(tmp_path / "second", "--steps", 6, "--resume", saves)
+    assert "at step 3" in proc.stdout
+    assert second[0]["lora"]["adapters"]["source"] == str(ckpt)
+    for r in range(2):
+        assert first[r]["losses"] == whole[r]["losses"][:3]
+        assert second[r]["losses"] == whole[r]["losses"][3:], (second[r]["losses"], whole[r]["losses"])
 
 
 # ---------------------------------------------------------------------------------------

@@ -34,6 +34,13 @@ continues from there with the same data order,
 step count and RNG state: the losses are those of an uninterrupted run. ``--steps`` counts
 all steps, including those before the checkpoint.
 
+With ``--lora R`` only LoRA adapters of rank R train (PEFT): the model is built with
+``reshard.empty_model(OUT, peft_config=LoraConfig(...))`` (``--lora-targets``, default PEFT's
+targets for the model type; ``--lora-alpha``, default 2R), the base loads from OUT frozen, the
+adapters start as PEFT initialises them, the optimizer holds the adapters only, and checkpoints
+hold the adapters (``reshard export CKPT -o DIR --adapter`` gives a PEFT adapter directory);
+``--resume`` loads the base from OUT and the adapters from the checkpoint.
+
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
 fsdp1 layout of the job and resumed from it the same way.
@@ -333,6 +340,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of --check-generate")
     ap.add_argument("--dry-baseline", action="store_true",
                     help="build, shard and to_empty, then report RSS and stop (no load, no training)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="train LoRA adapters of rank R only (PEFT), the base model frozen")
+    ap.add_argument("--lora-targets", default=None, metavar="M1,M2",
+                    help="module names LoRA wraps (default: PEFT's for the model type)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2R)")
     ap.add_argument("--save-dir", default=None,
                     help="save model and optimizer with reshard.save into DIR/step-NNNNNNNN/")
     ap.add_argument("--save-every", type=int, default=0,
@@ -340,6 +352,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue from a checkpoint: a --save-dir (its complete step-* of the highest step) or one checkpoint")
     args = ap.parse_args(argv)
+    if args.lora < 0:
+        ap.error("--lora must be at least 0")
+    if args.lora and args.fsdp1:
+        ap.error("--lora runs under FSDP2 (reshard loads PEFT models under fully_shard), not --fsdp1")
+    if args.lora and (args.check_weights or args.check_generate):
+        ap.error("--check-weights / --check-generate compare a model with from_pretrained; not with --lora")
+    if (args.lora_targets or args.lora_alpha) and not args.lora:
+        ap.error("--lora-targets / --lora-alpha need --lora R")
     if args.save_every < 0:
         ap.error("--save-every must be at least 0")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
@@ -519,12 +539,18 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     mesh = init_device_mesh(device.type, (world,))
     mp = mixed_precision_policy(args.bf16, device, log0)
     resume = resolve_checkpoint(args.resume) if args.resume else None
-    weights = resume or args.out  # where the model is loaded from
-    if args.param_dtype == "checkpoint":
-        model = reshard.empty_model(weights)
-    else:
-        model = reshard.empty_model(weights, dtype=_DTYPES[args.param_dtype])
-    cls = reference_class(model)
+    # Where the model is loaded from; with --lora the base from OUT, the adapters from `resume`.
+    weights = args.out if args.lora else (resume or args.out)
+    build = {} if args.param_dtype == "checkpoint" else {"dtype": _DTYPES[args.param_dtype]}
+    if args.lora:
+        from peft import LoraConfig
+
+        build["peft_config"] = LoraConfig(
+            r=args.lora, lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora,
+            target_modules=args.lora_targets.split(",") if args.lora_targets else None)
+    model = reshard.empty_model(weights, **build)
+    hf_model = model.get_base_model() if args.lora else model
+    cls = reference_class(hf_model)
     require_causal_lm(cls, args.out)
     if args.fsdp1:
         model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
@@ -558,7 +584,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     dist.barrier()
     report, err = None, None
     try:
-        report = reshard.load(model, weights, threads=args.threads)
+        report = reshard.load(model, weights, threads=args.threads,
+                              **({"adapter": resume} if args.lora and resume else {}))
     except reshard.ReshardError as e:
         err = (e.code, str(e))
     # Every rank learns at once whether any rank's load was refused (a rank that went on alone
@@ -604,7 +631,15 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
          f"({time.perf_counter() - t0:.2f} s)")
 
     # --- training ---
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if args.lora:
+        log0(f"lora: r={args.lora}, {len(trainable)} adapter tensor(s), "
+             f"{sum(p.numel() for p in trainable) / 1e6:.3f} M trainable parameters "
+             f"({report.adapters.get('source')})")
+        result["lora"] = {"r": args.lora, "trainable_tensors": len(trainable),
+                          "trainable_params": sum(p.numel() for p in trainable),
+                          "adapters": report.adapters}
+    opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     start_step = 0
     if resume:
         reshard.load_optimizer(opt, model, resume)
