@@ -1148,7 +1148,10 @@ def run_bench(b: Bench, args, threads) -> int:
         t_rep = time.perf_counter()
         if cold_series:
             log(f"cold: repetition {rep + 1}/{args.reps} (page cache dropped before each run)")
-            for s in cold_series:
+            # The order rotates by repetition: the disk drifts within a call and a fixed order
+            # gave one series the same slot every time (run AF, BENCHMARKS §5: ±5 % by slot).
+            k = rep % len(cold_series)
+            for s in cold_series[k:] + cold_series[:k]:
                 rec = timed(s, "cold", rep)
                 log(f"  cold {s['id']:28s} {describe(rec)}")
         if warm_series:
