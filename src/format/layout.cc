@@ -50,6 +50,18 @@ std::string LayoutSpec::Key() const {
   return key;
 }
 
+std::string LayoutSpec::ConvertFlags() const {
+  std::string flags = "--world-size " + std::to_string(world_size);
+  if (kind == LayoutKind::kFsdp1) {
+    flags += " --layout fsdp1";
+    for (const auto& w : wrap) flags += " --wrap " + w;
+    if (use_orig_params) flags += " --use-orig-params";
+    if (use_orig_params && !param_dtype.empty()) flags += " --param-dtype " + param_dtype;
+  }
+  if (dtype != "keep") flags += " --dtype " + dtype;
+  return flags;
+}
+
 void LayoutSpec::Normalize() {
   if (kind != LayoutKind::kFsdp1) {
     if (!wrap.empty() || use_orig_params || !param_dtype.empty()) {

@@ -37,6 +37,8 @@ struct LayoutFiles {
   std::filesystem::path dir;  // where the layout's rank files live
   uint32_t world_size = 0;  // 0: unknown (no manifest, no readable file)
   std::vector<fs::path> files;
+  std::optional<LayoutSpec> spec;  // from the manifest
+  std::set<uint32_t> reported;     // ranks the manifest check already reported (missing, size)
 };
 
 struct ChunkItem {
@@ -66,7 +68,7 @@ class Verifier {
     }
     std::vector<LayoutFiles> layouts;
     if (!fs::is_directory(o_.path)) {  // special files: refused when opened
-      layouts.push_back({"", o_.path.parent_path(), 0, {o_.path}});
+      layouts.push_back({"", o_.path.parent_path(), 0, {o_.path}, std::nullopt, {}});
     } else if (fs::exists(o_.path / kManifestName)) {
       CollectFromManifest(layouts);
     } else {
@@ -153,7 +155,7 @@ class Verifier {
     manifest_path_ = mpath;
     if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
     for (const auto& [key, ml] : m->layouts) {
-      LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}};
+      LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}, ml.Layout(), {}};
       if (!ml.complete || ml.ranks.size() != ml.world_size) {
         Problem(mpath, "", "layout " + key + " is incomplete: " + std::to_string(ml.ranks.size()) +
                                " of " + std::to_string(ml.world_size) +
@@ -163,13 +165,16 @@ class Verifier {
         const fs::path p = o_.path / ml.dir / r.file;
         std::error_code ec;
         if (!fs::exists(p, ec)) {
-          Problem(p.string(), "", "listed in the manifest but missing");
+          Problem(p.string(), "", "listed in the manifest but missing; " + Remedy(l, r.rank));
+          l.reported.insert(r.rank);
           continue;
         }
         const uint64_t size = fs::file_size(p, ec);
-        if (size != r.size) {
+        if (size != r.size) {  // opened all the same: what it holds says more
           Problem(p.string(), "", "size " + std::to_string(size) + " bytes, the manifest says " +
-                                      std::to_string(r.size));
+                                      std::to_string(r.size) +
+                                      (size < r.size ? " (truncated)" : "") + "; " + Remedy(l, r.rank));
+          l.reported.insert(r.rank);
         }
         l.files.push_back(p);
       }
@@ -180,6 +185,22 @@ class Verifier {
     }
   }
 
+  // What to run for a missing or damaged rank file: the convert command that writes it
+  // (the source named when --source gave it), or, for a checkpoint saved from training, a new
+  // save (a save cannot be completed from elsewhere).
+  std::string Remedy(const LayoutFiles& l, uint32_t rank, bool saved = false) const {
+    if (saved || (manifest_source_ && manifest_source_->saved)) {
+      return "this checkpoint, saved from training, is incomplete: save it again (reshard.save "
+             "into a new directory) or resume from an older one";
+    }
+    const std::string src = o_.source ? o_.source->string() : "SRC";
+    const fs::path out = l.dir.parent_path();
+    std::string cmd = "run reshard convert " + src + " -o " + out.string();
+    if (l.spec) cmd += " " + l.spec->ConvertFlags();
+    return cmd + " --ranks " + std::to_string(rank) + "-" + std::to_string(rank) +
+           (o_.source ? "" : " (SRC: the checkpoint it was converted from)");
+  }
+
   void VerifyLayout(LayoutFiles& l, bool whole_layout) {
     std::vector<RankFileReader> readers;
     std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
@@ -188,12 +209,13 @@ class Verifier {
         readers.push_back(RankFileReader::Open(p));
         ++report_.files;
       } catch (const Error& e) {
-        Problem(p.string(), "", e.what());
         const std::string name = p.filename().string();
         uint32_t r = 0;
-        if (name.size() > 10 && std::from_chars(name.data() + 5, name.data() + 10, r).ec == std::errc()) {
-          unreadable.insert(r);
-        }
+        const bool numbered =
+            name.size() > 10 && std::from_chars(name.data() + 5, name.data() + 10, r).ec == std::errc();
+        // A file whose size the manifest check already reported is not a second problem.
+        if (!(numbered && l.reported.count(r))) Problem(p.string(), "", e.what());
+        if (numbered) unreadable.insert(r);
       }
     }
     if (readers.empty()) return;
@@ -294,11 +316,20 @@ class Verifier {
     }
     if (whole_layout) {
       for (uint32_t rank = 0; rank < ws; ++rank) {
-        if (!seen.count(rank) && !unreadable.count(rank)) {
+        if (!seen.count(rank) && !unreadable.count(rank) && !l.reported.count(rank)) {
+          if (!l.spec) {
+            LayoutSpec spec;
+            spec.kind = h0.kind;
+            spec.world_size = ws;
+            spec.dtype = h0.dtype_policy;
+            spec.wrap = h0.wrap;
+            spec.use_orig_params = h0.use_orig_params;
+            spec.param_dtype = h0.param_dtype;
+            l.spec = spec;
+          }
           Problem((l.dir / RankFileName(rank, ws)).string(), "",
-                  "rank " + std::to_string(rank) + " of " + std::to_string(ws) +
-                      " is missing; run reshard convert --ranks " + std::to_string(rank) + "-" +
-                      std::to_string(rank));
+                  "rank " + std::to_string(rank) + " of " + std::to_string(ws) + " is missing; " +
+                      Remedy(l, rank, h0.source.saved.has_value()));
         }
       }
     }

@@ -265,3 +265,24 @@ def test_plain_module_save_and_saved_source_checked(checkpoint, cli, tmp_path):
     assert "computed from source.saved" in r.text
     with pytest.raises(rf.FormatError, match="computed from source.saved"):
         rf.read_manifest(str(saved))
+
+
+def test_verify_of_a_damaged_save_says_save_again_not_convert(checkpoint, cli, tmp_path):
+    """A truncated or missing rank file of a checkpoint saved from training is one problem, and
+    the remedy is a new save (there is no source to convert from), not `reshard convert`."""
+    src = checkpoint("qwen2", "fp32", False)
+    out, saved = tmp_path / "out", tmp_path / "saved"
+    cli("convert", src, "-o", out, "--world-size", 1, rc=0)
+    model = reshard.empty_model(str(out))
+    model.to_empty(device="cpu")
+    reshard.load(model, str(out))
+    reshard.save(model, str(saved), step=3)
+    rank_file = saved / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
+    os.truncate(rank_file, 4000)
+    r = cli("verify", saved, rc=1)
+    assert "(truncated); this checkpoint, saved from training, is incomplete: save it again" in r.out, r
+    assert "FAILED: 1 problem(s)" in r.out and "reshard convert" not in r.out, r
+    rank_file.unlink()
+    r = cli("verify", saved, rc=1)
+    assert "listed in the manifest but missing; this checkpoint, saved from training" in r.out, r
+    assert "FAILED: 1 problem(s)" in r.out, r

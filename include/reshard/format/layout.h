@@ -41,6 +41,9 @@ struct LayoutSpec {
   /// "fsdp1-ws8-LlamaDecoderLayer-orig-pbf16-fp32" (classes joined by '.', or "w<hash>" when
   /// the list is long).
   std::string Key() const;
+  /// The `reshard convert` options that produce this layout ("--world-size 8 --layout fsdp1
+  /// --wrap LlamaDecoderLayer --dtype fp32"): what an error tells the user to run.
+  std::string ConvertFlags() const;
   std::string KindName() const;
   /// Sorts and dedups `wrap`, drops param_dtype without use_orig_params; checks values.
   /// Throws kInvalidArgument.

@@ -715,13 +715,27 @@ TEST_F(VerifyTest, MissingRankIsFound) {
   Convert(Options(3));
   fs::remove(RankPath(3, 1));
   const VerifyReport r = Run(false);
-  EXPECT_TRUE(AnyProblem(r, {RankPath(3, 1).string(), "listed in the manifest but missing"}))
+  // One problem for one missing file (it was counted twice), naming the command that writes it.
+  EXPECT_TRUE(AnyProblem(r, {RankPath(3, 1).string(), "listed in the manifest but missing",
+                             "run reshard convert SRC -o " + Out().string() +
+                                 " --world-size 3 --ranks 1-1"}))
       << Problems(r);
-  EXPECT_TRUE(AnyProblem(r, {"rank 1 of 3 is missing"})) << Problems(r);
+  EXPECT_EQ(r.problems.size(), 1u) << Problems(r);
   // Without a manifest, from the layout directory alone.
   fs::remove(Out() / "reshard.json");
   const VerifyReport l = Run(false, Out() / "fsdp2-ws3");
-  EXPECT_TRUE(AnyProblem(l, {"rank 1 of 3 is missing"})) << Problems(l);
+  EXPECT_TRUE(AnyProblem(l, {"rank 1 of 3 is missing", "--world-size 3 --ranks 1-1"})) << Problems(l);
+  EXPECT_EQ(l.problems.size(), 1u) << Problems(l);
+}
+
+TEST_F(VerifyTest, TruncatedRankIsOneProblemWithTheCommand) {
+  Convert(Options(3));
+  fs::resize_file(RankPath(3, 2), 5000);
+  const VerifyReport r = Run(false);
+  EXPECT_TRUE(AnyProblem(r, {RankPath(3, 2).string(), "(truncated)",
+                             " --world-size 3 --ranks 2-2"}))
+      << Problems(r);
+  EXPECT_EQ(r.problems.size(), 1u) << Problems(r);
 }
 
 TEST_F(VerifyTest, RankFileFromAnotherSourceIsFound) {
