@@ -14,6 +14,7 @@ std::string_view ErrorCodeName(ErrorCode code) {
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kIo: return "I/O error";
     case ErrorCode::kBusy: return "busy";
+    case ErrorCode::kCancelled: return "cancelled";
   }
   return "error";
 }

@@ -1,5 +1,7 @@
 #include "reshard/io/parallel_for.h"
 
+#include "reshard/base/cancel.h"
+
 #include <algorithm>
 #include <atomic>
 #include <exception>
@@ -23,6 +25,14 @@ class ParallelForRun {
 
   bool Next(size_t& index) {
     if (failed_.load(std::memory_order_relaxed)) return false;
+    if (CancelSignal() != 0) {  // Ctrl-C: the loop ends with Error(kCancelled)
+      try {
+        ThrowIfCancelled();
+      } catch (...) {
+        Record(std::current_exception());
+      }
+      return false;
+    }
     index = next_.fetch_add(1);
     return index < n_;
   }

@@ -82,8 +82,14 @@ class Verifier {
       }
       std::sort(l.files.begin(), l.files.end());
       if (l.files.empty()) {
+        std::error_code lec;
+        const bool started = fs::exists(o_.path / kLockName, lec);  // convert takes it first
         Problem(o_.path.string(), "",
-                "no reshard.json and no rank-*.reshard files: not a reshard output directory");
+                std::string("no reshard.json and no rank-*.reshard files: not a reshard output "
+                            "directory") +
+                    (started ? " (a reshard convert into it started and did not finish: run it "
+                               "again)"
+                             : ""));
       }
       layouts.push_back(std::move(l));
     }

@@ -137,6 +137,7 @@ const char* ErrorCodeKey(reshard::ErrorCode code) {
     case reshard::ErrorCode::kUnsupported: return "unsupported";
     case reshard::ErrorCode::kIo: return "io";
     case reshard::ErrorCode::kBusy: return "busy";
+    case reshard::ErrorCode::kCancelled: return "cancelled";
   }
   return "error";
 }

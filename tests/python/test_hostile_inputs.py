@@ -239,3 +239,43 @@ def test_a_rank_file_of_another_conversion_is_refused_by_load_verify_and_export(
     r = cli("export", out, "-o", tmp_path / "hf")
     assert r.rc != 0 and needle in r.text, r.text
     assert not (tmp_path / "hf").exists()
+
+
+def test_ctrl_c_during_convert_says_what_happened_and_a_rerun_finishes(cli, reshard_bin, tmp_path):
+    """Finding 8: SIGINT while convert writes exits 130 with a message saying what was and was
+    not committed and what to run; no temporary is left (it made verify/inspect say "not a
+    reshard output directory"); verify then names the unfinished convert; a re-run finishes."""
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import save_file
+    import torch
+
+    src = tmp_path / "src"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(96)},  # 403 MB
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([reshard_bin, "convert", str(src), "-o", str(out), "--world-size", "4",
+                             "--no-capture", "--threads", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    layout = out / "fsdp2-ws4"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        if layout.is_dir() and any(".tmp-" in n for n in os.listdir(layout)):
+            break  # writing: a temporary exists
+        time.sleep(0.002)
+    assert proc.poll() is None, "convert finished before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "interrupted by SIGINT: convert stopped" in err and "Run the same command again" in err, err
+    assert not (out / "reshard.json").exists()
+    leftovers = [n for d in (out, layout) for n in os.listdir(d) if ".tmp-" in n]
+    assert not leftovers, leftovers
+    r = cli("verify", out, rc=1)
+    assert "did not finish: run it again" in r.out, r
+    cli("convert", src, "-o", out, "--world-size", 4, "--no-capture", rc=0)
+    assert "OK" in cli("verify", out, "--source", src, rc=0).out

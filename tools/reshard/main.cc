@@ -2,6 +2,7 @@
 // the result to an exit code and a short message. Exit codes: 0 success, 1 verification found
 // problems, 2 bad usage, 3 the operation failed (missing, corrupt or mismatched input, I/O).
 #include <fcntl.h>
+#include <signal.h>
 #include <cerrno>
 #include <cstdlib>
 #include <sys/wait.h>
@@ -22,6 +23,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "reshard/base/cancel.h"
 #include "reshard/base/error.h"
 #include "reshard/base/human.h"
 #include "reshard/format/layout.h"
@@ -199,7 +201,64 @@ std::string CaptureModelManifest(const fs::path& src, const fs::path& file) {
   return python + " -m reshard.model_manifest: " + (last.empty() ? "failed" : last);
 }
 
+// Ctrl-C / SIGTERM: the running operation stops at its next chunk and unwinds (temporaries
+// removed, nothing half-written committed); a second signal stops the process at once.
+extern "C" void OnStopSignal(int sig) {
+  if (reshard::CancelSignal() != 0) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+    return;
+  }
+  reshard::RequestCancel(sig);
+}
+
+void InstallStopHandlers() {
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+// What an interrupted command did and did not do, and the exit status of a signal (128 + N).
+int Interrupted(const std::string& command) {
+  const int sig = reshard::CancelSignal();
+  const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+  std::string what;
+  if (command == "convert") {
+    what = "convert stopped: the rank files it was writing are not committed and their temporaries "
+           "are removed (rank files finished before stay valid). Run the same command again: it "
+           "writes only what is missing";
+  } else if (command == "export") {
+    what = "export stopped: nothing was published (the partial output is removed). Run it again";
+  } else if (command == "verify") {
+    what = "verify stopped before it checked everything (nothing was changed); the result above "
+           "is incomplete";
+  } else {
+    what = command + " stopped";
+  }
+  std::fprintf(stderr, "reshard: interrupted by %s: %s\n", name, what.c_str());
+  return 128 + (sig > 0 ? sig : SIGINT);
+}
+
+int RunCli(int argc, char** argv);
+
 int main(int argc, char** argv) {
+  InstallStopHandlers();
+  std::string command;
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] != '-') {
+      command = argv[i];
+      break;
+    }
+  }
+  const int rc = RunCli(argc, argv);
+  if (reshard::CancelSignal() != 0) return Interrupted(command);
+  return rc;
+}
+
+int RunCli(int argc, char** argv) {
   CLI::App app{
       "reshard: turn Hugging Face checkpoints into per-rank FSDP shard files, and check them.",
       "reshard"};
@@ -611,6 +670,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "reshard: %s\n", e.what());
     return kExitUsage;
   } catch (const reshard::Error& e) {
+    if (e.code() == reshard::ErrorCode::kCancelled) return kExitFailed;  // main says what happened
     std::fprintf(stderr, "reshard: error: %s\n", e.what());
     return e.code() == reshard::ErrorCode::kInvalidArgument ? kExitUsage : kExitFailed;
   } catch (const std::exception& e) {

@@ -17,6 +17,7 @@ enum class ErrorCode {
   kUnsupported,      // valid input this version does not handle
   kIo,               // the operating system refused (permissions, disk full, ...)
   kBusy,             // another process holds the output's lock
+  kCancelled,        // a signal (Ctrl-C) stopped the operation (base/cancel.h)
 };
 
 std::string_view ErrorCodeName(ErrorCode code);

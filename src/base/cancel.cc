@@ -1,0 +1,28 @@
+#include "reshard/base/cancel.h"
+
+#include <atomic>
+#include <csignal>
+#include <string>
+
+#include "reshard/base/error.h"
+
+namespace reshard {
+namespace {
+
+std::atomic<int> g_cancel_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "set from a signal handler");
+
+}  // namespace
+
+void RequestCancel(int signal) noexcept { g_cancel_signal.store(signal, std::memory_order_relaxed); }
+
+int CancelSignal() noexcept { return g_cancel_signal.load(std::memory_order_relaxed); }
+
+void ThrowIfCancelled() {
+  const int s = CancelSignal();
+  if (s == 0) return;
+  const std::string name = s == SIGINT ? "SIGINT" : s == SIGTERM ? "SIGTERM" : "signal " + std::to_string(s);
+  Fail(ErrorCode::kCancelled, "interrupted by " + name);
+}
+
+}  // namespace reshard
