@@ -324,14 +324,8 @@ class Verifier {
       for (uint32_t rank = 0; rank < ws; ++rank) {
         if (!seen.count(rank) && !unreadable.count(rank) && !l.reported.count(rank)) {
           if (!l.spec) {
-            LayoutSpec spec;
-            spec.kind = h0.kind;
-            spec.world_size = ws;
-            spec.dtype = h0.dtype_policy;
-            spec.wrap = h0.wrap;
-            spec.use_orig_params = h0.use_orig_params;
-            spec.param_dtype = h0.param_dtype;
-            l.spec = spec;
+            l.spec = h0.Layout();
+            l.spec->world_size = ws;
           }
           Problem((l.dir / RankFileName(rank, ws)).string(), "",
                   "rank " + std::to_string(rank) + " of " + std::to_string(ws) + " is missing; " +

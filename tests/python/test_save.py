@@ -238,15 +238,21 @@ def test_save_from_cuda_through_small_staging(checkpoint, cli, tmp_path):
             assert v.device == opt2.state[q][k].device and torch.equal(v, opt2.state[q][k]), (n, k)
 
 
-def test_plain_module_save_and_saved_source_checked(checkpoint, cli, tmp_path):
-    """One process, no process group, a plain module (world size 1); the saved source's
-    fingerprint is checked by the C++ reader and by the independent Python reader."""
-    src = checkpoint("qwen2", "fp32", False)
-    out, saved = tmp_path / "out", tmp_path / "saved"
-    cli("convert", src, "-o", out, "--world-size", 1, rc=0)
+def _loaded_plain_qwen2(checkpoint, cli, tmp_path):
+    """Qwen2 fp32 converted for world size 1 into tmp_path/out and loaded into a plain module."""
+    out = tmp_path / "out"
+    cli("convert", checkpoint("qwen2", "fp32", False), "-o", out, "--world-size", 1, rc=0)
     model = reshard.empty_model(str(out))
     model.to_empty(device="cpu")
     reshard.load(model, str(out))
+    return model
+
+
+def test_plain_module_save_and_saved_source_checked(checkpoint, cli, tmp_path):
+    """One process, no process group, a plain module (world size 1); the saved source's
+    fingerprint is checked by the C++ reader and by the independent Python reader."""
+    saved = tmp_path / "saved"
+    model = _loaded_plain_qwen2(checkpoint, cli, tmp_path)
     report = reshard.save(model, str(saved), step=7)
     assert report.wrote and report.layout == "fsdp2-ws1" and report.optimizer_file is None
     # No source given: config.json (and generation_config.json) come from the model.
@@ -270,13 +276,8 @@ def test_plain_module_save_and_saved_source_checked(checkpoint, cli, tmp_path):
 def test_verify_of_a_damaged_save_says_save_again_not_convert(checkpoint, cli, tmp_path):
     """A truncated or missing rank file of a checkpoint saved from training is one problem, and
     the remedy is a new save (there is no source to convert from), not `reshard convert`."""
-    src = checkpoint("qwen2", "fp32", False)
-    out, saved = tmp_path / "out", tmp_path / "saved"
-    cli("convert", src, "-o", out, "--world-size", 1, rc=0)
-    model = reshard.empty_model(str(out))
-    model.to_empty(device="cpu")
-    reshard.load(model, str(out))
-    reshard.save(model, str(saved), step=3)
+    saved = tmp_path / "saved"
+    reshard.save(_loaded_plain_qwen2(checkpoint, cli, tmp_path), str(saved), step=3)
     rank_file = saved / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
     os.truncate(rank_file, 4000)
     r = cli("verify", saved, rc=1)
