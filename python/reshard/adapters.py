@@ -43,7 +43,12 @@ def _peft():
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    """The model contains PEFT tuner layers (or is a PeftModel)."""
+    """The model contains PEFT tuner layers (or is a PeftModel). PEFT is not imported here for
+    a job that has not imported it (its model cannot hold PEFT layers)."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return False
     peft = _peft()
     if peft is None:
         return False
