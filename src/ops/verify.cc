@@ -175,8 +175,10 @@ class Verifier {
           l.reported.insert(r.rank);
           continue;
         }
-        const uint64_t size = fs::file_size(p, ec);
-        if (size != r.size) {  // opened all the same: what it holds says more
+        // Not a regular file (a FIFO, a device): opening it refuses it by kind, below.
+        const bool regular = fs::is_regular_file(p, ec);
+        const uint64_t size = regular ? fs::file_size(p, ec) : r.size;
+        if (regular && size != r.size) {  // opened all the same: what it holds says more
           Problem(p.string(), "", "size " + std::to_string(size) + " bytes, the manifest says " +
                                       std::to_string(r.size) +
                                       (size < r.size ? " (truncated)" : "") + "; " + Remedy(l, r.rank));
