@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -62,17 +62,27 @@ class AdapterNames:
     """The name map of a PEFT model (clean live names, without FSDP1 wrapper parts)."""
     prefix: str                      # path of the Hugging Face model inside the PEFT model, + "."
     inner: nn.Module                 # that model (base_model_prefix, ties, buffers' owner)
-    tuners: List[str]                # paths of the tuner layers, longest first
+    tuners: Set[str]                 # paths of the tuner layers
     adapter_names: List[str] = field(default_factory=list)
 
+    def _nearest_tuner(self, parts: List[str]) -> Optional[int]:
+        """How many leading parts are the path of the deepest tuner layer holding the name, or
+        None; looked up part by part (a name costs its depth, not the number of tuners)."""
+        for i in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:i]) in self.tuners:
+                return i
+        return None
+
     def base_name(self, name: str) -> Optional[str]:
-        """The Hugging Face model's name of a base parameter or buffer; None for an adapter's."""
-        for t in self.tuners:
-            if name.startswith(t + ".base_layer."):
-                name = t + name[len(t) + len(".base_layer"):]
-                continue
-            if name.startswith(t + "."):
-                return None
+        """The Hugging Face model's name of a base parameter or buffer; None for an adapter's.
+        Each tuner layer on the path, deepest first, must be passed through its base_layer."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if ".".join(parts[:i]) in self.tuners:
+                if parts[i] != "base_layer":
+                    return None
+                del parts[i]
+        name = ".".join(parts)
         if self.prefix and name.startswith(self.prefix):
             return name[len(self.prefix):]
         return name
@@ -80,13 +90,11 @@ class AdapterNames:
     def saved_key(self, name: str) -> str:
         """The key PEFT's save_pretrained gives adapter parameter `name` (the adapter's name
         removed: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`)."""
-        for t in self.tuners:
-            if name.startswith(t + "."):
-                parts = name[len(t) + 1:].split(".")
-                if len(parts) >= 2 and parts[1] in self.adapter_names:
-                    del parts[1]
-                return t + "." + ".".join(parts)
-        return name
+        parts = name.split(".")
+        i = self._nearest_tuner(parts)
+        if i is not None and len(parts) > i + 1 and parts[i + 1] in self.adapter_names:
+            del parts[i + 1]
+        return ".".join(parts)
 
 
 def adapter_names(model: nn.Module) -> AdapterNames:
@@ -119,8 +127,7 @@ def adapter_names(model: nn.Module) -> AdapterNames:
             names |= set(getattr(m, "active_adapters", None) or [])
             for layer_name in m.adapter_layer_names:
                 names |= set(getattr(m, layer_name, {}).keys())
-    tuners.sort(key=len, reverse=True)
-    return AdapterNames(prefix=prefix, inner=inner, tuners=tuners, adapter_names=sorted(names))
+    return AdapterNames(prefix=prefix, inner=inner, tuners=set(tuners), adapter_names=sorted(names))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,16 +100,36 @@ def file_key(name: str, keys, prefix: str) -> Optional[str]:
     return None
 
 
-def finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
-                buffers, needs_fresh, device_index, *, threads, verify, io,
-                strict_buffers, rename=None) -> LoadReport:
-    """Moves the bytes (direct targets through the native loader, converted ones and buffers
-    through host batches), restores non-persistent buffers, waits for the device, reports."""
+def open_job_file(out: str, world_size: int, coord: int, live_dtype: Optional[torch.dtype] = None):
+    """(path, layout key, opened rank file) of this job's shard coordinate in OUT, checked to
+    be that rank's and listed by OUT/reshard.json (source, dtype, size)."""
+    path, key = find_rank_file(out, world_size, coord, live_dtype)
+    rank_file = open_rank_file(path)
+    if rank_file.world_size != world_size or rank_file.rank != coord:
+        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
+                                  f"expected {coord} of {world_size}")
+    rank_file.check_listed(out, key, coord)
+    return path, key, rank_file
+
+
+def move_tensors(rank_file, entries, direct, converted, device_index, *, threads, verify, io):
+    """Moves the bytes: direct targets through the native loader, converted ones (and
+    buffers) through host batches. Returns (native stats, host bytes, host seconds)."""
     n_threads = threads or default_threads()
     dev = device_index or 0
     result = load_tensors(rank_file, direct, device=dev, threads=n_threads, verify=verify, io=io)
-    b, sec = load_via_host(rank_file, entries, converted + buffers, dev, n_threads, verify)
-    restored = restore_buffers(model, needs_fresh, strict_buffers, rename)
+    b, sec = load_via_host(rank_file, entries, converted, dev, n_threads, verify)
+    return result, b, sec
+
+
+def finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
+                buffers, needs_fresh, device_index, *, threads, verify, io,
+                strict_buffers, rename=None, buffers_of=None) -> LoadReport:
+    """Moves the bytes, restores non-persistent buffers (the values reshard.empty_model kept
+    on `buffers_of`, default `model`), waits for the device, reports."""
+    result, b, sec = move_tensors(rank_file, entries, direct, converted + buffers, device_index,
+                                  threads=threads, verify=verify, io=io)
+    restored = restore_buffers(model, needs_fresh, strict_buffers, rename, buffers_of)
     if device_index is not None:
         torch.cuda.synchronize(device_index)
     total_bytes, total_seconds = result.bytes + b, result.seconds + sec
@@ -160,12 +180,10 @@ def plan_buffers(model: nn.Module, entries: dict, prefix: str, path: str, used: 
 
 
 def restore_buffers(model: nn.Module, needs_fresh: List[str], strict_buffers: bool,
-                    rename=None) -> List[str]:
+                    rename=None, buffers_of: Optional[nn.Module] = None) -> List[str]:
     restored = []
     if needs_fresh:
-        from .adapters import adapter_names, is_peft_model
-
-        fresh = fresh_buffers(adapter_names(model).inner if is_peft_model(model) else model)
+        fresh = fresh_buffers(buffers_of if buffers_of is not None else model)
         rename = rename or _identity
         missing_fresh = [n for n in needs_fresh if fresh is None or n not in fresh]
         if missing_fresh and strict_buffers:
@@ -222,12 +240,7 @@ def load_saved_adapters(out: str, world_size: int, coord: int, params, *, thread
     """Loads a PEFT model's adapter parameters (`params`: PEFT's saved key -> live parameter)
     from OUT, a reshard.save of the adapters at this world size, through the copy engine;
     returns the bytes read. Raises naming what does not match."""
-    path, key = find_rank_file(out, world_size, coord)
-    rank_file = open_rank_file(path)
-    if rank_file.world_size != world_size or rank_file.rank != coord:
-        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
-                                  f"expected {coord} of {world_size}")
-    rank_file.check_listed(out, key, coord)
+    path, _, rank_file = open_job_file(out, world_size, coord)
     entries = {t.name: t for t in rank_file.tensors}
     absent = sorted(k for k in params if k not in entries)
     extra = sorted(k for k in entries if k not in params)
@@ -243,10 +256,8 @@ def load_saved_adapters(out: str, world_size: int, coord: int, params, *, thread
             direct.append(t)
         elif kind == "converted":
             converted.append(t)
-    dev = device_index or 0
-    n_threads = threads or default_threads()
-    r = load_tensors(rank_file, direct, device=dev, threads=n_threads, verify=verify, io=io)
-    b, _ = load_via_host(rank_file, entries, converted, dev, n_threads, verify)
+    r, b, _ = move_tensors(rank_file, entries, direct, converted, device_index, threads=threads,
+                           verify=verify, io=io)
     if device_index is not None:
         torch.cuda.synchronize(device_index)
     return r.bytes + b
@@ -306,12 +317,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             params[base] = p
     float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
-    path, key = find_rank_file(out, world_size, coord, live_dtype)
-    rank_file = open_rank_file(path)
-    if rank_file.world_size != world_size or rank_file.rank != coord:
-        raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of {rank_file.world_size}, "
-                           f"expected {coord} of {world_size}")
-    rank_file.check_listed(out, key, coord)  # the file OUT/reshard.json lists: source, dtype, size
+    path, key, rank_file = open_job_file(out, world_size, coord, live_dtype)
     entries = {t.name: t for t in rank_file.tensors}
     prefix = getattr(hf_model, "base_model_prefix", "") or ""
     convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
@@ -375,7 +381,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                 "shard the modules holding both in one unit")
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                         strict_buffers=strict_buffers, rename=rename)
+                         strict_buffers=strict_buffers, rename=rename, buffers_of=hf_model)
     if names is not None:
         report.adapters = load_adapters(model, names, adapter_params, adapter, world_size, coord,
                                         threads=threads, verify=verify, io=io)

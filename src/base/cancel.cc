@@ -4,8 +4,6 @@
 #include <csignal>
 #include <string>
 
-#include "reshard/base/error.h"
-
 namespace reshard {
 namespace {
 
@@ -18,11 +16,10 @@ void RequestCancel(int signal) noexcept { g_cancel_signal.store(signal, std::mem
 
 int CancelSignal() noexcept { return g_cancel_signal.load(std::memory_order_relaxed); }
 
-void ThrowIfCancelled() {
+std::string CancelSignalName() {
   const int s = CancelSignal();
-  if (s == 0) return;
-  const std::string name = s == SIGINT ? "SIGINT" : s == SIGTERM ? "SIGTERM" : "signal " + std::to_string(s);
-  Fail(ErrorCode::kCancelled, "interrupted by " + name);
+  if (s == 0) return "";
+  return s == SIGINT ? "SIGINT" : s == SIGTERM ? "SIGTERM" : "signal " + std::to_string(s);
 }
 
 }  // namespace reshard

@@ -1,6 +1,7 @@
 #include "reshard/io/parallel_for.h"
 
 #include "reshard/base/cancel.h"
+#include "reshard/base/error.h"
 
 #include <algorithm>
 #include <atomic>
@@ -26,11 +27,7 @@ class ParallelForRun {
   bool Next(size_t& index) {
     if (failed_.load(std::memory_order_relaxed)) return false;
     if (CancelSignal() != 0) {  // Ctrl-C: the loop ends with Error(kCancelled)
-      try {
-        ThrowIfCancelled();
-      } catch (...) {
-        Record(std::current_exception());
-      }
+      Record(std::make_exception_ptr(Error(ErrorCode::kCancelled, "interrupted by " + CancelSignalName())));
       return false;
     }
     index = next_.fetch_add(1);

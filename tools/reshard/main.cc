@@ -224,7 +224,6 @@ void InstallStopHandlers() {
 // What an interrupted command did and did not do, and the exit status of a signal (128 + N).
 int Interrupted(const std::string& command) {
   const int sig = reshard::CancelSignal();
-  const char* name = sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
   std::string what;
   if (command == "convert") {
     what = "convert stopped: the rank files it was writing are not committed and their temporaries "
@@ -238,7 +237,8 @@ int Interrupted(const std::string& command) {
   } else {
     what = command + " stopped";
   }
-  std::fprintf(stderr, "reshard: interrupted by %s: %s\n", name, what.c_str());
+  std::fprintf(stderr, "reshard: interrupted by %s: %s\n", reshard::CancelSignalName().c_str(),
+               what.c_str());
   return 128 + (sig > 0 ? sig : SIGINT);
 }
 
