@@ -166,6 +166,15 @@ void File::Sync() const {
   if (::fsync(fd_) != 0) FailErrno(path_, "fsync failed", errno);
 }
 
+void File::StartWriteback(uint64_t offset, uint64_t size) const {
+#ifdef __linux__
+  (void)::sync_file_range(fd_, static_cast<off64_t>(offset), static_cast<off64_t>(size),
+                          SYNC_FILE_RANGE_WRITE);
+#else
+  (void)offset, (void)size;
+#endif
+}
+
 void SyncDirectory(const std::filesystem::path& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) FailErrno(dir.string(), "cannot open directory", errno);

@@ -315,30 +315,6 @@ fs::path RequireModelManifest(const ConvertOptions& o) {
            "  (or pass --model-manifest FILE)");
 }
 
-// Removes temporaries left by dead conversions on this host ("...tmp-<host>-<pid>", or the
-// older "...tmp-<pid>"); a live process's, or another host's, are left alone.
-void RemoveStaleTemporaries(const fs::path& dir) {
-  const std::string host = SafeHostName();
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    const auto at = name.find(".tmp-");
-    if (!name.starts_with(".rank-") || at == std::string::npos) continue;
-    const std::string owner = name.substr(at + 5);
-    const auto dash = owner.rfind('-');
-    const std::string owner_host = dash == std::string::npos ? host : owner.substr(0, dash);
-    const std::string pid_text = dash == std::string::npos ? owner : owner.substr(dash + 1);
-    if (owner_host != host) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(pid_text.c_str(), &end, 10);
-    const bool alive = end && *end == '\0' && pid > 0 &&
-                       (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
-                        errno == EPERM);
-    if (alive) continue;
-    std::error_code ec;
-    fs::remove(e.path(), ec);
-  }
-}
-
 // OUT without a manifest may hold only what an interrupted conversion of this source leaves:
 // the lock, temporaries, layout directories of rank files, and copies of the source's aux
 // files (identical) and the model manifest. The first other entry is named, else "".

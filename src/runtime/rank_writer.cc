@@ -19,6 +19,8 @@ SaveReport SaveRankFile(const fs::path& path, RankFileHeader header,
                         std::span<const SaveSource> sources, DeviceCopier* copier,
                         const SaveOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
+  RemoveStaleTemporaries(path.parent_path().empty() ? fs::path(".") : path.parent_path(),
+                         path.filename().string());
   RankFileWriter w = RankFileWriter::Create(path, std::move(header));
   const auto& entries = w.header().tensors;
   std::vector<const SaveSource*> by_entry(entries.size(), nullptr);

@@ -35,6 +35,11 @@ class File {
   void PWriteExact(const void* buf, size_t size, uint64_t offset) const;
   void Truncate(uint64_t size) const;
   void Sync() const;
+  /// Asks the kernel to start writing [offset, offset + size) back to the disk now
+  /// (sync_file_range SYNC_FILE_RANGE_WRITE), without waiting: a hint that keeps the disk
+  /// busy while later bytes are still being written, instead of leaving them all to the final
+  /// Sync(). Errors are ignored here (unsupported file systems); Sync() reports real ones.
+  void StartWriteback(uint64_t offset, uint64_t size) const;
   void Close();
 
  private:

@@ -32,6 +32,13 @@ namespace reshard {
 /// ".tmp-<host>-<pid>": the suffix of a rank file's temporary name (formats/rank-file.md).
 std::string RankFileTempSuffix();
 
+/// Removes the rank-file temporaries (".rank-...tmp-<host>-<pid>", or the older
+/// "...tmp-<pid>") that dead writers on this host left in `dir`; with `for_file`, only those
+/// of that final file name. A live process's, or another host's, are left alone. Convert
+/// calls it for its layout directories, a save for the file it writes (a killed save's
+/// full-size temporary does not outlive the save that replaces it).
+void RemoveStaleTemporaries(const std::filesystem::path& dir, std::string_view for_file = {});
+
 /// Makes the stored form of chunks for one codec; one per thread (it owns the zstd context
 /// and a frame buffer of ZSTD_compressBound(chunk_size) bytes).
 class ChunkEncoder {
@@ -62,6 +69,10 @@ struct RankFileWriterOptions {
   /// a batch of commits into one directory.
   bool sync_directory = true;
 };
+
+/// Append writes in pieces of this many bytes, each handed to the disk as soon as it is
+/// written (File::StartWriteback).
+inline constexpr uint64_t kWritebackPiece = 64ull << 20;
 
 class RankFileWriter {
  public:

@@ -3,6 +3,7 @@
 // own decoder (test_util), bytes and checksums equal to ones computed independently; raw
 // chunks in any order equal to appended bytes; zstd frames; incomplete or corrupted files
 // never reach their final name; the manifest of a saved layout.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -385,6 +386,44 @@ TEST(SaveRankFile, HostSourcesAndManifest) {
   VerifyReport report = Verify(vo);
   EXPECT_TRUE(report.ok()) << (report.problems.empty() ? "" : report.problems[0].message);
   EXPECT_EQ(report.files, 2u);
+}
+
+// A save removes the temporaries that dead writers on this host left for the file it writes
+// (a killed save's full-size temporary); a live writer's, another host's and other files'
+// temporaries stay.
+TEST(SaveRankFile, RemovesDeadWritersTemporariesOfItsFile) {
+  TempDir dir;
+  const fs::path d = dir / "fsdp2-ws2";
+  fs::create_directories(d);
+  const std::string host = SafeHostName();
+  const std::string name = RankFileName(1, 2);
+  pid_t dead = ::fork();  // a pid that is surely not running: a child that has exited
+  if (dead == 0) ::_exit(0);
+  ASSERT_GT(dead, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(dead, &status, 0), dead);
+  const std::string dead_tmp = "." + name + ".tmp-" + host + "-" + std::to_string(dead);
+  const std::string old_style = "." + name + ".tmp-" + std::to_string(dead);
+  const std::string live_tmp = "." + name + ".tmp-" + host + "-" + std::to_string(::getppid());
+  const std::string other_host = "." + name + ".tmp-elsewhere-" + std::to_string(dead);
+  const std::string other_file = "." + RankFileName(0, 2) + ".tmp-" + host + "-" + std::to_string(dead);
+  for (const auto& n : {dead_tmp, old_style, live_tmp, other_host, other_file}) {
+    test::WriteBytes(d / n, std::string(4096, 'x'));
+  }
+  RankFileHeader h = MakeHeader(kSpecs, 2, 1, Saved(0xfeed, 3));
+  std::vector<std::string> data;
+  std::vector<SaveSource> sources;
+  for (const auto& e : h.tensors) data.push_back(test::PatternBytes(Bytes(e), 5));
+  for (size_t i = 0; i < h.tensors.size(); ++i) {
+    sources.push_back({h.tensors[i].name, data[i].data(), data[i].size(), false});
+  }
+  SaveRankFile(d / name, h, sources, nullptr, SaveOptions{});
+  EXPECT_FALSE(fs::exists(d / dead_tmp));
+  EXPECT_FALSE(fs::exists(d / old_style));
+  EXPECT_TRUE(fs::exists(d / live_tmp));
+  EXPECT_TRUE(fs::exists(d / other_host));
+  EXPECT_TRUE(fs::exists(d / other_file));
+  EXPECT_TRUE(fs::exists(d / name));
 }
 
 // A device copier whose "device" is host memory and whose copies land only when waited for,
