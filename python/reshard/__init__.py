@@ -30,6 +30,6 @@ from .load import find_rank_file, load  # noqa: F401
 from .load_fsdp1 import fsdp1_param_init_fn  # noqa: F401
 from .model import empty_model  # noqa: F401
 from .optimizer import load_optimizer  # noqa: F401
-from .save import SaveReport, save  # noqa: F401
+from .save import SaveHandle, SaveReport, save, wait_pending  # noqa: F401
 
 __version__ = build_info()["version"]

@@ -185,9 +185,31 @@ def load_via_host(rank_file, entries: dict, items, device: int, threads: int, ve
 
 # ---- saving -----------------------------------------------------------------------------------
 
+@dataclasses.dataclass
+class SaveItem:
+    """One tensor of a save: what its rank-file entry says (name, dtype, global shape, rows
+    of a shard, an FSDP1 flat object) and the tensor holding its bytes, which an
+    asynchronous save replaces by its snapshot's copy (`snapshot`)."""
+    name: str
+    dtype: str
+    global_shape: List[int]
+    rows: Optional[Tuple[int, int]]
+    flat: Optional["_C.FlatInfo"]
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def native(self) -> "_C.SaveTensor":
+        t = self.tensor
+        return _C.SaveTensor(self.name, self.dtype, self.global_shape, self.rows, t.data_ptr(),
+                             self.nbytes, t.device.type == "cuda", self.flat)
+
+
 def raw_save_entry(name: str, t: torch.Tensor, global_shape: List[int], sharded: bool, start: int,
-                   end: int, flat: Optional["_C.FlatInfo"] = None) -> Tuple["_C.SaveTensor", torch.Tensor]:
-    """A save tensor for `t` stored as it is (the caller has checked its shape; `flat`: an
+                   end: int, flat: Optional["_C.FlatInfo"] = None) -> Tuple[SaveItem, torch.Tensor]:
+    """A save item for `t` stored as it is (the caller has checked its shape; `flat`: an
     FSDP1 flat shard of that unit), and the tensor to keep alive until the save returns."""
     if t.device.type == "meta":
         raise InvalidArgumentError(f"{name} is on the meta device: nothing to save")
@@ -198,12 +220,12 @@ def raw_save_entry(name: str, t: torch.Tensor, global_shape: List[int], sharded:
     dtype = safetensors_dtype(t.dtype)
     if dtype is None:
         raise UnsupportedError(f"{name}: dtype {t.dtype} has no safetensors name; reshard cannot save it")
-    return (_C.SaveTensor(name, dtype, [int(d) for d in global_shape], (start, end) if sharded else None,
-                          t.data_ptr(), t.numel() * t.element_size(), t.device.type == "cuda", flat), t)
+    return SaveItem(name, dtype, [int(d) for d in global_shape], (start, end) if sharded else None,
+                    flat, t), t
 
 
 def save_entry(name: str, t: torch.Tensor, global_shape: List[int], world: int, coord: int,
-               sharded_like_param: bool) -> Tuple[tuple, torch.Tensor]:
+               sharded_like_param: bool) -> Tuple[SaveItem, torch.Tensor]:
     """A save tensor for local tensor `t`, sharded by the FSDP2 rule (0-dim: whole)."""
     from .errors import LayoutMismatchError
 
@@ -230,13 +252,145 @@ def flat_info(unit: str, numel: int, aligned_numel: int, params, shared) -> "_C.
 _PAUSE_ENV = "RESHARD_TEST_SAVE_PAUSE"  # test hook: seconds to sleep before each tensor
 
 
-def save_tensors(path: str, key: str, world: int, coord: int, save_id: int, step, entries,
-                 **kw) -> "_C.SaveStats":
-    """Writes one rank file atomically from save entries (see raw_save_entry)."""
+def save_tensors(path: str, key: str, world: int, coord: int, save_id: int, step,
+                 entries: Sequence[SaveItem], **kw) -> "_C.SaveStats":
+    """Writes one rank file atomically from save items (see raw_save_entry)."""
     pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
     _C._testing.set_save_pause(pause)
-    return _C.save(path, key, world, coord, save_id, step, list(entries), **kw)
+    return _C.save(path, key, world, coord, save_id, step, [e.native() for e in entries], **kw)
 
 
 def write_saved_manifest(out: str, world: int, save_id: int, step, aux: List[str], fsdp1=None) -> str:
     return _C.write_saved_manifest(out, world, save_id, step, aux, fsdp1=fsdp1)
+
+
+# ---- snapshots of asynchronous saves ----------------------------------------------------------
+
+SNAPSHOT_KINDS = ("auto", "device", "host")
+_SNAPSHOT_ALIGN = 4096
+# A device snapshot is taken only while the job's peak allocation so far plus the snapshot
+# stays within this share of the GPU's memory (training must still fit beside it).
+DEVICE_SNAPSHOT_SHARE = 0.9
+
+
+class _HostBuffer:
+    """One host allocation of exactly `nbytes`, pinned (registered with CUDA) when asked.
+    Registered rather than cudaHostAlloc'd through torch's caching host allocator, which
+    rounds an allocation up to a power of two (a 20.2 GB snapshot took 34.4 GB, BENCHMARKS.md)."""
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.pinned = False
+        if pinned:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.tensor.data_ptr(), self.tensor.numel(), 0)
+            if int(err) != 0:
+                raise UnsupportedError(f"pinning a {self.tensor.numel()}-byte host snapshot buffer "
+                                       f"failed (cudaHostRegister error {int(err)}); pass snapshot=\"device\"")
+            self.pinned = True
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+
+
+_host_pool: Optional[_HostBuffer] = None  # the process's host snapshot buffer, reused
+
+
+def _aligned(n: int) -> int:
+    return (n + _SNAPSHOT_ALIGN - 1) // _SNAPSHOT_ALIGN * _SNAPSHOT_ALIGN
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """The process's host snapshot buffer, at least `nbytes` (pinned when `pinned`): one
+    allocation, kept and reused by every later snapshot (one asynchronous save is in flight
+    at a time), made again when a save needs more. Pinning it costs once per process (the
+    pages are faulted in and locked: BENCHMARKS.md)."""
+    global _host_pool
+    pool = _host_pool
+    if pool is not None and pool.tensor.numel() >= nbytes and (pool.pinned or not pinned):
+        return pool.tensor
+    release_snapshot_buffer()
+    _host_pool = _HostBuffer(nbytes, pinned)
+    return _host_pool.tensor
+
+
+def release_snapshot_buffer() -> None:
+    """Frees the host buffer that asynchronous saves keep for their snapshots (the next
+    asynchronous save allocates it again). A save in flight keeps what it uses."""
+    global _host_pool
+    if _host_pool is not None:
+        _host_pool.release()
+    _host_pool = None
+
+
+def device_snapshot_fits(device: int, nbytes: int) -> bool:
+    """A device snapshot of `nbytes` fits: the job's peak allocation so far plus it stays
+    within DEVICE_SNAPSHOT_SHARE of the GPU, and the allocator can get it now."""
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return peak + nbytes <= DEVICE_SNAPSHOT_SHARE * total and nbytes <= free + cached
+
+
+def host_snapshot_fits(nbytes: int) -> bool:
+    """The host snapshot buffer of `nbytes` exists already, or fits in what the kernel says is
+    available (MemAvailable) with a tenth of it to spare."""
+    if _host_pool is not None and _host_pool.tensor.numel() >= nbytes:
+        return True
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return nbytes <= 0.9 * int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return True
+
+
+def snapshot(items: Sequence[SaveItem], where: str = "auto") -> Tuple[str, int]:
+    """Copies the bytes of every save item into memory that training does not touch, and
+    points the items at the copies, so that the model may change while they are written.
+    `where`: "device" (CUDA tensors are copied into new device memory: a device-to-device
+    copy), "host" (into the process's one reused host buffer, pinned when any tensor is on
+    CUDA), or "auto" (device when device_snapshot_fits, else host). CPU tensors always go to
+    the host buffer. Returns (where the copies are: "device" (the CUDA tensors'; CPU ones in
+    the host buffer), "host", or "none" for no tensor; bytes copied); on return every copy is
+    complete. "auto" returns ("blocking", 0), copying nothing, when the host buffer it needs
+    does not fit in the available host memory (host_snapshot_fits): the save is then written
+    before the call returns, through the bounded staging of a blocking save."""
+    if where not in SNAPSHOT_KINDS:
+        raise InvalidArgumentError(f"snapshot={where!r}; expected one of {', '.join(SNAPSHOT_KINDS)}")
+    cuda = [it for it in items if it.tensor.device.type == "cuda"]
+    devices = {it.tensor.device.index for it in cuda}
+    kind = "none"
+    if cuda:
+        kind = where
+        if where == "auto":
+            kind = "device" if all(device_snapshot_fits(d, sum(it.nbytes for it in cuda
+                                                                if it.tensor.device.index == d))
+                                   for d in devices) else "host"
+    to_host = [it for it in items if it.tensor.device.type == "cpu" or kind == "host"]
+    if where == "auto" and to_host and not host_snapshot_fits(sum(_aligned(it.nbytes) for it in to_host)):
+        return "blocking", 0
+    pool = _host_buffer(sum(_aligned(it.nbytes) for it in to_host), pinned=kind == "host") \
+        if to_host else None
+    offset = 0
+    with torch.no_grad():
+        for it in items:
+            t = it.tensor
+            if t.device.type == "cuda" and kind == "device":
+                it.tensor = t.clone()
+                continue
+            n = it.nbytes
+            dst = pool[offset:offset + n].view(t.dtype).view(t.shape) if n else torch.empty_like(t, device="cpu")
+            dst.copy_(t, non_blocking=t.device.type == "cuda")
+            it.tensor = dst
+            offset += _aligned(n)
+    for d in devices:
+        torch.cuda.synchronize(d)
+    if kind == "none" and to_host:
+        kind = "host"
+    return kind, sum(it.nbytes for it in items) if items else 0

@@ -14,6 +14,12 @@ memory or through a bounded pinned staging buffer from the GPU; nothing goes thr
 Rank 0 writes the manifest only after every rank has committed its file, so a checkpoint
 whose save was interrupted has no ``reshard.json`` and does not load or verify.
 
+Asynchronous saves (``blocking=False``): the call copies the rank's shards into a snapshot
+(engine.snapshot: new GPU memory, or the process's one pinned host buffer) and returns a
+SaveHandle; a background thread writes the files and commits, talking to the other ranks over
+a gloo group of its own (never the training's group, whose collectives it would race). One
+save is in flight per process: the next reshard.save waits for it.
+
 FSDP1 (``FullyShardedDataParallel``): the job's own fsdp1 layout is written, with the key and
 header that ``reshard convert --layout fsdp1`` gives the job's wrap classes, use_orig_params
 and MixedPrecision.param_dtype (dtype policy ``keep``): one entry per unit holding the rank's
@@ -40,7 +46,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .engine import raw_save_entry, save_entry, save_tensors, write_saved_manifest
+from .engine import raw_save_entry, save_entry, save_tensors, snapshot as snapshot_items, write_saved_manifest
 from .errors import (InvalidArgumentError, LayoutMismatchError, NotFoundError, ReshardError, UnsupportedError,
                      error_class)
 from .layout import chunk_rows, flat_entry_name, layout_key, rank_file_name, read_manifest
@@ -66,6 +72,11 @@ class SaveReport:
     seconds: float
     staging_bytes: int
     save_id: str              # hex16 of the saved source's id
+    durable_seconds: float = 0.0  # from the call until the manifest was written (committed)
+    stall_seconds: float = 0.0    # how long the call blocked (a blocking save: durable_seconds)
+    blocking: bool = True
+    snapshot: str = "none"        # asynchronous: where the CUDA shards were copied (device, host)
+    snapshot_bytes: int = 0
 
 
 def _replica_index(model: nn.Module) -> int:
@@ -90,26 +101,45 @@ def _replica_index(model: nn.Module) -> int:
 
 
 class _Group:
-    """The collectives save needs; no-ops without a process group (one process)."""
+    """The collectives save needs, over `pg` (None: the default group); no-ops without a
+    process group (one process)."""
 
-    def __init__(self):
+    def __init__(self, pg=None):
         dist = torch.distributed
         self.on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.on else 0
+        self.pg = pg
 
     def broadcast(self, obj):
         if not self.on:
             return obj
         box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, group=self.pg)
         return box[0]
 
     def all_gather(self, obj) -> List[Any]:
         if not self.on:
             return [obj]
         objs: List[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(objs, obj)
+        torch.distributed.all_gather_object(objs, obj, group=self.pg)
         return objs
+
+
+_save_pg = None  # (default group, the gloo group of asynchronous saves' background collectives)
+
+
+def _background_group() -> "_Group":
+    """The group the background half of an asynchronous save talks over: a gloo group of
+    every rank (CPU only, so it never queues behind the training's NCCL kernels), made once
+    per process group, collectively, the first time an asynchronous save runs."""
+    global _save_pg
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return _Group()
+    default = dist.group.WORLD
+    if _save_pg is None or _save_pg[0] is not default:
+        _save_pg = (default, dist.new_group(backend="gloo"))
+    return _Group(_save_pg[1])
 
 
 def _error_record(e: BaseException) -> Tuple[str, str]:
@@ -183,20 +213,20 @@ def _write_atomic(path: str, data) -> None:
         raise
 
 
-def _copy_aux(model: nn.Module, source: Optional[str], out: str, peft_names=None) -> List[str]:
-    """config/tokenizer files: those listed by the source's manifest when SOURCE is a reshard
-    output directory (a checkpoint loaded with reshard.load), else config.json (and
-    generation_config.json) written from the model. A PEFT model's adapters: PEFT's
-    adapter_config.json (and the base model's config.json)."""
-    names: List[str] = []
-    adapter: List[str] = []
+def _aux_files(model: nn.Module, source: Optional[str], peft_names=None) -> List[Tuple[str, bytes]]:
+    """(name, content) of the config/tokenizer files the save carries: those listed by the
+    source's manifest when SOURCE is a reshard output directory (a checkpoint loaded with
+    reshard.load), else config.json (and generation_config.json) written from the model. A
+    PEFT model's adapters: PEFT's adapter_config.json first (and the base model's config.json).
+    Read when the save is called, so that an asynchronous save writes what was there then."""
+    files: List[Tuple[str, bytes]] = []
     if peft_names is not None:
         from .adapters import ADAPTER_CONFIG, adapter_config_json
 
-        _write_atomic(os.path.join(out, ADAPTER_CONFIG), adapter_config_json(model, peft_names))
-        adapter.append(ADAPTER_CONFIG)
+        files.append((ADAPTER_CONFIG, adapter_config_json(model, peft_names).encode()))
         model = peft_names.inner
     manifest = read_manifest(source) if source else None
+    names: List[str] = []
     if manifest is not None:
         names = [a for a in manifest.get("aux_files", []) if os.path.exists(os.path.join(source, a))]
         # The model manifest (fsdp1 layouts are planned from it) comes along even when SOURCE
@@ -206,21 +236,24 @@ def _copy_aux(model: nn.Module, source: Optional[str], out: str, peft_names=None
             names.append(MODEL_MANIFEST)
         for a in names:
             with open(os.path.join(source, a), "rb") as f:
-                _write_atomic(os.path.join(out, a), f.read())
+                files.append((a, f.read()))
     elif source:
         raise NotFoundError(f"source {source}: no reshard.json; pass the reshard output directory "
                            "the model was loaded from (or source=None)")
     if "config.json" not in names and getattr(model, "config", None) is not None:
-        _write_atomic(os.path.join(out, "config.json"), model.config.to_json_string())
-        names.append("config.json")
+        files.append(("config.json", model.config.to_json_string().encode()))
         gen = getattr(model, "generation_config", None)
         if gen is not None and "generation_config.json" not in names:
             try:
-                _write_atomic(os.path.join(out, "generation_config.json"), gen.to_json_string())
-                names.append("generation_config.json")
+                files.append(("generation_config.json", gen.to_json_string().encode()))
             except Exception:  # a generation config that cannot be serialized is not essential
                 pass
-    return adapter + [a for a in names if a not in adapter]
+    seen, unique = set(), []
+    for name, data in files:
+        if name not in seen:
+            seen.add(name)
+            unique.append((name, data))
+    return unique
 
 
 # ---- FSDP1 (FullyShardedDataParallel, FlatParameter) -----------------------------------------
@@ -281,9 +314,110 @@ def _fsdp1_start(model: nn.Module, group: "_Group") -> Tuple[Optional[Fsdp1Job],
     return job, min(r for r, (_, c) in enumerate(coords) if c == job.coord) == group.rank
 
 
+class SaveHandle:
+    """An asynchronous reshard.save in flight (`blocking=False`): the rank's shards were
+    copied into a snapshot when the call returned; a background thread writes, checksums and
+    fsyncs the rank files, and rank 0 commits the manifest once every rank's files are
+    durable. `wait()` returns the SaveReport or raises what the save met (on every rank);
+    an error nobody waited for is raised by the next reshard.save of the process."""
+
+    def __init__(self, out: str, stall_seconds: float, snapshot: str, snapshot_bytes: int):
+        import threading
+
+        self.out = out
+        self.stall_seconds = stall_seconds     # how long the call blocked training
+        self.snapshot = snapshot               # where the CUDA shards were copied: device, host, none
+        self.snapshot_bytes = snapshot_bytes
+        self._done = threading.Event()
+        self._report: Optional[SaveReport] = None
+        self._error: Optional[BaseException] = None
+        self._reported = False
+        self._thread: Optional["threading.Thread"] = None
+
+    def done(self) -> bool:
+        """True once the save has committed or failed (wait() then returns at once)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> SaveReport:
+        """Waits for the save to be committed (durable, manifest written) and returns its
+        report; raises the ReshardError it met, or TimeoutError after `timeout` seconds."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"reshard.save of {self.out} still running after {timeout} s")
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+    def _run(self, work) -> None:
+        try:
+            self._report = work()
+        except BaseException as e:  # noqa: BLE001 - handed to wait() / the next save
+            self._error = e
+        finally:
+            self._done.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("committed" if self.done() else "writing")
+        return f"SaveHandle({self.out!r}, {state}, stall {self.stall_seconds:.3f} s, snapshot {self.snapshot})"
+
+
+_pending: Optional[SaveHandle] = None  # this process's asynchronous save in flight, if any
+
+
+def wait_pending() -> Optional[SaveReport]:
+    """Waits for this process's asynchronous save in flight, if any, and returns its report
+    (None when there is none); raises its error unless its handle's wait() already did."""
+    global _pending
+    h, _pending = _pending, None
+    if h is None:
+        return None
+    already = h._reported
+    try:
+        return h.wait()
+    except BaseException:
+        if already:
+            return None
+        raise
+
+
+def _finish_previous() -> None:
+    """reshard.save starts by waiting for the previous asynchronous save of the process: one
+    is in flight at a time, and a failure nobody waited for is raised here."""
+    global _pending
+    h, _pending = _pending, None
+    if h is None:
+        return
+    already = h._reported
+    try:
+        h.wait()
+    except BaseException as e:  # noqa: BLE001
+        if not already:
+            raise error_class(getattr(e, "code", "error"))(
+                f"the previous asynchronous reshard.save ({h.out}) failed, and nothing waited for it: {e}") from e
+
+
+_atexit_registered = False
+
+
+def _atexit_pending() -> None:
+    h = _pending
+    if h is None or h._reported:
+        return
+    import sys
+
+    try:
+        h.wait()
+    except BaseException as e:  # noqa: BLE001
+        print(f"reshard.save: the asynchronous save of {h.out} failed: {e}", file=sys.stderr, flush=True)
+
+
 def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None, *,
          source: Optional[str] = None, chunk_size: int = 2 << 20,
-         staging_bytes: int = 32 << 20, verify: bool = False) -> SaveReport:
+         staging_bytes: int = 32 << 20, verify: bool = False, blocking: bool = True,
+         snapshot: str = "auto"):
     """Saves `model` (FSDP2, FSDP1 or plain; on CUDA or CPU) as a reshard output directory OUT.
 
     Collective: every rank of the job calls it. Every shard coordinate's first replica writes
@@ -296,7 +430,21 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     reshard-model.json) of `source` (the reshard output directory the model was loaded from;
     else it writes the model's config.json) and writes OUT/reshard.json once every file is in
     place. OUT must not already hold a reshard.json. Raises ReshardError on every rank when
-    any rank fails; then OUT holds no manifest."""
+    any rank fails; then OUT holds no manifest. Returns a SaveReport.
+
+    `blocking=False`: returns a SaveHandle as soon as the rank's shards (and optimizer state)
+    are copied into a snapshot — `snapshot="device"`: new GPU memory (a device-to-device
+    copy); "host": one reused host buffer of the process, pinned; "auto" (default): device
+    when the job's peak GPU allocation so far plus the snapshot fits in 90 % of the GPU, else
+    host — and writes in a background thread while training goes on; the commit is the same
+    (manifest last, by rank 0, once every rank's files are durable). One save is in flight at
+    a time: the next reshard.save waits for the previous one (and raises its error if nothing
+    waited for it). Call handle.wait() (or reshard.wait_pending()) before destroying the
+    process group."""
+    import time
+
+    t_call = time.perf_counter()
+    _finish_previous()
     out = os.fspath(out)  # a pathlib.Path too
     out = os.path.abspath(out)
     group = _Group()
@@ -331,68 +479,148 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         raise error_class(msg[1][0])(msg[1][1])
     save_id = msg[1]
 
-    # 2. Every writing rank writes its files.
+    # 2. What each writing rank writes (the tensors as they are now), and rank 0's aux files.
     err = None
-    path = opt_path = None
-    report = {"bytes": 0, "seconds": 0.0, "staging_bytes": 0}
+    entries: list = []
+    opt_entries: list = []
+    meta: dict = {}
+    aux: List[Tuple[str, bytes]] = []
+    device = 0
+    where, snap_bytes = "none", 0
     try:
         if job is not None:
-            entries, keep = _fsdp1_model_entries(model, job)
+            entries, _ = _fsdp1_model_entries(model, job)  # the items hold their tensors
         else:
-            entries, keep = _model_entries(model, world, coord, peft_names)
+            entries, _ = _model_entries(model, world, coord, peft_names)
         if optimizer is not None:
-            opt_entries, opt_keep, meta = optimizer_entries(optimizer, model, world, coord,
+            opt_entries, _, meta = optimizer_entries(optimizer, model, world, coord,
                                                              fsdp1=job is not None)
             meta["step"] = step
             meta["layout"] = key
-        tensors = keep + (opt_keep if optimizer is not None else [])
-        devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+        devices = {it.tensor.device.index for it in entries + opt_entries if it.tensor.device.type == "cuda"}
         if len(devices) > 1:
             raise InvalidArgumentError("tensors on several CUDA devices; reshard.save expects one device per rank")
         device = devices.pop() if devices else 0
-        if any(t.device.type == "cuda" for t in tensors):
+        if not writes:  # an HSDP replica other than the first: checked, writes nothing
+            entries, opt_entries = [], []
+        if any(it.tensor.device.type == "cuda" for it in entries + opt_entries):
             torch.cuda.synchronize(device)  # the copier's stream must see finished updates
-        del tensors
-        if writes:
-            name = rank_file_name(coord, world)
-            path = os.path.join(out, key, name)
-            kwargs = dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
-                          verify=verify, fsdp1=job.fsdp1 if job is not None else None)
-            r = save_tensors(path, key, world, coord, save_id, step, entries, **kwargs)
-            for k in report:  # staging is reused: the peak, not a sum
-                v = getattr(r, k)
-                report[k] = max(report[k], v) if k == "staging_bytes" else report[k] + v
-            if optimizer is not None:
-                opt_path = os.path.join(out, key, OPTIM_DIR, name)
-                r = save_tensors(opt_path, key, world, coord, save_id, step, opt_entries, **kwargs)
-                for k in report:
-                    v = getattr(r, k)
-                    report[k] = max(report[k], v) if k == "staging_bytes" else report[k] + v
-        del keep
+        if not blocking:
+            where, snap_bytes = snapshot_items(entries + opt_entries, snapshot)
+        if group.rank == 0:
+            aux = _aux_files(model, source, peft_names)
     except Exception as e:  # noqa: BLE001
         err = _error_record(e)
+
+    def write_and_commit(group: _Group) -> SaveReport:
+        return _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, entries,
+                                 opt_entries if optimizer is not None else None, meta, aux, device,
+                                 dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
+                                      verify=verify, fsdp1=job.fsdp1 if job is not None else None),
+                                 t_call)
+
+    if blocking:
+        if err is not None:  # every rank learns of it in the outcome gather
+            return _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, [], None,
+                                     meta, aux, device, {}, t_call, err=err)
+        report = write_and_commit(group)
+        report.stall_seconds = report.durable_seconds
+        return report
+
+    # 3 (asynchronous). Every rank's snapshot is taken (or some rank had no room for one:
+    # then every rank writes now, as a blocking save, and returns a handle already done).
+    gathered = group.all_gather((err, where))
+    _raise_first([e for e, _ in gathered], "reshard.save")
+    if any(w == "blocking" for _, w in gathered):
+        import warnings
+
+        short = [r for r, (_, w) in enumerate(gathered) if w == "blocking"]
+        warnings.warn(f"reshard.save(blocking=False): rank(s) {short} have no room for a snapshot in GPU or "
+                      "host memory; the save is written before the call returns, through the bounded "
+                      "staging of a blocking save", stacklevel=2)
+        report = write_and_commit(group)
+        report.stall_seconds = report.durable_seconds
+        handle = SaveHandle(out, report.stall_seconds, "none", 0)
+        handle._report = report
+        handle._done.set()
+        return handle
+    bg = _background_group()
+    handle = SaveHandle(out, time.perf_counter() - t_call, where, snap_bytes)
+
+    def work() -> SaveReport:
+        report = write_and_commit(bg)
+        report.blocking = False
+        report.stall_seconds = handle.stall_seconds
+        report.snapshot, report.snapshot_bytes = where, snap_bytes
+        return report
+
+    import threading
+
+    global _atexit_registered
+    if not _atexit_registered:
+        import atexit
+
+        atexit.register(_atexit_pending)
+        _atexit_registered = True
+    handle._thread = threading.Thread(target=handle._run, args=(work,), name=f"reshard.save {out}",
+                                      daemon=False)
+    global _pending
+    handle._thread.start()
+    _pending = handle
+    return handle
+
+
+def _write_and_commit(group: _Group, out, key, world, coord, writes, save_id, step, job, entries,
+                      opt_entries, meta, aux, device, kwargs, t_call, err=None) -> SaveReport:
+    """Every writing rank writes its files; once every rank has, rank 0 writes the optimizer
+    description, the aux files and the manifest (the commit point). Collective over `group`."""
+    import time
+
+    path = opt_path = None
+    report = {"bytes": 0, "seconds": 0.0, "staging_bytes": 0}
+    if err is None:
+        try:
+            if writes:
+                name = rank_file_name(coord, world)
+                path = os.path.join(out, key, name)
+                files = [(path, entries)]
+                if opt_entries is not None:
+                    opt_path = os.path.join(out, key, OPTIM_DIR, name)
+                    files.append((opt_path, opt_entries))
+                for p, items in files:
+                    r = save_tensors(p, key, world, coord, save_id, step, items, **kwargs)
+                    for k in report:  # staging is reused: the peak, not a sum
+                        v = getattr(r, k)
+                        report[k] = max(report[k], v) if k == "staging_bytes" else report[k] + v
+        except Exception as e:  # noqa: BLE001
+            err = _error_record(e)
+    entries.clear()  # the snapshot (or the live tensors) is no longer needed
+    if opt_entries is not None:
+        opt_entries.clear()
     # FSDP1 optimizer state differs between shard coordinates (use_orig_params: which views
     # have elements, hence state, on this rank): each writer sends its description to rank 0.
     mine = None
-    if err is None and optimizer is not None and job is not None and writes:
+    if err is None and opt_entries is not None and job is not None and writes:
         mine = (coord, meta["state"])
     outcomes = group.all_gather((err, mine))
     _raise_first([e for e, _ in outcomes], "reshard.save")
 
-    # 3. Every file is committed: rank 0 writes the manifest, the commit point of the save.
+    # Every file is committed: rank 0 writes the manifest, the commit point of the save.
     err = None
     if group.rank == 0:
         try:
-            if optimizer is not None:
+            if opt_entries is not None:
                 if job is not None:
                     by_coord = {c: st for _, m in outcomes if m is not None for c, st in [m]}
+                    meta = dict(meta)
                     del meta["state"]
                     meta["rank_state"] = [by_coord[c] for c in range(world)]
                 _write_atomic(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON), json.dumps(meta, indent=1))
                 check_optimizer_files(out, key, world, save_id, step)
-            aux = _copy_aux(model, source, out, peft_names)
-            write_saved_manifest(out, world, save_id, step, aux,
-                                    fsdp1=job.fsdp1 if job is not None else None)
+            for name, data in aux:
+                _write_atomic(os.path.join(out, name), data)
+            write_saved_manifest(out, world, save_id, step, [n for n, _ in aux],
+                                 fsdp1=job.fsdp1 if job is not None else None)
         except Exception as e:  # noqa: BLE001
             err = _error_record(e)
     err = group.broadcast(err)
@@ -400,6 +628,5 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         raise error_class(err[0])(f"reshard.save: writing the manifest of {out} failed on rank 0: {err[1]}")
     return SaveReport(out=out, layout=key, rank=coord, world_size=world, wrote=writes, file=path,
                       optimizer_file=opt_path, bytes=report["bytes"], seconds=report["seconds"],
-                      staging_bytes=report["staging_bytes"], save_id=f"{save_id:016x}")
-
-
+                      staging_bytes=report["staging_bytes"], save_id=f"{save_id:016x}",
+                      durable_seconds=time.perf_counter() - t_call)

@@ -18,10 +18,11 @@ def dist_env(**extra):
                 TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
 
 
-def torchrun(nproc, script, *args, timeout=300):
-    """Runs `script` (or "-m", module) in `nproc` processes; asserts that all exit 0."""
+def torchrun(nproc, script, *args, timeout=300, env=None):
+    """Runs `script` (or "-m", module) in `nproc` processes (`env`: more environment
+    variables); asserts that all exit 0."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *map(str, [script, *args])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dist_env(), timeout=timeout,
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dist_env(**(env or {})), timeout=timeout,
                           stdin=subprocess.DEVNULL, cwd=REPO)
     assert proc.returncode == 0, f"$ {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc

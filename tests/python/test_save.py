@@ -6,7 +6,8 @@ several processes (torchrun --standalone, gloo), checkpoints written by transfor
 * after training steps: save → load into a fresh model (and optimizer) gives the same
   full_tensor()s and state, and the next step the same loss (save_worker.py checks);
 * HSDP 2x2: only replica 0 of each shard coordinate writes;
-* resume: 2N steps uninterrupted and N steps + save + resume N steps give identical losses;
+* resume: 2N steps uninterrupted and N steps + save (blocking) + resume N steps with
+  asynchronous saves give identical losses; --keep 1 leaves only the newest checkpoint;
 * a save killed mid-write (SIGKILL of one rank) leaves no manifest and nothing that verifies
   or loads, the previous checkpoint intact, and a re-run completes it.
 """
@@ -136,14 +137,19 @@ def test_resume_gives_the_uninterrupted_losses(checkpoint, cli, tmp_path):
     cli("convert", src, "-o", out, "--world-size", 2, rc=0)
     whole, _ = _train(out, 2, tmp_path / "whole", "--steps", 6)
     saves = tmp_path / "saves"
-    first, _ = _train(out, 2, tmp_path / "first", "--steps", 3, "--save-dir", saves)
+    first, proc = _train(out, 2, tmp_path / "first", "--steps", 3, "--save-dir", saves, "--save-blocking")
+    assert "save: step 3 -> " in proc.stdout and "blocking: stall" in proc.stdout
     assert first[0]["checkpoints"] == [str(saves / "step-00000003")]
     cli("verify", saves / "step-00000003", rc=0)
+    # Asynchronous saves (the default), the older checkpoints pruned once newer ones commit.
     second, proc = _train(out, 2, tmp_path / "second", "--steps", 6, "--resume", saves,
-                          "--save-dir", saves, "--save-every", 2)
+                          "--save-dir", saves, "--save-every", 2, "--keep", 1)
     assert "resume:" in proc.stdout and "at step 3" in proc.stdout
+    assert "save: step 4 -> " in proc.stdout and "asynchronous: stall" in proc.stdout
+    assert "save: step 6 committed" in proc.stdout
     assert second[0]["first_step"] == 4
     assert second[0]["checkpoints"] == [str(saves / "step-00000004"), str(saves / "step-00000006")]
+    assert sorted(os.listdir(saves)) == ["step-00000006"]
     for r in range(2):
         assert len(whole[r]["losses"]) == 6 and len(second[r]["losses"]) == 3
         # Exactly: same weights, optimizer state, data order and learning rates.
@@ -195,9 +201,12 @@ def test_killed_save_leaves_no_checkpoint(checkpoint, cli, tmp_path):
     # The previous checkpoint is untouched and still verifies.
     assert good_files == {p: open(p, "rb").read() for p in good_files}
     cli("verify", good, rc=0)
-    # A re-run of the save completes the interrupted checkpoint.
+    # A re-run of the save completes the interrupted checkpoint, and removes the full-size
+    # temporaries the killed processes left.
+    assert glob.glob(str(bad / "fsdp2-ws2" / ".rank-*.tmp-*"))
     _save_worker(2, out, bad, tmp_path / "r3")
     cli("verify", bad, rc=0)
+    assert not glob.glob(str(bad / "fsdp2-ws2" / ".rank-*.tmp-*"))
 
 
 @pytest.mark.gpu

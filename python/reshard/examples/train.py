@@ -32,7 +32,12 @@ each rank's data-order and RNG state in ``trainer/rank-<5 digits>.json``. ``--re
 (a save directory: its complete checkpoint of the highest step; or one checkpoint)
 continues from there with the same data order,
 step count and RNG state: the losses are those of an uninterrupted run. ``--steps`` counts
-all steps, including those before the checkpoint.
+all steps, including those before the checkpoint. Saves are asynchronous
+(``reshard.save(..., blocking=False)``): training stops only while the shards are copied
+into a snapshot (printed as the stall of each save), the files are written meanwhile, and a
+save is committed before the next one starts and before the job ends; ``--save-blocking``
+waits for each. ``--keep K`` keeps the K newest committed checkpoints of ``--save-dir``,
+deleting older ones only once a newer one is committed.
 
 With ``--lora R`` only LoRA adapters of rank R train (PEFT): the model is built with
 ``reshard.empty_model(OUT, peft_config=LoraConfig(...))`` (``--lora-targets``, default PEFT's
@@ -57,6 +62,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -349,6 +355,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="save model and optimizer with reshard.save into DIR/step-NNNNNNNN/")
     ap.add_argument("--save-every", type=int, default=0,
                     help="save every N steps (0: only after the last step) when --save-dir is given")
+    ap.add_argument("--save-blocking", action="store_true",
+                    help="wait for each save to be written (default: asynchronous, training goes on)")
+    ap.add_argument("--keep", type=int, default=0, metavar="K",
+                    help="keep the K newest committed checkpoints of --save-dir (0: all)")
     ap.add_argument("--resume", default=None, metavar="DIR",
                     help="continue from a checkpoint: a --save-dir (its complete step-* of the highest step) or one checkpoint")
     args = ap.parse_args(argv)
@@ -362,6 +372,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--lora-targets / --lora-alpha need --lora R")
     if args.save_every < 0:
         ap.error("--save-every must be at least 0")
+    if args.keep < 0:
+        ap.error("--keep must be at least 0")
+    if (args.keep or args.save_blocking) and not args.save_dir:
+        ap.error("--keep / --save-blocking need --save-dir")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
         least = 0 if name == "steps" else 1
         if getattr(args, name) < least:
@@ -480,46 +494,104 @@ def resolve_checkpoint(path: str) -> str:
     finish has no reshard.json (rank 0 writes it last), so it is never picked."""
     if os.path.exists(os.path.join(path, "reshard.json")):
         return path
-    steps = []
-    if os.path.isdir(path):
-        for name in os.listdir(path):
-            if name.startswith("step-") and name[5:].isdigit() and \
-                    os.path.exists(os.path.join(path, name, "reshard.json")):
-                steps.append((int(name[5:]), name))
+    steps = committed_steps(path)
     if not steps:
         raise SystemExit(f"--resume {path}: neither a checkpoint (reshard.json) nor a --save-dir "
                          "holding a complete step-* checkpoint")
-    return os.path.join(path, max(steps)[1])
+    return os.path.join(path, steps[-1][1])
 
 
-def save_checkpoint(args, model, opt, batches: "Batches", step: int, rank: int, source: str,
-                    log0) -> str:
-    """Collective. Writes DIR/step-<step>/: each rank's trainer state first, then
-    reshard.save, whose manifest (written last, by rank 0) is the commit point."""
+def committed_steps(save_dir: str) -> List[Tuple[int, str]]:
+    """(step, directory name) of the committed (reshard.json) step-* checkpoints of a save
+    directory, ascending."""
+    steps = []
+    if os.path.isdir(save_dir):
+        for name in os.listdir(save_dir):
+            if name.startswith("step-") and name[5:].isdigit() and \
+                    os.path.exists(os.path.join(save_dir, name, "reshard.json")):
+                steps.append((int(name[5:]), name))
+    return sorted(steps)
 
-    name = f"step-{step:08d}"
-    ckpt = os.path.join(args.save_dir, name)
-    tdir = os.path.join(ckpt, "trainer")
-    os.makedirs(tdir, exist_ok=True)
-    state = {"step": step, "batches": batches.get_state(), "torch_rng": _rng_hex(torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng"] = _rng_hex(torch.cuda.get_rng_state())
-    tmp = os.path.join(tdir, f".rank-{rank:05d}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(tdir, f"rank-{rank:05d}.json"))
-    fd = os.open(tdir, os.O_RDONLY)  # the rename is durable before the manifest commits it
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t0 = time.perf_counter()
-    report = reshard.save(model, ckpt, optimizer=opt, step=step, source=source)
-    log0(f"save: step {step} -> {ckpt} (rank 0 wrote {format_bytes(report.bytes)} in "
-         f"{time.perf_counter() - t0:.3f} s)")
-    return ckpt
+
+def prune_checkpoints(save_dir: str, keep: int, log0) -> None:
+    """Rank 0: deletes the step-* directories older than the K newest committed checkpoints
+    (committed or not: an older unfinished one is garbage too). A newer directory, such as
+    the save in flight, is never touched."""
+    steps = committed_steps(save_dir)
+    if keep <= 0 or len(steps) <= keep:
+        return
+    cutoff = steps[-keep][0]
+    for name in sorted(os.listdir(save_dir)):
+        if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < cutoff:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            log0(f"save: removed {os.path.join(save_dir, name)} (--keep {keep})")
+
+
+class Checkpoints:
+    """The trainer's saves: each rank's trainer state, then reshard.save (asynchronous unless
+    --save-blocking); a save's commit is logged once known (at the next save, or at the end),
+    and --keep prunes after each commit."""
+
+    def __init__(self, args, rank: int, source: str, log0):
+        self.args, self.rank, self.source, self.log0 = args, rank, source, log0
+        self.pending = None  # (step, handle)
+        self.stalls: List[float] = []
+
+    def _committed(self, step: int, report) -> None:
+        self.log0(f"save: step {step} committed, durable {report.durable_seconds:.3f} s after the call "
+                  f"(rank 0 wrote {format_bytes(report.bytes)})")
+        # The next save copies its config and tokenizer files from this checkpoint (the same
+        # files): the one the job started from may be pruned by --keep.
+        self.source = report.out
+        if self.rank == 0 and self.args.keep:
+            prune_checkpoints(self.args.save_dir, self.args.keep, self.log0)
+
+    def finish(self) -> None:
+        """Collective: waits for the save in flight (raising what it met)."""
+        if self.pending is not None:
+            step, handle = self.pending
+            self.pending = None
+            self._committed(step, handle.wait())
+
+    def save(self, model, opt, batches: "Batches", step: int) -> str:
+        """Collective. Writes DIR/step-<step>/: each rank's trainer state first, then
+        reshard.save, whose manifest (written last, by rank 0) is the commit point."""
+        args = self.args
+        self.finish()  # reshard.save would wait for it too; this logs it and prunes
+        name = f"step-{step:08d}"
+        ckpt = os.path.join(args.save_dir, name)
+        tdir = os.path.join(ckpt, "trainer")
+        os.makedirs(tdir, exist_ok=True)
+        state = {"step": step, "batches": batches.get_state(), "torch_rng": _rng_hex(torch.get_rng_state())}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda_rng"] = _rng_hex(torch.cuda.get_rng_state())
+        tmp = os.path.join(tdir, f".rank-{self.rank:05d}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(tdir, f"rank-{self.rank:05d}.json"))
+        fd = os.open(tdir, os.O_RDONLY)  # the rename is durable before the manifest commits it
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        t0 = time.perf_counter()
+        if args.save_blocking:
+            report = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source)
+            stall = time.perf_counter() - t0
+            self.stalls.append(stall)
+            self.log0(f"save: step {step} -> {ckpt}, blocking: stall {stall:.3f} s")
+            self._committed(step, report)
+        else:
+            handle = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source, blocking=False)
+            stall = time.perf_counter() - t0
+            self.stalls.append(stall)
+            self.log0(f"save: step {step} -> {ckpt}, asynchronous: stall {stall:.3f} s "
+                      f"(snapshot of {format_bytes(handle.snapshot_bytes)} in "
+                      f"{'GPU' if handle.snapshot == 'device' else 'host'} memory), writing")
+            self.pending = (step, handle)
+        return ckpt
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
@@ -657,6 +729,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         log0(f"resume: {resume} at step {start_step}")
     result["first_step"] = start_step + 1
     result["checkpoints"] = []
+    checkpoints = Checkpoints(args, rank, weights, log0)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     losses: List[float] = []
     grad_norms: List[float] = []
@@ -702,8 +775,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                  f"tokens/s {tokens_per_step / dt:.0f} ({dt:.2f} s)")
         if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
                               or step + 1 == args.steps):
-            result["checkpoints"].append(save_checkpoint(args, model, opt, batches, step + 1, rank,
-                                                         weights, log0))
+            result["checkpoints"].append(checkpoints.save(model, opt, batches, step + 1))
+    checkpoints.finish()
+    result["save_stall_seconds"] = checkpoints.stalls
 
     train_s = sum(step_times)
     result.update({
