@@ -5,6 +5,7 @@
 #include <cctype>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <thread>
 #include <cstring>
@@ -294,6 +296,18 @@ std::string SafeHostName() {
 }
 
 std::string TempSuffix() { return ".tmp-" + SafeHostName() + "-" + std::to_string(::getpid()); }
+
+bool OwnerIsDeadLocalProcess(std::string_view owner, bool bare_pid_is_local) {
+  const auto dash = owner.rfind('-');
+  if (dash == std::string_view::npos ? !bare_pid_is_local : owner.substr(0, dash) != SafeHostName()) {
+    return false;
+  }
+  const std::string pid_text(dash == std::string_view::npos ? owner : owner.substr(dash + 1));
+  char* end = nullptr;
+  const long pid = std::strtol(pid_text.c_str(), &end, 10);
+  if (!end || *end != '\0' || pid <= 0 || pid == ::getpid()) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno != EPERM;
+}
 
 double PageCacheResidency(const std::string& path) {
   File f = File::OpenRead(path);

@@ -2,14 +2,9 @@
 
 #include <zstd.h>
 
-#include <signal.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 
 #define XXH_INLINE_ALL
@@ -35,24 +30,13 @@ struct StateFree {
 std::string RankFileTempSuffix() { return TempSuffix(); }
 
 void RemoveStaleTemporaries(const fs::path& dir, std::string_view for_file) {
-  const std::string host = SafeHostName();
   const std::string prefix = for_file.empty() ? std::string(".rank-") : "." + std::string(for_file) + ".tmp-";
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     const auto at = name.find(".tmp-");
     if (!name.starts_with(prefix) || at == std::string::npos) continue;
-    const std::string owner = name.substr(at + 5);
-    const auto dash = owner.rfind('-');
-    const std::string owner_host = dash == std::string::npos ? host : owner.substr(0, dash);
-    const std::string pid_text = dash == std::string::npos ? owner : owner.substr(dash + 1);
-    if (owner_host != host) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(pid_text.c_str(), &end, 10);
-    const bool alive = end && *end == '\0' && pid > 0 &&
-                       (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
-                        errno == EPERM);
-    if (alive) continue;
+    if (!OwnerIsDeadLocalProcess(std::string_view(name).substr(at + 5), true)) continue;
     std::error_code rm;
     fs::remove(e.path(), rm);
   }

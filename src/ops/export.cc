@@ -168,20 +168,11 @@ std::string StagingPrefix(const fs::path& hf_dir) {
 // Removes staging directories of exports to `hf_dir` whose process (on this host) is gone.
 void RemoveStaleStaging(const fs::path& hf_dir) {
   const std::string prefix = StagingPrefix(hf_dir);
-  const std::string host = SafeHostName();
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(hf_dir.parent_path(), ec)) {
     const std::string name = e.path().filename().string();
     if (!name.starts_with(prefix)) continue;
-    const std::string owner = name.substr(prefix.size());
-    const auto dash = owner.rfind('-');
-    if (dash == std::string::npos || owner.substr(0, dash) != host) continue;
-    char* end = nullptr;
-    const long pid = std::strtol(owner.c_str() + dash + 1, &end, 10);
-    const bool alive = end && *end == '\0' && pid > 0 &&
-                       (pid == ::getpid() || ::kill(static_cast<pid_t>(pid), 0) == 0 ||
-                        errno == EPERM);
-    if (alive) continue;
+    if (!OwnerIsDeadLocalProcess(std::string_view(name).substr(prefix.size()), false)) continue;
     std::error_code rm;
     fs::remove_all(e.path(), rm);
   }

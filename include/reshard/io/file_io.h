@@ -67,6 +67,10 @@ unsigned CopyMode(const std::filesystem::path& source);
 std::string SafeHostName();
 /// ".tmp-<host>-<pid>": the suffix of this process's temporary files.
 std::string TempSuffix();
+/// Whether `owner`, the "<host>-<pid>" part of a temporary's name (or a bare "<pid>" when
+/// `bare_pid_is_local`, an older form), names a process of this host that is gone: true only
+/// then; another host's, a live process's, or an unreadable owner is never taken for dead.
+bool OwnerIsDeadLocalProcess(std::string_view owner, bool bare_pid_is_local);
 
 std::string ReadWholeFile(const std::filesystem::path& path, uint64_t max_size);
 
