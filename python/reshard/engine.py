@@ -373,10 +373,10 @@ def snapshot(items: Sequence[SaveItem], where: str = "auto") -> Tuple[str, int]:
                                                                 if it.tensor.device.index == d))
                                    for d in devices) else "host"
     to_host = [it for it in items if it.tensor.device.type == "cpu" or kind == "host"]
-    if where == "auto" and to_host and not host_snapshot_fits(sum(_aligned(it.nbytes) for it in to_host)):
+    host_bytes = sum(_aligned(it.nbytes) for it in to_host)
+    if where == "auto" and to_host and not host_snapshot_fits(host_bytes):
         return "blocking", 0
-    pool = _host_buffer(sum(_aligned(it.nbytes) for it in to_host), pinned=kind == "host") \
-        if to_host else None
+    pool = _host_buffer(host_bytes, pinned=kind == "host") if to_host else None
     offset = 0
     with torch.no_grad():
         for it in items:
@@ -393,4 +393,4 @@ def snapshot(items: Sequence[SaveItem], where: str = "auto") -> Tuple[str, int]:
         torch.cuda.synchronize(d)
     if kind == "none" and to_host:
         kind = "host"
-    return kind, sum(it.nbytes for it in items) if items else 0
+    return kind, sum(it.nbytes for it in items)

@@ -367,9 +367,10 @@ class SaveHandle:
 _pending: Optional[SaveHandle] = None  # this process's asynchronous save in flight, if any
 
 
-def wait_pending() -> Optional[SaveReport]:
-    """Waits for this process's asynchronous save in flight, if any, and returns its report
-    (None when there is none); raises its error unless its handle's wait() already did."""
+def _take_pending(wrap: bool) -> Optional[SaveReport]:
+    """Waits for this process's asynchronous save in flight, if any (it is no longer pending
+    after), and returns its report; raises its error unless its handle's wait() already did
+    (`wrap`: as an error of the save that found it, naming the failed one)."""
     global _pending
     h, _pending = _pending, None
     if h is None:
@@ -377,26 +378,25 @@ def wait_pending() -> Optional[SaveReport]:
     already = h._reported
     try:
         return h.wait()
-    except BaseException:
+    except BaseException as e:
         if already:
             return None
+        if wrap:
+            raise error_class(getattr(e, "code", "error"))(
+                f"the previous asynchronous reshard.save ({h.out}) failed, and nothing waited for it: {e}") from e
         raise
+
+
+def wait_pending() -> Optional[SaveReport]:
+    """Waits for this process's asynchronous save in flight, if any, and returns its report
+    (None when there is none); raises its error unless its handle's wait() already did."""
+    return _take_pending(wrap=False)
 
 
 def _finish_previous() -> None:
     """reshard.save starts by waiting for the previous asynchronous save of the process: one
     is in flight at a time, and a failure nobody waited for is raised here."""
-    global _pending
-    h, _pending = _pending, None
-    if h is None:
-        return
-    already = h._reported
-    try:
-        h.wait()
-    except BaseException as e:  # noqa: BLE001
-        if not already:
-            raise error_class(getattr(e, "code", "error"))(
-                f"the previous asynchronous reshard.save ({h.out}) failed, and nothing waited for it: {e}") from e
+    _take_pending(wrap=True)
 
 
 _atexit_registered = False
@@ -512,18 +512,15 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     except Exception as e:  # noqa: BLE001
         err = _error_record(e)
 
-    def write_and_commit(group: _Group) -> SaveReport:
+    def write_and_commit(group: _Group, err=None) -> SaveReport:
         return _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, entries,
                                  opt_entries if optimizer is not None else None, meta, aux, device,
                                  dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
                                       verify=verify, fsdp1=job.fsdp1 if job is not None else None),
-                                 t_call)
+                                 t_call, err=err)
 
-    if blocking:
-        if err is not None:  # every rank learns of it in the outcome gather
-            return _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, [], None,
-                                     meta, aux, device, {}, t_call, err=err)
-        report = write_and_commit(group)
+    if blocking:  # an error here: every rank learns of it in the outcome gather, nothing written
+        report = write_and_commit(group, err)
         report.stall_seconds = report.durable_seconds
         return report
 

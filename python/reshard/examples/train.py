@@ -587,9 +587,10 @@ class Checkpoints:
             handle = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source, blocking=False)
             stall = time.perf_counter() - t0
             self.stalls.append(stall)
-            self.log0(f"save: step {step} -> {ckpt}, asynchronous: stall {stall:.3f} s "
-                      f"(snapshot of {format_bytes(handle.snapshot_bytes)} in "
-                      f"{'GPU' if handle.snapshot == 'device' else 'host'} memory), writing")
+            where = {"device": "GPU memory", "host": "host memory"}.get(handle.snapshot)
+            self.log0(f"save: step {step} -> {ckpt}, asynchronous: stall {stall:.3f} s " +
+                      (f"(snapshot of {format_bytes(handle.snapshot_bytes)} in {where}), writing" if where
+                       else "(no room for a snapshot: written before returning)"))
             self.pending = (step, handle)
         return ckpt
 
