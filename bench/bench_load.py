@@ -299,6 +299,54 @@ class ReshardLoad:
         return out
 
 
+class ReshardView:
+    """reshard's load of rank r straight from what is there, when OUT has no rank file of this
+    world size (reshard._C.SourceRankView, what reshard.load uses then): the Hugging Face
+    checkpoint itself (view=checkpoint), or another layout of OUT (view=fsdp2-wsN). Targets
+    preallocated as for ReshardLoad; the planning (opening the source, its headers) is in the
+    timer, as in reshard.load."""
+
+    def __init__(self, spec, device):
+        import torch
+        from reshard import _C
+        from reshard.layout import torch_dtype
+
+        self.torch, self._C, self.spec, self.device = torch, _C, spec, device
+        if spec.get("prepare") and device.type == "cuda":
+            _C.prepare(device.index or 0, spec["threads"], wait=False)
+        view = self._open()
+        self.files = list(view.files)
+        self.tensors = {t.name: torch.empty(t.local_shape, dtype=torch_dtype(t.dtype), device=device)
+                        for t in view.tensors}
+
+    def _open(self):
+        s = self.spec
+        if s["view"] == "checkpoint":
+            return self._C.SourceRankView.of_checkpoint(s["src"], s["ws"], s["rank"])
+        return self._C.SourceRankView.of_layout(s["out"], s["view"], s["ws"], s["rank"])
+
+    def run(self):
+        view = self._open()
+        targets = [self._C.LoadTarget(n, t.data_ptr(), t.numel() * t.element_size(), self.device.type == "cuda")
+                   for n, t in self.tensors.items() if t.numel()]
+        self.report = view.load(targets, device=self.spec.get("cuda_device", 0), threads=self.spec["threads"])
+        return self.tensors
+
+    def extra(self):
+        r = self.report
+        out = {"loader_report": {"bytes": r.bytes, "stored_bytes": r.stored_bytes, "seconds": r.seconds,
+                                 "threads": r.threads, "staging_bytes": r.staging_bytes},
+               "pinned_bytes": r.staging_bytes, "staging_alloc_seconds": r.staging_alloc_seconds}
+        if self.spec.get("second_load"):
+            t0 = time.perf_counter()
+            self.run()
+            if self.device.type == "cuda":
+                self.torch.cuda.synchronize()
+            out["second_load_seconds"] = time.perf_counter() - t0
+            out["more_loads"] = [{"seconds": out["second_load_seconds"]}]
+        return out
+
+
 class SafeOpenSlices:
     """What a user writes without reshard: safe_open each source file, take this rank's rows of
     every tensor with get_slice, move it to the GPU."""
@@ -442,7 +490,7 @@ class DcpFsdp2:
             pass
 
 
-KINDS = {"reshard": ReshardLoad, "slices": SafeOpenSlices, "load_file": LoadFile,
+KINDS = {"reshard": ReshardLoad, "view": ReshardView, "slices": SafeOpenSlices, "load_file": LoadFile,
          "dcp": DcpFsdp2}
 
 
@@ -715,6 +763,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per series (default 3; 1 with --quick/--cpu-smoke)")
     ap.add_argument("--rank", type=int, default=0, help="rank of world size --world-size measured (default 0)")
     ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--view-ws", type=int, default=4,
+                    help="also convert this world size and read the rank case from it (0: no)")
     ap.add_argument("--cases", default="rank,whole",
                     help="what is measured: rank (rank --rank of --world-size), whole (the world-size-1 "
                          "file) or both (default); leaving whole out skips its conversion")
@@ -878,6 +928,8 @@ def run_bench(b: Bench, args, threads) -> int:
     if args.world_size == 1 and "whole" not in want:
         raise SystemExit("bench_load: --world-size 1 has only the whole case; add it to --cases")
     sizes = ({args.world_size} if "rank" in want else set()) | ({1} if "whole" in want else set())
+    if args.view_ws and "rank" in want:  # the other layout the rank case is also read from
+        sizes.add(args.view_ws)
     b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log)
     src_files = sorted(str(p) for p in src.glob("*.safetensors"))
     cases = {
@@ -987,6 +1039,14 @@ def run_bench(b: Bench, args, threads) -> int:
                       pre_argv=[str(ceilings), "spin", "--ms", "30", "--threads",
                                 str(os.cpu_count() or 1)])
         if case == "rank":
+            # Without the rank file of this world size: straight from the Hugging Face files,
+            # and from another world size's layout (issue 23).
+            child(case, f"reshard-hf-t{top}-prepared", "view", ["cold", "warm"], threads=top,
+                  prepare=gpu, second_load=True, view="checkpoint")
+            if args.view_ws:
+                child(case, f"reshard-ws{args.view_ws}-t{top}-prepared", "view", ["cold", "warm"],
+                      threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",
+                      out=str(out))
             child(case, "safe_open-slices", "slices", ["cold", "warm"])
         else:
             child(case, "load_file", "load_file", ["cold", "warm"])

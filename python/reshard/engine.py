@@ -119,10 +119,13 @@ class LoadReport:
     pooled: bool = False  # the reader threads were the copy engine's own (started once, by prepare)
     untied: List[str] = dataclasses.field(default_factory=list)  # "copy = source": tied in the model, split by the sharding, loaded from one entry
     adapters: dict = dataclasses.field(default_factory=dict)  # PEFT: {"source": adapter dir or how initialised, "tensors": n}
+    source: str = "rank file"  # where the bytes came from: the layout's rank file, or what was read instead
+
 
     def __str__(self) -> str:  # what a person reads; repr() keeps every field
+        where = self.file if self.source == "rank file" else self.source
         return (f"rank {self.rank}/{self.world_size}: loaded {_C.format_bytes(self.bytes)} of {self.layout} "
-                f"from {self.file} in {self.seconds:.3f} s ({_C.format_rate(self.gbps * 1e9)}), "
+                f"from {where} in {self.seconds:.3f} s ({_C.format_rate(self.gbps * 1e9)}), "
                 f"{self.tensors} tensor(s)")
 
 

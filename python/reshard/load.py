@@ -16,6 +16,7 @@ from .engine import (LoadReport, default_threads, load_tensors, load_via_host, o
 from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
 from .layout import POLICY_NAMES, layout_key, layout_rank_file, require_manifest, torch_dtype
 from .model import clean_name, fresh_buffers, persistent_buffer_names
+from .sources import open_job_source
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,7 @@ def move_tensors(rank_file, entries, direct, converted, device_index, *, threads
 
 def finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                 buffers, needs_fresh, device_index, *, threads, verify, io,
-                strict_buffers, rename=None, buffers_of=None) -> LoadReport:
+                strict_buffers, rename=None, buffers_of=None, source: str = "rank file") -> LoadReport:
     """Moves the bytes, restores non-persistent buffers (the values reshard.empty_model kept
     on `buffers_of`, default `model`), waits for the device, reports."""
     result, b, sec = move_tensors(rank_file, entries, direct, converted + buffers, device_index,
@@ -139,7 +140,7 @@ def finish_load(model, rank_file, key, world_size, coord, entries, direct, conve
                       staging_bytes=result.staging_bytes, direct_io=result.direct_io,
                       threads=result.threads, converted_tensors=len(converted),
                       buffers_restored=restored, staging_alloc_seconds=result.staging_alloc_seconds,
-                      pooled=result.pooled)
+                      pooled=result.pooled, source=source)
 
 
 def _identity(name: str) -> str:
@@ -317,7 +318,9 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             params[base] = p
     float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
-    path, key, rank_file = open_job_file(out, world_size, coord, live_dtype)
+    persistent = {rename(clean_name(n)) for n in persistent_buffer_names(hf_model)} - {None}
+    job = open_job_source(out, world_size, coord, live_dtype, hf_model, list(params), persistent)
+    path, key, rank_file = job.path, job.key, job.reader
     entries = {t.name: t for t in rank_file.tensors}
     prefix = getattr(hf_model, "base_model_prefix", "") or ""
     convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
@@ -381,7 +384,8 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
                 "shard the modules holding both in one unit")
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                         strict_buffers=strict_buffers, rename=rename, buffers_of=hf_model)
+                         strict_buffers=strict_buffers, rename=rename, buffers_of=hf_model,
+                         source=job.source)
     if names is not None:
         report.adapters = load_adapters(model, names, adapter_params, adapter, world_size, coord,
                                         threads=threads, verify=verify, io=io)

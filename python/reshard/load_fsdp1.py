@@ -16,6 +16,7 @@ from .engine import LoadReport, flat_info, open_rank_file, prepare_quietly, targ
 from .errors import InvalidArgumentError, LayoutMismatchError, UnsupportedError
 from .layout import (POLICY_NAMES, flat_entry_name, layout_key, layout_rank_file, layouts_of_kind,
                      require_manifest, torch_dtype)
+from .sources import fsdp1_view, is_hf_source
 from .load import finish_load, plan_buffers
 from .model import clean_name
 
@@ -116,7 +117,7 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
     dtypes = {lv["dtype"] for *_, lv in lives}
     live_dtype = dtypes.pop() if len(dtypes) == 1 else None
     command = fsdp1_convert_command(out, model, units, live_dtype)
-    layouts = require_manifest(out, command).get("layouts", {})
+    layouts = {} if is_hf_source(out) else require_manifest(out, command).get("layouts", {})
     policy = POLICY_NAMES.get(live_dtype)
     candidates = layouts_of_kind({"layouts": layouts}, "fsdp1", world_size)
     candidates.sort(key=lambda k: (layouts[k].get("dtype") != policy, layouts[k].get("dtype") != "keep", k))
@@ -146,6 +147,17 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
             continue
         chosen = (key, rank_file, entries)
         break
+    source = "rank file"
+    if chosen is None:
+        view = fsdp1_view(out, model, world_size, coord, live_dtype)
+        if view is not None:
+            entries = {t.name: t for t in view.reader.tensors}
+            diff = next((d for u, _, _, lv in lives
+                         if (d := flat_difference(u, lv, entries.get(flat_entry_name(u)), world_size))), None)
+            if diff is None:
+                chosen, source = (view.key, view.reader, entries), view.source
+            else:
+                reasons.append(f"{view.source}: {diff}")
     if chosen is None:
         have = "; ".join(reasons) if reasons else (
             f"no fsdp1 layout for world size {world_size} (layouts: {', '.join(sorted(layouts)) or 'none'})")
@@ -172,7 +184,7 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                         strict_buffers=strict_buffers)
+                         strict_buffers=strict_buffers, source=source)
     # A tied parameter in two units (without use_orig_params each unit has its own copy, filled
     # from the one checkpoint tensor: formats/model-manifest.md).
     first: Dict[str, str] = {}

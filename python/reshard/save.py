@@ -46,10 +46,11 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
+from . import _C
 from .engine import raw_save_entry, save_entry, save_tensors, snapshot as snapshot_items, write_saved_manifest
 from .errors import (InvalidArgumentError, LayoutMismatchError, NotFoundError, ReshardError, UnsupportedError,
                      error_class)
-from .layout import chunk_rows, flat_entry_name, layout_key, rank_file_name, read_manifest
+from .layout import chunk_rows, flat_entry_name, is_hf_checkpoint, layout_key, rank_file_name, read_manifest
 from .load import local_tensor, shard_coordinate
 from .load_fsdp1 import Fsdp1Job, flat_object, fsdp1_job, fsdp1_local_shard
 from .model import clean_name, persistent_buffer_names
@@ -234,6 +235,11 @@ def _aux_files(model: nn.Module, source: Optional[str], peft_names=None) -> List
         # the export converts into fsdp1 layouts directly.
         if MODEL_MANIFEST not in names and os.path.exists(os.path.join(source, MODEL_MANIFEST)):
             names.append(MODEL_MANIFEST)
+        for a in names:
+            with open(os.path.join(source, a), "rb") as f:
+                files.append((a, f.read()))
+    elif source and is_hf_checkpoint(source):  # loaded straight from a Hugging Face checkpoint
+        names = [a for a in _C.aux_file_names() if os.path.isfile(os.path.join(source, a))]
         for a in names:
             with open(os.path.join(source, a), "rb") as f:
                 files.append((a, f.read()))

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <thread>
 #include <mutex>
 #include <tuple>
@@ -33,6 +34,7 @@
 #include "reshard/runtime/knobs.h"
 #include "reshard/runtime/loader.h"
 #include "reshard/runtime/rank_writer.h"
+#include "reshard/runtime/source_load.h"
 #ifdef RESHARD_HAVE_CUDA
 #include "reshard/cuda/cuda_copier.h"
 #endif
@@ -76,12 +78,14 @@ reshard::IoMode ParseIo(const std::string& io) {
 
 // The FSDP1 fields of a layout, from Python: (wrap classes, use_orig_params, param_dtype).
 using Fsdp1Arg = std::tuple<std::vector<std::string>, bool, std::string>;
-// The layout a save writes: FSDP2 without `fsdp1`, else FSDP1 with its fields; dtype policy
-// "keep" (saved bytes are the live ones). Normalized as `reshard convert` normalizes it.
-reshard::LayoutSpec SavedLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1) {
+// The layout of a job (what a save writes, what a view plans): FSDP2 without `fsdp1`, else
+// FSDP1 with its fields; dtype policy "keep" (saved bytes are the live ones; a load's view may
+// plan another). Normalized as `reshard convert` normalizes it.
+reshard::LayoutSpec JobLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1,
+                              const std::string& dtype = "keep") {
   reshard::LayoutSpec spec;
   spec.world_size = world_size;
-  spec.dtype = "keep";
+  spec.dtype = dtype;
   if (fsdp1) {
     spec.kind = reshard::LayoutKind::kFsdp1;
     std::tie(spec.wrap, spec.use_orig_params, spec.param_dtype) = *fsdp1;
@@ -104,6 +108,14 @@ RankFileHandle OpenRankFile(const std::string& path) {
   return {std::make_shared<const reshard::RankFileReader>(
       reshard::RankFileReader::Open(path, &Headers()))};
 }
+
+// A rank's part of a layout planned over a source that is not its rank file (a Hugging Face
+// checkpoint, another layout): the same checks in Python, then its own Load.
+struct SourceViewHandle {
+  std::shared_ptr<const reshard::SourceRankView> view;
+  const reshard::RankFileHeader& header() const { return view->header(); }
+};
+
 
 py::object ShardOf(const reshard::TensorEntry& e) {
   if (!e.sharded) return py::none();
@@ -187,6 +199,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out"),
       "OUT/reshard.json parsed and checked by the core, as JSON text; None when absent.");
 
+  m.def("aux_file_names", [] { return reshard::AuxFileNames(); },
+        "The config and tokenizer files convert copies beside the layouts (and a save from a "
+        "model loaded from a Hugging Face checkpoint carries).");
   m.def(
       "checkpoint_tensors",
       [](const std::string& source) {
@@ -408,6 +423,79 @@ PYBIND11_MODULE(_C, m) {
           "pipelined loader; CUDA targets through this process's copy engine for `device`. "
           "The knobs of formats' measurements come from RESHARD_* environment variables.");
 
+  py::class_<SourceViewHandle>(
+      m, "SourceRankView",
+      "A rank's part of an FSDP2 layout planned over a Hugging Face checkpoint or another "
+      "layout's rank files, loaded from there without storing a conversion.")
+      .def_static(
+          "of_checkpoint",
+          [](const std::string& src, uint32_t world_size, uint32_t rank, const std::string& dtype,
+             const std::set<std::string>& whole, const std::string& manifest_json,
+             const std::optional<Fsdp1Arg>& fsdp1) {
+            const reshard::LayoutSpec layout = JobLayout(world_size, fsdp1, dtype);
+            py::gil_scoped_release release;
+            return SourceViewHandle{
+                reshard::SourceRankView::OfCheckpoint(src, layout, rank, whole, manifest_json)};
+          },
+          py::arg("src"), py::arg("world_size"), py::arg("rank"), py::arg("dtype") = "keep",
+          py::arg("whole") = std::set<std::string>{}, py::arg("model_manifest") = "",
+          py::arg("fsdp1") = std::nullopt,
+          "Plans rank `rank` of the layout of world size `world_size` (FSDP2, or FSDP1 with "
+          "fsdp1=(wrap classes, use_orig_params, param_dtype)) and dtype policy `dtype` over the "
+          "checkpoint SRC; `whole`: tensors stored whole (persistent buffers); `model_manifest`: "
+          "a model manifest's JSON (its conversion of the checkpoint's keys; FSDP1's units).")
+      .def_static(
+          "of_layout",
+          [](const std::string& out, const std::string& key, uint32_t world_size, uint32_t rank,
+             const std::string& dtype, const std::set<std::string>& whole,
+             const std::string& manifest_json, const std::optional<Fsdp1Arg>& fsdp1) {
+            const reshard::LayoutSpec layout = JobLayout(world_size, fsdp1, dtype);
+            py::gil_scoped_release release;
+            return SourceViewHandle{
+                reshard::SourceRankView::OfLayout(out, key, layout, rank, whole, manifest_json)};
+          },
+          py::arg("out"), py::arg("key"), py::arg("world_size"), py::arg("rank"),
+          py::arg("dtype") = "keep", py::arg("whole") = std::set<std::string>{},
+          py::arg("model_manifest") = "", py::arg("fsdp1") = std::nullopt,
+          "Plans rank `rank` of a layout (as of_checkpoint) over layout KEY of OUT (every rank "
+          "file checked against OUT/reshard.json; chunks read whole and checked).")
+      .def_property_readonly("path", [](const SourceViewHandle& f) { return f.view->description(); })
+      .def_property_readonly("description", [](const SourceViewHandle& f) { return f.view->description(); })
+      .def_property_readonly("files", [](const SourceViewHandle& f) { return f.view->files(); })
+      .def_property_readonly("rank", [](const SourceViewHandle& f) { return f.header().rank; })
+      .def_property_readonly("world_size", [](const SourceViewHandle& f) { return f.header().world_size; })
+      .def_property_readonly("layout_key", [](const SourceViewHandle& f) { return f.header().layout_key; })
+      .def_property_readonly("dtype_policy", [](const SourceViewHandle& f) { return f.header().dtype_policy; })
+      .def_property_readonly(
+          "tensors",
+          [](py::object self) {
+            const SourceViewHandle& f = self.cast<const SourceViewHandle&>();
+            py::list out;
+            for (const auto& t : f.header().tensors) {
+              out.append(py::cast(&t, py::return_value_policy::reference_internal, self));
+            }
+            return out;
+          },
+          "The planned tensors (as a rank file of the layout would list them)")
+      .def(
+          "load",
+          [](const SourceViewHandle& f, const std::vector<reshard::LoadTarget>& targets, int device,
+             unsigned threads, bool verify, const std::string& io) {
+            reshard::LoadOptions o = reshard::KnobbedLoadOptions(threads, reshard::SlotsKnob(std::nullopt));
+            o.verify_checksums = verify;
+            o.io = ParseIo(io);
+            std::shared_ptr<const reshard::SourceRankView> view = f.view;
+            py::gil_scoped_release release;
+            return reshard::LoadThroughCache(
+                Copiers(), targets, device, o,
+                [&](reshard::DeviceCopier* copier, const reshard::LoadOptions& lo) {
+                  return view->Load(targets, copier, lo);
+                });
+          },
+          py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
+          py::arg("verify") = true, py::arg("io") = "auto",
+          "Loads targets as RankFile.load does, reading the source's bytes.");
+
   m.def("page_cache_residency", &reshard::PageCacheResidency, py::arg("path"));
 
   m.def(
@@ -476,7 +564,7 @@ PYBIND11_MODULE(_C, m) {
          uint32_t rank, uint64_t save_id, std::optional<uint64_t> step,
          const std::vector<SaveTensor>& tensors, uint64_t chunk_size, int device,
          uint64_t staging_bytes, bool verify, const std::optional<Fsdp1Arg>& fsdp1) {
-        const reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
+        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1);
         if (spec.Key() != layout_key) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
                                path + ": layout key \"" + layout_key +
@@ -560,7 +648,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "layout_key",
       [](uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1, const std::string& dtype) {
-        reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
+        reshard::LayoutSpec spec = JobLayout(world_size, fsdp1);
         spec.dtype = dtype;
         spec.Normalize();
         return spec.Key();
@@ -575,7 +663,7 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& out, uint32_t world_size, uint64_t save_id,
          std::optional<uint64_t> step, const std::vector<std::string>& aux_files,
          const std::optional<Fsdp1Arg>& fsdp1) {
-        const reshard::LayoutSpec spec = SavedLayout(world_size, fsdp1);
+        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1);
         py::gil_scoped_release release;
         return reshard::WriteSavedManifest(out, spec,
                                            reshard::SourceFingerprint::FromSaved({save_id, step}),

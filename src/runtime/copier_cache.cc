@@ -77,6 +77,16 @@ uint64_t DefaultPreparedSlotBytes(unsigned threads, unsigned slots) {
 LoadStats LoadThroughCache(CopierCache* cache, const RankFileReader& file,
                            std::span<const LoadTarget> targets, int device, LoadOptions options,
                            LoadDiagnostics* diagnostics, double* copier_wait) {
+  return LoadThroughCache(
+      cache, targets, device, options,
+      [&](DeviceCopier* copier, const LoadOptions& o) {
+        return LoadRankFile(file, targets, copier, o, diagnostics);
+      },
+      copier_wait);
+}
+
+LoadStats LoadThroughCache(CopierCache* cache, std::span<const LoadTarget> targets, int device,
+                           LoadOptions options, const TargetLoader& load, double* copier_wait) {
   bool any_device = false;
   for (const auto& t : targets) any_device |= t.on_device;
   CopierLease lease;
@@ -94,7 +104,7 @@ LoadStats LoadThroughCache(CopierCache* cache, const RankFileReader& file,
     wait = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   if (copier_wait != nullptr) *copier_wait = wait;
-  LoadStats stats = LoadRankFile(file, targets, lease.copier, options, diagnostics);
+  LoadStats stats = load(lease.copier, options);
   stats.seconds += wait;
   return stats;
 }

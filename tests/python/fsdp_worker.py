@@ -111,6 +111,7 @@ def main():
 
     with open(os.path.join(args.result, f"rank-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "file": report.file, "bytes": report.bytes,
+                   "source": report.source, "layout": report.layout,
                    "params_checked": n_checked, "losses": losses,
                    "buffers_restored": report.buffers_restored}, f)
     trained = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""

@@ -89,5 +89,12 @@ uint64_t DefaultPreparedSlotBytes(unsigned threads, unsigned slots);
 LoadStats LoadThroughCache(CopierCache* cache, const RankFileReader& file,
                            std::span<const LoadTarget> targets, int device, LoadOptions options,
                            LoadDiagnostics* diagnostics = nullptr, double* copier_wait = nullptr);
+/// The same for any loader of targets (a SourceRankView): `load(copier, options)` runs with
+/// the lease held (copier null when no target is in device memory; options.pool the lease's
+/// pool).
+using TargetLoader = std::function<LoadStats(DeviceCopier* copier, const LoadOptions& options)>;
+LoadStats LoadThroughCache(CopierCache* cache, std::span<const LoadTarget> targets, int device,
+                           LoadOptions options, const TargetLoader& load,
+                           double* copier_wait = nullptr);
 
 }  // namespace reshard

@@ -680,7 +680,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                       "seconds": report.seconds, "gbps": report.gbps, "tensors": report.tensors,
                       "converted_tensors": report.converted_tensors, "direct_io": report.direct_io,
                       "staging_bytes": report.staging_bytes, "threads": report.threads}
-    log0(f"load: rank 0 read {format_bytes(report.bytes)} from {os.path.relpath(report.file, weights)} "
+    result["load"]["source"] = report.source
+    where = os.path.relpath(report.file, weights) if report.source == "rank file" else report.source
+    log0(f"load: rank 0 read {format_bytes(report.bytes)} from {where} "
          f"in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}), {report.converted_tensors} tensor(s) "
          f"converted to {live_dtype}")
 

@@ -1,0 +1,447 @@
+#include "reshard/runtime/source_load.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "reshard/base/error.h"
+#include "reshard/base/version.h"
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/format/model_manifest.h"
+#include "reshard/io/checkpoint.h"
+#include "reshard/io/file_io.h"
+#include "reshard/io/manifest.h"
+#include "reshard/io/parallel_for.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/plan/byte_map.h"
+#include "reshard/plan/conversion.h"
+#include "reshard/plan/fsdp1.h"
+#include "reshard/plan/layout_tensors.h"
+#include "reshard/plan/rank_plan.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Bytes of one work item: a piece of one target, filled at once into one staging slot (a
+// multiple of 4096, so whole elements of every dtype).
+constexpr uint64_t kDefaultPiece = 4ull << 20;
+
+// One reader thread's access to the source bytes (FillEntry's SourceRead).
+class ThreadSource {
+ public:
+  virtual ~ThreadSource() = default;
+  virtual void Read(size_t file_index, uint64_t offset, size_t size, void* dst) = 0;
+};
+
+// What both kinds of view share: the planned header, each entry's byte map, the load.
+class PlannedView : public SourceRankView {
+ public:
+  const RankFileHeader& header() const override { return header_; }
+  const std::string& description() const override { return description_; }
+
+  LoadStats Load(std::span<const LoadTarget> targets, DeviceCopier* copier,
+                 const LoadOptions& options) const override;
+
+ protected:
+  // Plans rank `rank` of `layout` over `view` (the tensors as the model names them, bytes
+  // found through `lookup`), expanding conversions when `conversion` is given.
+  // FSDP1 layouts are planned from `model` (their units and parameter order), which must then
+  // be given.
+  void Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_t rank,
+            const std::set<std::string>& whole_names, const std::string& prefix,
+            const Conversion* conversion, const SourceFingerprint& source,
+            const ModelManifest* model);
+  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const = 0;
+  virtual const SourceTensor* FindSource(std::string_view name) const = 0;
+
+  RankFileHeader header_;
+  std::vector<EntryMap> maps_;  // one per header_.tensors entry
+  std::string description_;
+};
+
+void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_t rank,
+                       const std::set<std::string>& whole_names, const std::string& prefix,
+                       const Conversion* conversion, const SourceFingerprint& source,
+                       const ModelManifest* model) {
+  if (layout.world_size == 0 || rank >= layout.world_size) {
+    Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + " is not inside world size " +
+                                          std::to_string(layout.world_size));
+  }
+  RankPlan plan;
+  if (layout.kind == LayoutKind::kFsdp1) {
+    if (!model) {
+      Fail(ErrorCode::kInvalidArgument,
+           description_ + ": an FSDP1 layout is planned from the model manifest (its units and "
+                          "parameter order), and none was given");
+    }
+    plan = PlanRank(view, layout, PlanFsdp1(view, *model, layout), rank);
+  } else {
+    std::set<std::string> whole;
+    for (const std::string& n : whole_names) {
+      if (const SourceTensor* t = FindSourceTensor(view, n, prefix)) whole.insert(t->name);
+    }
+    plan = PlanRank(view, layout, rank, whole);
+  }
+  header_.writer = std::string(WriterString());
+  header_.layout_key = layout.Key();
+  header_.kind = layout.kind;
+  header_.world_size = layout.world_size;
+  header_.dtype_policy = layout.dtype;
+  header_.wrap = layout.wrap;
+  header_.use_orig_params = layout.use_orig_params;
+  header_.param_dtype = layout.param_dtype;
+  header_.rank = rank;
+  header_.source = source;
+  header_.chunk_size = kDefaultPiece;
+  const SourceLookup lookup = [this](std::string_view name) { return FindSource(name); };
+  for (const PlannedTensor& p : plan.tensors) {
+    TensorEntry e;
+    e.name = p.name;
+    e.dtype = p.dtype;
+    e.global_shape = p.global_shape;
+    e.sharded = p.sharded;
+    e.rows = p.rows;
+    e.local_shape = p.local_shape;
+    e.nbytes = p.nbytes;
+    e.flat = p.flat;
+    EntryMap map = MapEntry(e, layout.kind, layout.world_size, rank, description_);
+    if (conversion) ExpandConversion(map, *conversion);
+    if (const std::string why = CheckSources(map, lookup); !why.empty()) {
+      Fail(ErrorCode::kMismatch, description_ + ": tensor \"" + e.name + "\": " + why);
+    }
+    header_.tensors.push_back(std::move(e));
+    maps_.push_back(std::move(map));
+  }
+}
+
+// One piece of one target: entry bytes [begin, begin + length).
+struct Piece {
+  uint32_t job = 0;
+  uint64_t begin = 0, length = 0;
+  std::pair<size_t, uint64_t> first_source{0, 0};  // for ordering the reads
+};
+
+LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* copier,
+                            const LoadOptions& options) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unordered_map<std::string_view, size_t> index;
+  for (size_t i = 0; i < header_.tensors.size(); ++i) index.emplace(header_.tensors[i].name, i);
+  struct Job {
+    size_t entry;
+    const LoadTarget* target;
+  };
+  std::vector<Job> jobs;
+  std::vector<bool> seen(header_.tensors.size(), false);
+  LoadStats stats;
+  bool any_device = false;
+  for (const LoadTarget& t : targets) {
+    const auto it = index.find(t.name);
+    if (it == index.end()) {
+      Fail(ErrorCode::kNotFound, description_ + ": no tensor \"" + t.name + "\" in this rank's part");
+    }
+    if (seen[it->second]) Fail(ErrorCode::kInvalidArgument, "tensor \"" + t.name + "\" targeted twice");
+    seen[it->second] = true;
+    const TensorEntry& e = header_.tensors[it->second];
+    if (t.nbytes != e.nbytes) {
+      Fail(ErrorCode::kMismatch, "tensor \"" + t.name + "\": target holds " + std::to_string(t.nbytes) +
+                                     " bytes, this rank's part is " + std::to_string(e.nbytes));
+    }
+    if (e.nbytes > 0 && t.ptr == nullptr) {
+      Fail(ErrorCode::kInvalidArgument, "tensor \"" + t.name + "\": no destination");
+    }
+    if (e.nbytes > 0 && t.on_device) {
+      if (!copier) {
+        Fail(ErrorCode::kUnsupported,
+             "tensor \"" + t.name + "\" is in device memory, and this build or call has no copy engine");
+      }
+      any_device = true;
+    }
+    jobs.push_back({it->second, &t});
+    stats.bytes += e.nbytes;
+    stats.tensors += 1;
+  }
+  uint64_t piece = options.span_bytes ? options.span_bytes : kDefaultPiece;
+  piece = std::max<uint64_t>(4096, piece / 4096 * 4096);
+  const SourceLookup lookup = [this](std::string_view name) { return FindSource(name); };
+  std::vector<Piece> pieces;
+  for (uint32_t j = 0; j < jobs.size(); ++j) {
+    const TensorEntry& e = header_.tensors[jobs[j].entry];
+    for (uint64_t b = 0; b < e.nbytes; b += piece) {
+      Piece p{j, b, std::min(piece, e.nbytes - b), {}};
+      p.first_source = FirstSourceByte(maps_[jobs[j].entry], lookup, b);
+      pieces.push_back(p);
+    }
+  }
+  // Source order: the disk sees reads in file order, however the model orders its tensors.
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const Piece& a, const Piece& b) { return a.first_source < b.first_source; });
+  const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), std::max(1u, options.threads)));
+  const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
+  if (any_device) {
+    stats.staging_alloc_seconds = copier->Reserve(piece, static_cast<int>(lanes));
+    stats.staging_bytes = piece * lanes * static_cast<uint64_t>(slots);
+  }
+  std::atomic<uint64_t> read_bytes{0};
+  std::atomic<int> next_lane{0};
+  ParallelForOptions po;
+  po.threads = lanes;
+  RunParallelFor(pieces.size(), po, [&](ParallelForThread& thread) {
+    const int lane = next_lane.fetch_add(1);
+    if (any_device) copier->BindThread(lane);
+    std::unique_ptr<ThreadSource> src = MakeThreadSource(options.verify_checksums);
+    const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
+    std::vector<char> scratch;
+    int slot = 0;
+    uint64_t mine = 0;
+    for (size_t i = 0; thread.Next(i);) {
+      const Piece& p = pieces[i];
+      const Job& job = jobs[p.job];
+      char* dst = static_cast<char*>(job.target->ptr) + p.begin;
+      if (job.target->on_device) {
+        copier->WaitSlot(lane, slot);
+        char* staging = static_cast<char*>(copier->Staging(lane, slot, piece));
+        mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, staging, scratch);
+        copier->CopyAsync(lane, slot, dst, staging, p.length);
+        slot = (slot + 1) % slots;
+      } else {
+        mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, dst, scratch);
+      }
+      thread.Done(p.length);
+    }
+    read_bytes += mine;
+  });
+  if (any_device) copier->Synchronize();
+  stats.stored_bytes = read_bytes.load();
+  stats.threads = lanes;
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return stats;
+}
+
+// ---- a Hugging Face checkpoint ----------------------------------------------------------------
+
+class CheckpointSource final : public ThreadSource {
+ public:
+  explicit CheckpointSource(const std::vector<File>& files) : files_(files) {}
+  void Read(size_t file_index, uint64_t offset, size_t size, void* dst) override {
+    files_.at(file_index).PReadExact(dst, size, offset);
+  }
+
+ private:
+  const std::vector<File>& files_;
+};
+
+class CheckpointView final : public PlannedView {
+ public:
+  CheckpointView(const fs::path& src, const LayoutSpec& layout, uint32_t rank,
+                 const std::set<std::string>& whole, const std::string& manifest_json) {
+    ckpt_ = OpenCheckpoint(src);
+    description_ = "Hugging Face checkpoint " + ckpt_.dir.string();
+    std::string prefix;
+    if (!manifest_json.empty()) {
+      model_ = ParseModelManifest(manifest_json, description_ + " (captured model manifest)");
+      prefix = model_->base_model_prefix;
+    }
+    const Conversion* conversion = model_ && model_->conversion ? &*model_->conversion : nullptr;
+    if (conversion && !conversion->refused.empty()) {
+      Fail(ErrorCode::kUnsupported,
+           description_ + ": the model (" + model_->model_class + ") is loaded from this checkpoint "
+           "through transformers " + conversion->transformers_version + "' weight conversion, and " +
+               std::to_string(conversion->refused.size()) +
+               " of its tensors cannot be converted: " + conversion->refused.front());
+    }
+    view_ = conversion ? ModelView(ckpt_, *conversion, description_) : ckpt_;
+    conversion_ = conversion;
+    for (const auto& f : ckpt_.files) files_.push_back(File::OpenRead(f.path));
+    Plan(view_, layout, rank, whole, prefix, conversion_, ckpt_.fingerprint, model_ ? &*model_ : nullptr);
+  }
+
+  std::vector<std::string> files() const override {
+    std::vector<std::string> out;
+    for (const auto& f : ckpt_.files) out.push_back(f.path);
+    return out;
+  }
+
+ protected:
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool) const override {
+    return std::make_unique<CheckpointSource>(files_);
+  }
+  const SourceTensor* FindSource(std::string_view name) const override { return ckpt_.Find(name); }
+
+ private:
+  Checkpoint ckpt_;
+  Checkpoint view_;
+  std::optional<ModelManifest> model_;
+  const Conversion* conversion_ = nullptr;
+  std::vector<File> files_;
+};
+
+// ---- another layout's rank files ---------------------------------------------------------------
+
+// The tensors of a layout laid end to end in one virtual file (file index 0): tensor i's
+// bytes are [starts[i], starts[i] + nbytes). A read of virtual bytes is cut into the pieces
+// that hold them, each read from its rank file a whole chunk at a time.
+struct LayoutBytes {
+  std::vector<RankFileReader> readers;
+  std::vector<TensorLocation> tensors;
+  std::vector<uint64_t> starts;
+};
+
+class LayoutSource final : public ThreadSource {
+ public:
+  LayoutSource(const LayoutBytes& bytes, bool verify) : b_(bytes), verify_(verify) {}
+
+  void Read(size_t, uint64_t offset, size_t size, void* dst) override {
+    auto* out = static_cast<char*>(dst);
+    while (size > 0) {
+      // The tensor holding `offset`, then the piece.
+      const auto it = std::upper_bound(b_.starts.begin(), b_.starts.end(), offset);
+      if (it == b_.starts.begin()) Fail(ErrorCode::kDataLoss, "read before the first tensor");
+      const size_t ti = static_cast<size_t>(it - b_.starts.begin()) - 1;
+      const TensorLocation& t = b_.tensors[ti];
+      const uint64_t at = offset - b_.starts[ti];
+      if (at >= t.nbytes) Fail(ErrorCode::kDataLoss, "read past tensor " + t.name);
+      const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
+                                        [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
+      const TensorPiece& p = *(pit - 1);
+      const uint64_t in_piece = at - p.dst_offset;
+      const uint64_t n = std::min<uint64_t>(size, p.length - in_piece);
+      ReadEntry(p.rank, p.entry, p.src_offset + in_piece, n, out);
+      out += n;
+      offset += n;
+      size -= n;
+    }
+  }
+
+ private:
+  // Decoded bytes [pos, pos + n) of entry `entry` of rank file `rank`, chunk by chunk.
+  void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out) {
+    const RankFileReader& r = b_.readers[rank];
+    const TensorEntry& e = r.header().tensors[entry];
+    const uint64_t cs = r.header().chunk_size;
+    while (n > 0) {
+      const uint64_t chunk = pos / cs;
+      const uint64_t c0 = chunk * cs;
+      const uint64_t clen = ChunkLength(e, cs, chunk);
+      const uint64_t take = std::min(n, c0 + clen - pos);
+      if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
+        r.ReadChunk(e, chunk, out, frame_);  // a whole chunk: straight to its destination
+      } else if (!verify_ && e.codec == Codec::kRaw) {
+        const RankFileReader& rr = r;
+        rr.file().PReadExact(out, take, rr.preamble().data_offset + e.offset + pos);
+      } else {
+        if (!(have_ && rank == c_rank_ && entry == c_entry_ && chunk == c_chunk_)) {
+          have_ = false;
+          buf_.resize(clen);
+          r.ReadChunk(e, chunk, buf_.data(), frame_);
+          have_ = true;
+          c_rank_ = rank, c_entry_ = entry, c_chunk_ = chunk;
+        }
+        std::memcpy(out, buf_.data() + (pos - c0), take);
+      }
+      out += take;
+      pos += take;
+      n -= take;
+    }
+  }
+
+  const LayoutBytes& b_;
+  bool verify_;
+  std::vector<char> buf_;  // the last chunk read in part, decoded and checked
+  std::string frame_;
+  bool have_ = false;
+  uint32_t c_rank_ = 0;
+  size_t c_entry_ = 0;
+  uint64_t c_chunk_ = 0;
+};
+
+class LayoutView final : public PlannedView {
+ public:
+  LayoutView(const fs::path& out, const std::string& key, const LayoutSpec& layout, uint32_t rank,
+             const std::set<std::string>& whole, const std::string& manifest_json) {
+    description_ = "layout " + key + " of " + out.string();
+    const std::optional<Manifest> manifest = ReadManifest(out);
+    const std::string mpath = (out / kManifestName).string();
+    if (!manifest) Fail(ErrorCode::kNotFound, mpath + ": no such file");
+    const auto lit = manifest->layouts.find(key);
+    if (lit == manifest->layouts.end()) Fail(ErrorCode::kNotFound, mpath + ": no layout \"" + key + "\"");
+    const ManifestLayout& ml = lit->second;
+    if (!ml.complete || ml.ranks.size() != ml.world_size) {
+      Fail(ErrorCode::kMismatch, description_ + " is incomplete: " + std::to_string(ml.ranks.size()) +
+                                     " of " + std::to_string(ml.world_size) + " rank files");
+    }
+    const fs::path dir = out / (ml.dir.empty() ? key : ml.dir);
+    std::vector<const RankFileHeader*> headers;
+    std::vector<std::string> paths;
+    for (const ManifestRank& mr : ml.ranks) {
+      bytes_.readers.push_back(RankFileReader::Open(dir / mr.file));
+      CheckListed(bytes_.readers.back(), *manifest, key, mr.rank, mpath);
+    }
+    for (const RankFileReader& r : bytes_.readers) {
+      headers.push_back(&r.header());
+      paths.push_back(r.path());
+    }
+    bytes_.tensors = DescribeLayoutTensors(headers, paths);
+    uint64_t at = 0;
+    for (const TensorLocation& t : bytes_.tensors) {
+      SourceTensor s;
+      s.name = t.name;
+      s.dtype = t.dtype;
+      s.shape = t.shape;
+      s.file_index = 0;
+      s.offset = at;
+      s.nbytes = t.nbytes;
+      bytes_.starts.push_back(at);
+      at += t.nbytes;
+      virt_.tensors.push_back(std::move(s));
+    }
+    std::sort(virt_.tensors.begin(), virt_.tensors.end(),
+              [](const SourceTensor& a, const SourceTensor& b) { return a.name < b.name; });
+    virt_.dir = out;
+    virt_.fingerprint = manifest->source;
+    std::optional<ModelManifest> model;
+    if (!manifest_json.empty()) model = ParseModelManifest(manifest_json, description_ + " (model manifest)");
+    Plan(virt_, layout, rank, whole, model ? model->base_model_prefix : "", nullptr, manifest->source,
+         model ? &*model : nullptr);
+  }
+
+  std::vector<std::string> files() const override {
+    std::vector<std::string> out;
+    for (const auto& r : bytes_.readers) out.push_back(r.path());
+    return out;
+  }
+
+ protected:
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const override {
+    return std::make_unique<LayoutSource>(bytes_, verify);
+  }
+  const SourceTensor* FindSource(std::string_view name) const override { return virt_.Find(name); }
+
+ private:
+  LayoutBytes bytes_;
+  Checkpoint virt_;
+};
+
+}  // namespace
+
+std::unique_ptr<SourceRankView> SourceRankView::OfCheckpoint(const fs::path& src, const LayoutSpec& layout,
+                                                             uint32_t rank, const std::set<std::string>& whole,
+                                                             const std::string& model_manifest_json) {
+  return std::make_unique<CheckpointView>(src, layout, rank, whole, model_manifest_json);
+}
+
+std::unique_ptr<SourceRankView> SourceRankView::OfLayout(const fs::path& out, const std::string& key,
+                                                         const LayoutSpec& layout, uint32_t rank,
+                                                         const std::set<std::string>& whole,
+                                                         const std::string& model_manifest_json) {
+  return std::make_unique<LayoutView>(out, key, layout, rank, whole, model_manifest_json);
+}
+
+}  // namespace reshard

@@ -1,0 +1,181 @@
+// SourceRankView: a rank's part of a layout read straight from a Hugging Face checkpoint or
+// from another layout's rank files. Every rank's bytes of every world size are compared with
+// the brute-force slice of the tensors the test wrote (tests/core/test_util.h), host targets.
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/test_util.h"
+#include "reshard/base/error.h"
+#include "reshard/format/layout.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/ops/convert.h"
+#include "reshard/runtime/source_load.h"
+
+namespace reshard {
+namespace {
+
+namespace fs = std::filesystem;
+
+using test::TempDir;
+
+class SourceLoadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tensors_ = test::WriteShardedCheckpoint(Src(), test::AwkwardCheckpointFiles(11));
+    test::WriteBytes(Src() / "config.json", "{\"model_type\": \"test\"}");
+  }
+  fs::path Src() const { return dir_.path() / "src"; }
+  fs::path Out() const { return dir_.path() / "out"; }
+
+  void ConvertTo(uint32_t ws, Codec codec = Codec::kRaw) {
+    ConvertOptions o;
+    o.source = Src();
+    o.out = Out();
+    o.layout.world_size = ws;
+    o.threads = 2;
+    o.codec = codec;
+    o.chunk_size = 4096;  // many chunks per tensor: pieces start and end inside chunks
+    Convert(o);
+  }
+
+  static LayoutSpec Fsdp2(uint32_t ws) {
+    LayoutSpec l;
+    l.world_size = ws;
+    return l;
+  }
+
+  // Loads every tensor of the view into host memory and compares it with the brute-force
+  // slice of rank `rank` of `ws`. Small pieces (span_bytes) so that a tensor is several pieces.
+  void ExpectBruteSlices(const SourceRankView& view, uint32_t ws, uint32_t rank) {
+    const auto& tensors = view.header().tensors;
+    ASSERT_EQ(tensors.size(), tensors_.size());
+    std::vector<std::string> bufs(tensors.size());
+    std::vector<LoadTarget> targets;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      bufs[i].assign(tensors[i].nbytes, '\0');
+      targets.push_back({tensors[i].name, bufs[i].data(), tensors[i].nbytes, false});
+    }
+    LoadOptions o;
+    o.threads = 3;
+    o.span_bytes = 8192;
+    const LoadStats s = view.Load(targets, nullptr, o);
+    uint64_t total = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const test::TensorSpec& t = tensors_.at(tensors[i].name);
+      EXPECT_EQ(bufs[i], test::BruteSlice(t, ws, rank))
+          << view.description() << ": " << tensors[i].name << " rank " << rank << " of " << ws;
+      total += tensors[i].nbytes;
+    }
+    EXPECT_EQ(s.bytes, total);
+    EXPECT_EQ(s.tensors, tensors.size());
+  }
+
+  TempDir dir_;
+  test::TensorMap tensors_;
+};
+
+TEST_F(SourceLoadTest, CheckpointViewHoldsEveryRanksSlice) {
+  for (uint32_t ws : {1u, 2u, 3u, 5u, 8u}) {
+    for (uint32_t r = 0; r < ws; ++r) {
+      auto view = SourceRankView::OfCheckpoint(Src(), Fsdp2(ws), r, {});
+      EXPECT_EQ(view->header().layout_key, "fsdp2-ws" + std::to_string(ws));
+      EXPECT_EQ(view->header().rank, r);
+      EXPECT_EQ(view->files().size(), 3u);
+      ExpectBruteSlices(*view, ws, r);
+    }
+  }
+}
+
+TEST_F(SourceLoadTest, LayoutViewReshardsAnyWorldSize) {
+  ConvertTo(3);
+  for (uint32_t ws : {1u, 2u, 4u, 7u}) {
+    for (uint32_t r = 0; r < ws; ++r) {
+      auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws3", Fsdp2(ws), r, {});
+      EXPECT_EQ(view->description(), "layout fsdp2-ws3 of " + Out().string());
+      ExpectBruteSlices(*view, ws, r);
+    }
+  }
+}
+
+TEST_F(SourceLoadTest, LayoutViewDecodesZstdChunks) {
+  ConvertTo(2, Codec::kZstd);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ExpectBruteSlices(*SourceRankView::OfLayout(Out(), "fsdp2-ws2", Fsdp2(3), r, {}), 3, r);
+  }
+}
+
+TEST_F(SourceLoadTest, WholeTensorsStayWhole) {
+  // The largest tensor with at least 2 rows, stored whole: every rank holds all of it.
+  std::string name;
+  for (const auto& [n, t] : tensors_) {
+    if (t.shape.size() >= 1 && t.shape[0] >= 2 && (name.empty() || t.data.size() > tensors_.at(name).data.size())) {
+      name = n;
+    }
+  }
+  ASSERT_FALSE(name.empty());
+  auto view = SourceRankView::OfCheckpoint(Src(), Fsdp2(3), 1, {name});
+  for (const TensorEntry& e : view->header().tensors) {
+    if (e.name != name) continue;
+    EXPECT_FALSE(e.sharded);
+    EXPECT_EQ(e.nbytes, tensors_.at(name).data.size());
+    std::string buf(e.nbytes, '\0');
+    const LoadTarget t{e.name, buf.data(), e.nbytes, false};
+    view->Load({&t, 1}, nullptr, LoadOptions{});
+    EXPECT_EQ(buf, tensors_.at(name).data);
+  }
+}
+
+TEST_F(SourceLoadTest, FlippedByteInAChunkReadIsCaught) {
+  ConvertTo(2);
+  const fs::path path = Out() / "fsdp2-ws2" / RankFileName(1, 2);
+  const RankFileReader r = RankFileReader::Open(path);
+  const TensorEntry* big = nullptr;
+  for (const auto& e : r.header().tensors) {
+    if (!big || e.nbytes > big->nbytes) big = &e;
+  }
+  ASSERT_GT(big->nbytes, 4096u);
+  std::string bytes = test::ReadBytes(path);
+  bytes[r.preamble().data_offset + big->offset + big->nbytes - 1] ^= 0x40;  // its last chunk
+  test::WriteBytes(path, bytes);
+  int caught = 0;
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws2", Fsdp2(3), rank, {});
+    try {
+      ExpectBruteSlices(*view, 3, rank);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
+      EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+      ++caught;
+    }
+  }
+  EXPECT_GE(caught, 1);
+}
+
+TEST_F(SourceLoadTest, Refusals) {
+  EXPECT_THROW(SourceRankView::OfCheckpoint(Src(), Fsdp2(2), 2, {}), Error);
+  ConvertTo(2);
+  EXPECT_THROW(SourceRankView::OfLayout(Out(), "fsdp2-ws5", Fsdp2(2), 0, {}), Error);
+  LayoutSpec fsdp1 = Fsdp2(2);
+  fsdp1.kind = LayoutKind::kFsdp1;
+  try {
+    SourceRankView::OfCheckpoint(Src(), fsdp1, 0, {});
+    ADD_FAILURE() << "an FSDP1 view without a model manifest was planned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model manifest"), std::string::npos) << e.what();
+  }
+  auto view = SourceRankView::OfCheckpoint(Src(), Fsdp2(2), 0, {});
+  const LoadTarget wrong{"no.such.tensor", nullptr, 0, false};
+  EXPECT_THROW(view->Load({&wrong, 1}, nullptr, LoadOptions{}), Error);
+  std::string buf(1, '\0');
+  const TensorEntry& e = view->header().tensors.front();
+  const LoadTarget short_target{e.name, buf.data(), e.nbytes + 1, false};
+  EXPECT_THROW(view->Load({&short_target, 1}, nullptr, LoadOptions{}), Error);
+}
+
+}  // namespace
+}  // namespace reshard

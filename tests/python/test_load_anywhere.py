@@ -1,0 +1,219 @@
+"""reshard.load from whatever is there (issue 23, part 1): straight from a Hugging Face
+checkpoint directory, or from a layout of another world size, with nothing stored.
+
+Two kinds of check:
+* The planned views against `reshard convert`'s own rank files, in-process and without
+  torch.distributed: for every rank of many world sizes, the view lists the same tensors
+  (names, dtypes, shapes, rows) and its bytes equal the converted rank file's, byte for byte
+  (the rank files are themselves checked against the source by `verify --source`).
+* FSDP2 jobs under gloo (tests/python/fsdp_worker.py): every parameter's full_tensor(), every
+  buffer and the logits equal from_pretrained's, the report names the source.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reshard
+from reshard import _C
+from checkpoints import make_checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESHARD = os.environ.get("RESHARD_BIN", os.path.join(HERE, "..", "..", "build", "reshard"))
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def convert(src, out, world_size, *extra, env=None):
+    p = subprocess.run([RESHARD, "convert", str(src), "-o", str(out), "--world-size", str(world_size), *extra],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("anywhere")
+    made = {}
+    for arch, dtype, sharded in [("llama", "bf16", True), ("qwen2", "fp32", False)]:
+        made[(arch, dtype)] = make_checkpoint(str(root / f"{arch}-{dtype}"), arch, dtype, sharded)
+    return made
+
+
+def read_all(reader):
+    """Every tensor of a rank file or view, loaded into host memory: {name: uint8 tensor}."""
+    bufs = {t.name: torch.empty(t.nbytes, dtype=torch.uint8) for t in reader.tensors}
+    targets = [_C.LoadTarget(t.name, bufs[t.name].data_ptr(), t.nbytes, False) for t in reader.tensors
+               if t.nbytes]
+    reader.load(targets, threads=3)
+    return bufs
+
+
+def describe(reader):
+    return [(t.name, t.dtype, list(t.global_shape), list(t.local_shape), t.shard, t.nbytes)
+            for t in sorted(reader.tensors, key=lambda t: t.name)]
+
+
+def assert_view_equals(view, rank_file):
+    assert describe(view) == describe(rank_file)
+    a, b = read_all(view), read_all(rank_file)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{view.description}: tensor {name} differs from {rank_file.path}"
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "bf16"), ("qwen2", "fp32")])
+def test_checkpoint_view_equals_convert(ckpts, tmp_path, arch, dtype):
+    src = ckpts[(arch, dtype)]
+    out = tmp_path / "out"
+    for w in (1, 2, 3, 5, 8):  # 5 and 8: uneven chunks and empty shards (k_proj has 6 rows)
+        convert(src, out, w)
+        for r in range(w):
+            view = _C.SourceRankView.of_checkpoint(src, w, r)
+            assert view.layout_key == f"fsdp2-ws{w}" and view.rank == r and view.world_size == w
+            rf = _C.RankFile.open(str(out / f"fsdp2-ws{w}" / f"rank-{r:05d}-of-{w:05d}.reshard"))
+            assert_view_equals(view, rf)
+
+
+def test_checkpoint_view_converts_dtype(ckpts, tmp_path):
+    src = ckpts[("qwen2", "fp32")]
+    out = tmp_path / "out"
+    convert(src, out, 3, "--dtype", "bf16")
+    for r in range(3):
+        view = _C.SourceRankView.of_checkpoint(src, 3, r, dtype="bf16")
+        assert view.layout_key == "fsdp2-ws3-bf16"
+        assert_view_equals(view, _C.RankFile.open(str(out / "fsdp2-ws3-bf16" / f"rank-{r:05d}-of-00003.reshard")))
+
+
+def test_layout_view_equals_convert(ckpts, tmp_path):
+    """A layout of world size 4 read as world sizes 1, 2, 3, 5, 6 (and fp32 from bf16 files)."""
+    src = ckpts[("llama", "bf16")]
+    have = tmp_path / "have"
+    convert(src, have, 4)
+    for w in (1, 2, 3, 5, 6):
+        want = tmp_path / f"want{w}"
+        convert(src, want, w)
+        for r in range(w):
+            view = _C.SourceRankView.of_layout(str(have), "fsdp2-ws4", w, r)
+            assert view.description == f"layout fsdp2-ws4 of {have}"
+            assert len(view.files) == 4
+            assert_view_equals(view, _C.RankFile.open(str(want / f"fsdp2-ws{w}" / f"rank-{r:05d}-of-{w:05d}.reshard")))
+    want = tmp_path / "want-fp32"
+    convert(src, want, 3, "--dtype", "fp32")
+    for r in range(3):
+        view = _C.SourceRankView.of_layout(str(have), "fsdp2-ws4", 3, r, dtype="fp32")
+        assert_view_equals(view, _C.RankFile.open(str(want / "fsdp2-ws3-fp32" / f"rank-{r:05d}-of-00003.reshard")))
+
+
+def test_layout_view_zstd_and_fsdp1_source(ckpts, tmp_path):
+    """Chunks of a zstd layout are decoded and checked; an FSDP1 layout (flat parameters,
+    padding) is a source like any other."""
+    src = ckpts[("llama", "bf16")]
+    have = tmp_path / "have"
+    convert(src, have, 3, "--compress", "zstd")
+    convert(src, have, 2, "--layout", "fsdp1", "--model-manifest", str(manifest_of(src, tmp_path)))
+    want = tmp_path / "want"
+    convert(src, want, 2)
+    for key in ("fsdp2-ws3", next(k for k in os.listdir(have) if k.startswith("fsdp1-"))):
+        for r in range(2):
+            view = _C.SourceRankView.of_layout(str(have), key, 2, r)
+            assert_view_equals(view, _C.RankFile.open(str(want / "fsdp2-ws2" / f"rank-{r:05d}-of-00002.reshard")))
+
+
+def manifest_of(src, tmp_path):
+    path = tmp_path / "reshard-model.json"
+    subprocess.run([sys.executable, "-m", "reshard.model_manifest", str(src), "-o", str(path)], check=True,
+                   capture_output=True)
+    return path
+
+
+def test_layout_view_catches_a_flipped_byte_in_a_chunk_it_reads(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    have = tmp_path / "have"
+    convert(src, have, 2)
+    path = have / "fsdp2-ws2" / "rank-00001-of-00002.reshard"
+    rf = _C.RankFile.open(str(path))
+    # The last byte of the first tensor with data of rank 1: inside its (only) chunk.
+    header = json.loads(rf.header_json())
+    t = next(t for t in header["tensors"] if t["nbytes"] > 0)
+    with open(path, "rb") as f:
+        data_offset = _data_offset(f.read(64))
+    at = data_offset + t["offset"] + t["nbytes"] - 1
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+    # Rank 2 of 3 reads rows that rank 1 of 2 holds, in that chunk: caught, naming the file.
+    caught = 0
+    for r in range(3):
+        view = _C.SourceRankView.of_layout(str(have), "fsdp2-ws2", 3, r)
+        try:
+            read_all(view)
+        except reshard.CorruptFileError as e:
+            assert str(path) in str(e) and "checksum mismatch" in str(e), e
+            caught += 1
+    assert caught >= 1
+
+
+def _data_offset(preamble: bytes) -> int:
+    """The data region's offset from a rank file's preamble (formats/rank-file.md)."""
+    import struct
+
+    return struct.unpack_from("<Q", preamble, 16)[0]  # data_offset: u64 at byte 16
+
+
+def test_view_refusals(ckpts, tmp_path):
+    src = ckpts[("llama", "bf16")]
+    with pytest.raises(reshard.InvalidArgumentError):
+        _C.SourceRankView.of_checkpoint(src, 2, 2)
+    out = tmp_path / "out"
+    convert(src, out, 3, "--ranks", "0-1")  # incomplete
+    with pytest.raises(reshard.LayoutMismatchError, match="incomplete"):
+        _C.SourceRankView.of_layout(str(out), "fsdp2-ws3", 2, 0)
+    with pytest.raises(reshard.NotFoundError):
+        _C.SourceRankView.of_layout(str(out), "fsdp2-ws9", 2, 0)
+
+
+def run_ranks(src, out, nproc, tmp_path, *extra):
+    result = tmp_path / "result"
+    result.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.join(HERE, "..", "..", "python"),
+                                                                  os.environ.get("PYTHONPATH", "")] if p),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([TORCHRUN, "--nproc-per-node", str(nproc), "--standalone",
+                           os.path.join(HERE, "fsdp_worker.py"), "--src", str(src), "--out", str(out),
+                           "--result", str(result), "--steps", "3", "--min-drop", "0", *extra],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.load(open(result / f"rank-{r}.json")) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("arch,dtype,world", [("llama", "bf16", 3), ("qwen2", "fp32", 2)])
+def test_fsdp2_load_straight_from_hugging_face(ckpts, tmp_path, arch, dtype, world):
+    """The worker's model is built from the checkpoint directory and loaded from it: every
+    parameter, buffer and the logits equal from_pretrained's (fsdp_worker.py)."""
+    src = ckpts[(arch, dtype)]
+    reports = run_ranks(src, src, world, tmp_path)
+    for r in reports:
+        assert r["source"].startswith(f"Hugging Face checkpoint {src}"), r
+        assert "no conversion stored" in r["source"]
+        assert r["layout"].startswith(f"fsdp2-ws{world}")
+    assert not any(n.startswith("fsdp2-") or n == "reshard.json" for n in os.listdir(src)), "nothing is written"
+
+
+def test_fsdp2_load_from_another_world_size(ckpts, tmp_path):
+    src = ckpts[("qwen2", "fp32")]
+    out = tmp_path / "out"
+    convert(src, out, 4)
+    before = sorted(os.listdir(out))
+    reports = run_ranks(src, out, 3, tmp_path)
+    for r in reports:
+        assert r["source"].startswith(f"layout fsdp2-ws4 of {out}"), r
+    assert sorted(os.listdir(out)) == before, "nothing is written"
+    # The exact layout is preferred once it exists.
+    convert(src, out, 3)
+    reports = run_ranks(src, out, 3, tmp_path)
+    assert all(r["source"] == "rank file" for r in reports)
