@@ -343,7 +343,7 @@ class ReshardView:
             if self.device.type == "cuda":
                 self.torch.cuda.synchronize()
             out["second_load_seconds"] = time.perf_counter() - t0
-            out["more_loads"] = [{"seconds": out["second_load_seconds"]}]
+            out["more_loads"] = [{"seconds": out["second_load_seconds"], "report": dict(out["loader_report"])}]
         return out
 
 

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "reshard/base/dtype.h"
 #include "reshard/base/error.h"
 #include "reshard/base/version.h"
 #include "reshard/format/checkpoint.h"
@@ -61,10 +62,18 @@ class PlannedView : public SourceRankView {
             const ModelManifest* model);
   virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const = 0;
   virtual const SourceTensor* FindSource(std::string_view name) const = 0;
+  // Adds to used_files_ the files holding bytes [begin, end) of source tensor `t`.
+  virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
+  std::vector<std::string> files() const override { return used_files_; }
 
   RankFileHeader header_;
   std::vector<EntryMap> maps_;  // one per header_.tensors entry
   std::string description_;
+  std::vector<std::string> used_files_;  // the files this rank's bytes are read from, in order
+  std::set<std::string> noted_;
+  void Note(const std::string& path) {
+    if (noted_.insert(path).second) used_files_.push_back(path);
+  }
 };
 
 void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_t rank,
@@ -116,6 +125,12 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
     if (conversion) ExpandConversion(map, *conversion);
     if (const std::string why = CheckSources(map, lookup); !why.empty()) {
       Fail(ErrorCode::kMismatch, description_ + ": tensor \"" + e.name + "\": " + why);
+    }
+    for (const EntrySegment& seg : map.segments) {
+      if (seg.kind != EntrySegment::Kind::kSource || seg.count == 0) continue;
+      const SourceTensor* t = FindSource(seg.source);
+      const uint32_t bits = Info(t->dtype).bits;
+      NoteFiles(*t, seg.source_element * bits / 8, ((seg.source_element + seg.count) * bits + 7) / 8);
     }
     header_.tensors.push_back(std::move(e));
     maps_.push_back(std::move(map));
@@ -263,16 +278,11 @@ class CheckpointView final : public PlannedView {
     Plan(view_, layout, rank, whole, prefix, conversion_, ckpt_.fingerprint, model_ ? &*model_ : nullptr);
   }
 
-  std::vector<std::string> files() const override {
-    std::vector<std::string> out;
-    for (const auto& f : ckpt_.files) out.push_back(f.path);
-    return out;
-  }
-
  protected:
   std::unique_ptr<ThreadSource> MakeThreadSource(bool) const override {
     return std::make_unique<CheckpointSource>(files_);
   }
+  void NoteFiles(const SourceTensor& t, uint64_t, uint64_t) override { Note(ckpt_.files[t.file_index].path); }
   const SourceTensor* FindSource(std::string_view name) const override { return ckpt_.Find(name); }
 
  private:
@@ -412,15 +422,16 @@ class LayoutView final : public PlannedView {
          model ? &*model : nullptr);
   }
 
-  std::vector<std::string> files() const override {
-    std::vector<std::string> out;
-    for (const auto& r : bytes_.readers) out.push_back(r.path());
-    return out;
-  }
-
  protected:
   std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const override {
     return std::make_unique<LayoutSource>(bytes_, verify);
+  }
+  void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) override {
+    const size_t ti = static_cast<size_t>(
+        std::upper_bound(bytes_.starts.begin(), bytes_.starts.end(), t.offset) - bytes_.starts.begin() - 1);
+    for (const TensorPiece& p : bytes_.tensors[ti].pieces) {
+      if (p.dst_offset < end && begin < p.dst_offset + p.length) Note(bytes_.readers[p.rank].path());
+    }
   }
   const SourceTensor* FindSource(std::string_view name) const override { return virt_.Find(name); }
 

@@ -109,6 +109,7 @@ def main():
     if args.expect_error:
         problem(f"expected an error containing {args.expect_error!r}, load succeeded")
     result["layout"] = report.layout
+    result["source"] = report.source
     result["bytes"] = report.bytes
     result["units"] = []
     shards = {u: h for u, _, h in _fsdp1_units(loaded)}

@@ -312,3 +312,36 @@ def test_fsdp1_save_from_cuda_round_trips(llama_bf16, tmp_path, orig):
     assert sorted(got) == sorted(want) and want
     for k in want:
         assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "layout"])
+def test_views_of_ws8_into_cuda(llama_bf16, tmp_path, source):
+    """Every rank of world size 8 loaded onto the GPU straight from the Hugging Face files, and
+    from a world-size-3 layout (issue 23): the bytes equal the source's rows, through the
+    copier's staging (small pieces, so that tensors span several pieces and slots cycle)."""
+    _require_cuda()
+    out = tmp_path / "out"
+    convert(llama_bf16, out, 3)
+    src = _source_tensors(str(llama_bf16))
+    os.environ["RESHARD_SPAN_BYTES"] = "8192"
+    try:
+        for r in range(8):
+            view = (reshard._C.SourceRankView.of_checkpoint(str(llama_bf16), 8, r) if source == "checkpoint"
+                    else reshard._C.SourceRankView.of_layout(str(out), "fsdp2-ws3", 8, r))
+            dests = {t.name: torch.empty(t.local_shape, dtype=src[t.name].dtype, device="cuda")
+                     for t in view.tensors}
+            targets = [reshard._C.LoadTarget(n, d.data_ptr(), d.numel() * d.element_size(), True)
+                       for n, d in dests.items() if d.numel()]
+            view.load(targets, device=torch.cuda.current_device(), threads=4)
+            torch.cuda.synchronize()
+            for t in view.tensors:
+                want = src[t.name][t.shard[0]:t.shard[1]] if t.shard else src[t.name]
+                assert torch.equal(dests[t.name].cpu().view(torch.uint8), want.contiguous().view(torch.uint8)), \
+                    f"{source}: rank {r}: {t.name} differs"
+    finally:
+        del os.environ["RESHARD_SPAN_BYTES"]
+
+
+def test_fsdp2_one_process_cuda_straight_from_hugging_face(llama_bf16, tmp_path):
+    _require_cuda()
+    run_ranks(llama_bf16, llama_bf16, 1, tmp_path, "--device", "cuda")

@@ -66,7 +66,8 @@ class SourceRankView {
   /// What the bytes come from, for reports and errors: "Hugging Face checkpoint DIR" or
   /// "layout KEY of OUT".
   virtual const std::string& description() const = 0;
-  /// The files read (the weight files, or the other layout's rank files).
+  /// The files this rank's bytes are read from (weight files, or the other layout's rank
+  /// files), in the order the planned tensors first need them.
   virtual std::vector<std::string> files() const = 0;
 
   /// Loads `targets` (a subset of header().tensors, each named once, nbytes equal) as
