@@ -1,10 +1,13 @@
 #include "reshard/runtime/source_load.h"
 
+#include <fcntl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -60,7 +63,24 @@ class PlannedView : public SourceRankView {
             const std::set<std::string>& whole_names, const std::string& prefix,
             const Conversion* conversion, const SourceFingerprint& source,
             const ModelManifest* model);
-  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const = 0;
+  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const = 0;
+  // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
+  // (posix_fadvise WILLNEED): a hint, errors ignored.
+  virtual void Advise(size_t file_index, uint64_t offset, uint64_t size) const = 0;
+  // The page-cache residency of the files this rank reads (0 to 1, sampled).
+  double Residency() const {
+    if (used_files_.empty()) return 1.0;
+    double sum = 0;
+    size_t n = 0;
+    for (size_t i = 0; i < used_files_.size(); i += std::max<size_t>(1, used_files_.size() / 8)) {
+      try {
+        sum += PageCacheResidency(used_files_[i]);
+      } catch (const Error&) {
+      }
+      ++n;
+    }
+    return sum / static_cast<double>(n);
+  }
   virtual const SourceTensor* FindSource(std::string_view name) const = 0;
   // Adds to used_files_ the files holding bytes [begin, end) of source tensor `t`.
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
@@ -198,7 +218,14 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // Source order: the disk sees reads in file order, however the model orders its tensors.
   std::stable_sort(pieces.begin(), pieces.end(),
                    [](const Piece& a, const Piece& b) { return a.first_source < b.first_source; });
-  const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), std::max(1u, options.threads)));
+  // A source on disk (as the rank-file loader decides, from the page cache): fewer readers,
+  // and one thread asking the kernel to read ahead in source order, so that the disk sees
+  // long sequential requests rather than each reader's 4 MiB at a time.
+  bool cold = options.io == IoMode::kReadahead || options.io == IoMode::kDirect;
+  if (options.io == IoMode::kAuto && !pieces.empty()) cold = Residency() < 0.5;
+  unsigned threads = std::max(1u, options.threads);
+  if (cold && options.cold_threads) threads = std::min(threads, options.cold_threads);
+  const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), threads));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
   if (any_device) {
     stats.staging_alloc_seconds = copier->Reserve(piece, static_cast<int>(lanes));
@@ -206,17 +233,48 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   }
   std::atomic<uint64_t> read_bytes{0};
   std::atomic<int> next_lane{0};
+  std::atomic<size_t> taken{0};  // pieces the readers have started (for the read-ahead)
+  std::atomic<bool> finished{false};
+  std::thread ahead;
+  if (cold) {
+    ahead = std::thread([&] {
+      constexpr uint64_t kAhead = 512ull << 20;  // bytes advised beyond the readers
+      uint64_t advised = 0;
+      std::vector<uint64_t> ends(pieces.size());
+      for (size_t i = 0, at = 0; i < pieces.size(); ++i) ends[i] = at += pieces[i].length;
+      for (size_t i = 0; i < pieces.size() && !finished.load();) {
+        const size_t t = taken.load();
+        if (advised > (t ? ends[std::min(t, pieces.size()) - 1] : 0) + kAhead) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+          continue;
+        }
+        Advise(pieces[i].first_source.first, pieces[i].first_source.second, pieces[i].length);
+        advised = ends[i++];
+      }
+    });
+  }
+  struct Joiner {
+    std::atomic<bool>& finished;
+    std::thread& t;
+    ~Joiner() {
+      finished = true;
+      if (t.joinable()) t.join();
+    }
+  } joiner{finished, ahead};
   ParallelForOptions po;
   po.threads = lanes;
   RunParallelFor(pieces.size(), po, [&](ParallelForThread& thread) {
     const int lane = next_lane.fetch_add(1);
     if (any_device) copier->BindThread(lane);
-    std::unique_ptr<ThreadSource> src = MakeThreadSource(options.verify_checksums);
+    std::unique_ptr<ThreadSource> src =
+        MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes);
     const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
     std::vector<char> scratch;
     int slot = 0;
     uint64_t mine = 0;
     for (size_t i = 0; thread.Next(i);) {
+      for (size_t t = taken.load(); t < i + 1 && !taken.compare_exchange_weak(t, i + 1);) {
+      }
       const Piece& p = pieces[i];
       const Job& job = jobs[p.job];
       char* dst = static_cast<char*>(job.target->ptr) + p.begin;
@@ -233,7 +291,9 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
     }
     read_bytes += mine;
   });
+  finished = true;
   if (any_device) copier->Synchronize();
+  stats.cold = cold;
   stats.stored_bytes = read_bytes.load();
   stats.threads = lanes;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -279,8 +339,14 @@ class CheckpointView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool) const override {
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t) const override {
     return std::make_unique<CheckpointSource>(files_);
+  }
+  void Advise(size_t file_index, uint64_t offset, uint64_t size) const override {
+    if (file_index < files_.size()) {
+      ::posix_fadvise(files_[file_index].fd(), static_cast<off_t>(offset), static_cast<off_t>(size),
+                      POSIX_FADV_WILLNEED);
+    }
   }
   void NoteFiles(const SourceTensor& t, uint64_t, uint64_t) override { Note(ckpt_.files[t.file_index].path); }
   const SourceTensor* FindSource(std::string_view name) const override { return ckpt_.Find(name); }
@@ -306,7 +372,8 @@ struct LayoutBytes {
 
 class LayoutSource final : public ThreadSource {
  public:
-  LayoutSource(const LayoutBytes& bytes, bool verify) : b_(bytes), verify_(verify) {}
+  LayoutSource(const LayoutBytes& bytes, bool verify, uint64_t hash_piece)
+      : b_(bytes), verify_(verify), hash_piece_(hash_piece) {}
 
   void Read(size_t, uint64_t offset, size_t size, void* dst) override {
     auto* out = static_cast<char*>(dst);
@@ -342,7 +409,7 @@ class LayoutSource final : public ThreadSource {
       const uint64_t clen = ChunkLength(e, cs, chunk);
       const uint64_t take = std::min(n, c0 + clen - pos);
       if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
-        r.ReadChunk(e, chunk, out, frame_);  // a whole chunk: straight to its destination
+        r.ReadChunk(e, chunk, out, frame_, hash_piece_);  // a whole chunk: straight to its destination
       } else if (!verify_ && e.codec == Codec::kRaw) {
         const RankFileReader& rr = r;
         rr.file().PReadExact(out, take, rr.preamble().data_offset + e.offset + pos);
@@ -350,7 +417,7 @@ class LayoutSource final : public ThreadSource {
         if (!(have_ && rank == c_rank_ && entry == c_entry_ && chunk == c_chunk_)) {
           have_ = false;
           buf_.resize(clen);
-          r.ReadChunk(e, chunk, buf_.data(), frame_);
+          r.ReadChunk(e, chunk, buf_.data(), frame_, hash_piece_);
           have_ = true;
           c_rank_ = rank, c_entry_ = entry, c_chunk_ = chunk;
         }
@@ -364,6 +431,7 @@ class LayoutSource final : public ThreadSource {
 
   const LayoutBytes& b_;
   bool verify_;
+  uint64_t hash_piece_;  // warm: hash each piece of a chunk as it is read (0: the chunk whole)
   std::vector<char> buf_;  // the last chunk read in part, decoded and checked
   std::string frame_;
   bool have_ = false;
@@ -423,8 +491,34 @@ class LayoutView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify) const override {
-    return std::make_unique<LayoutSource>(bytes_, verify);
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const override {
+    return std::make_unique<LayoutSource>(bytes_, verify, hash_piece);
+  }
+  void Advise(size_t, uint64_t offset, uint64_t size) const override {
+    // The virtual range's pieces, as LayoutSource::Read walks them; raw entries only.
+    const uint64_t end = offset + size;
+    while (offset < end) {
+      const auto it = std::upper_bound(bytes_.starts.begin(), bytes_.starts.end(), offset);
+      if (it == bytes_.starts.begin()) return;
+      const size_t ti = static_cast<size_t>(it - bytes_.starts.begin()) - 1;
+      const TensorLocation& t = bytes_.tensors[ti];
+      const uint64_t at = offset - bytes_.starts[ti];
+      if (at >= t.nbytes) return;
+      const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
+                                        [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
+      const TensorPiece& p = *(pit - 1);
+      const uint64_t n = std::min<uint64_t>(end - offset, p.length - (at - p.dst_offset));
+      const RankFileReader& r = bytes_.readers[p.rank];
+      const TensorEntry& e = r.header().tensors[p.entry];
+      if (e.codec == Codec::kRaw) {
+        const uint64_t cs = r.header().chunk_size;
+        const uint64_t a = (p.src_offset + (at - p.dst_offset)) / cs * cs;
+        const uint64_t b = std::min(e.nbytes, p.src_offset + (at - p.dst_offset) + n);
+        ::posix_fadvise(r.file().fd(), static_cast<off_t>(r.preamble().data_offset + e.offset + a),
+                        static_cast<off_t>(b - a), POSIX_FADV_WILLNEED);
+      }
+      offset += n;
+    }
   }
   void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) override {
     const size_t ti = static_cast<size_t>(

@@ -60,8 +60,10 @@ class RankFileReader {
   /// Reads and decodes chunk `chunk` of `tensor` into `dst` (capacity ≥ chunk length) and
   /// checks its checksum (invariant 8). `scratch` is reused for compressed frames. Returns
   /// the chunk's decoded length. Throws kDataLoss on a checksum mismatch or bad frame.
+  /// `hash_piece` > 0: a raw chunk is read in pieces of that many bytes, each hashed right
+  /// after it is read, while it is still in the core's cache.
   uint64_t ReadChunk(const TensorEntry& tensor, uint64_t chunk, void* dst,
-                     std::string& scratch) const;
+                     std::string& scratch, uint64_t hash_piece = 0) const;
 
   /// Reads a whole tensor into `dst` (tensor.nbytes bytes), verifying every chunk and the
   /// tensor checksum.
