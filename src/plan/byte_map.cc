@@ -18,6 +18,19 @@ uint64_t Numel(const std::vector<uint64_t>& shape, const std::string& what) {
   return n;
 }
 
+// A segment of the kinds MapEntry makes (no dequantization).
+EntrySegment Segment(EntrySegment::Kind kind, uint64_t element, uint64_t count, std::string source,
+                     std::vector<uint64_t> shape, uint64_t source_element) {
+  EntrySegment s;
+  s.kind = kind;
+  s.element = element;
+  s.count = count;
+  s.source = std::move(source);
+  s.source_shape = std::move(shape);
+  s.source_element = source_element;
+  return s;
+}
+
 // Bit position of element `e` as a byte offset; kDataLoss when it falls inside a byte.
 uint64_t ByteOf(uint64_t e, uint32_t bits, const std::string& what) {
   const uint64_t b = CheckedMul(e, bits, what);
@@ -44,10 +57,10 @@ void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std
     if (until <= at) return;
     const uint64_t end_pad = std::clamp(flat.numel, at, until);  // 42 inside, zeros past numel
     if (end_pad > at) {
-      m.segments.push_back({EntrySegment::Kind::kPadding, at - lo, end_pad - at, "", {}, 0});
+      m.segments.push_back(Segment(EntrySegment::Kind::kPadding, at - lo, end_pad - at, "", {}, 0));
     }
     if (until > end_pad) {
-      m.segments.push_back({EntrySegment::Kind::kZero, end_pad - lo, until - end_pad, "", {}, 0});
+      m.segments.push_back(Segment(EntrySegment::Kind::kZero, end_pad - lo, until - end_pad, "", {}, 0));
     }
     at = until;
   };
@@ -59,7 +72,7 @@ void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std
       Fail(ErrorCode::kDataLoss, what + ": parameter " + p.fqn + " overlaps the one before it");
     }
     pad(a);
-    m.segments.push_back({EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset});
+    m.segments.push_back(Segment(EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset));
     at = b;
   }
   pad(hi);
@@ -122,7 +135,7 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
     if (e.local_shape != e.global_shape) {
       Fail(ErrorCode::kDataLoss, what + ": stored whole, but its local shape is not its global shape");
     }
-    if (m.numel) m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape, 0});
+    if (m.numel) m.segments.push_back(Segment(EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape, 0));
   } else {
     // Rows [start, end) of dim 0 (formats/rank-file.md, FSDP2 shard rule).
     const uint64_t rows = e.global_shape.empty() ? 0 : e.global_shape[0];
@@ -137,8 +150,8 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
                                      std::to_string(row_numel));
     }
     if (m.numel) {
-      m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape,
-                            CheckedMul(e.rows.start, row_numel, what)});
+      m.segments.push_back(Segment(EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape,
+                            CheckedMul(e.rows.start, row_numel, what)));
     }
   }
   for (const EntrySegment& s : m.segments) {

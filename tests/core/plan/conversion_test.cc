@@ -301,7 +301,12 @@ TEST(Conversion, DequantFp8FillsAnyRangeAsFloat32ProductRoundedOnce) {
     map.dtype = DType::kBF16;
     map.numel = (r1 - r0) * cols;
     map.nbytes = map.numel * 2;
-    map.segments.push_back({EntrySegment::Kind::kSource, 0, map.numel, "w", {rows, cols}, r0 * cols});
+    EntrySegment whole;  // FSDP2's rows [r0, r1) of the model tensor "w"
+    whole.count = map.numel;
+    whole.source = "w";
+    whole.source_shape = {rows, cols};
+    whole.source_element = r0 * cols;
+    map.segments.push_back(whole);
     ExpandConversion(map, *m.conversion);
     ASSERT_EQ(map.segments.size(), 1u);
     ASSERT_EQ(map.segments[0].kind, EntrySegment::Kind::kDequantFp8);
