@@ -138,6 +138,22 @@ def test_keep_policy_stores_each_fp8_weight_with_its_scale(fp8_src, cli, tmp_pat
         assert torch.equal(_bits(got), _bits(v)), f"{name} differs from the checkpoint"
         n_fp8 += v.dtype == torch.float8_e4m3fn
     assert n_fp8 == 2 * 5 + 3 + 3 + 2  # attention x2, dense MLP, shared experts, fused experts
+    # The entries are the live FP8 model's parameters (built empty by transformers' own
+    # quantizer, as from_pretrained builds it on a GPU): names, global shapes and dtypes.
+    import reshard
+    from reshard.conversion import quantizer_for
+
+    live = reshard.empty_model(src)
+    quantizer_for(live.config, "keep")._process_model_before_weight_loading(live)
+    state = dict(live.named_parameters())
+    state.update({n: b for n, b in live.named_buffers() if n in live.state_dict()})
+    first = rf.RankFile.open(files[0])
+    assert set(state) == set(first.names())
+    for name, p in state.items():
+        e = first.entry(name)
+        assert list(p.shape) == e.global_shape, (name, list(p.shape), e.global_shape)
+        if isinstance(p, torch.nn.Parameter):  # buffers: the loader casts to the live dtype
+            assert p.dtype == rf.torch_dtype(e.dtype), (name, p.dtype, e.dtype)
     # Each scale is a parameter of its own, sharded by its own rows: o_proj's [2, 1] scale has
     # one row on ranks 0 and 1 while its weight's 256 rows are cut at 86 and 172.
     o = "model.layers.0.self_attn.o_proj.weight_scale_inv"
