@@ -87,6 +87,14 @@ def test_dequantize_policy_is_bit_exact_against_from_pretrained(fp8_src, cli, tm
     cli("convert", src, "-o", out, "--world-size", 3, rc=0)
     r = cli("verify", out, "--source", src, rc=0)
     assert "OK" in r.out
+    r = cli("export", out, "-o", tmp_path / "hub", "--hub-names", "--layout", "fsdp2-ws3")
+    assert r.rc != 0 and "dequantized from FP8 weight" in r.text, r  # no FP8 names to write back
+    cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
+    exported = _from_pretrained(str(tmp_path / "exported"), torch.bfloat16).state_dict()
+    ref = _from_pretrained(src, torch.bfloat16).state_dict()
+    assert set(exported) == set(ref)
+    for name, v in ref.items():
+        assert torch.equal(_bits(exported[name]), _bits(v)), f"{name}: from_pretrained(export) differs"
     for ws in (2, 3):
         os.makedirs(tmp_path / f"r{ws}")
         _torchrun(ws, os.path.join(HERE, "fsdp_worker.py"), "--src", src, "--out", out,
