@@ -212,6 +212,13 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+    q = getattr(model.config, "quantization_config", None)
+    if q is not None and hf_quantizer is None:
+        method = (q if isinstance(q, dict) else q.to_dict()).get("quant_method")
+        why = ("FP8 checkpoints are captured with reshard.model_manifest's policy (--quantized)" if method == "fp8"
+               else "quantized checkpoints other than FP8 with block scales (quant_method fp8) are not supported")
+        return {"transformers": transformers.__version__, "targets": [],
+                "refused": [f"config.json quantization_config: quant_method {method!r}: {why}"]}
     transforms = get_model_conversion_mapping(model, key_mapping=key_mapping, hf_quantizer=hf_quantizer,
                                               add_legacy=True)
     block_size = None

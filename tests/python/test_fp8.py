@@ -13,8 +13,8 @@ policies (formats/model-manifest.md, "quantization"):
   concatenated as transformers does); --dtype bf16 on it is refused; on a GPU
   (test_gpu_keep_policy_loads_the_live_fp8_model) reshard.load into the FP8 model equals
   from_pretrained's;
-* refused by name: a weight without its scale, and a scale grid transformers would apply with
-  a block other than the checkpoint's.
+* refused by name: a weight without its scale, a scale grid transformers would apply with a
+  block other than the checkpoint's, and quantization methods other than fp8 (MXFP4).
 """
 
 from __future__ import annotations
@@ -206,3 +206,19 @@ def test_gpu_keep_policy_loads_the_live_fp8_model(fp8_src, tmp_path):
                     str(tmp_path / "keep.json")], check=True)
     _torchrun(1, os.path.join(HERE, "fp8_keep_worker.py"), "--src", src, "--out", out, "--manifest",
               tmp_path / "keep.json")
+
+
+def test_other_quantization_methods_are_refused_by_name():
+    """MXFP4 (gpt-oss) and every quant_method but fp8: refused at capture, naming it (convert
+    refuses a manifest with any refusal)."""
+    import transformers as tr
+
+    from reshard.conversion import capture_conversion
+
+    cfg = fp8_checkpoint.config(num_hidden_layers=1)
+    cfg.quantization_config = {"quant_method": "mxfp4"}
+    with torch.device("meta"):
+        model = tr.DeepseekV3ForCausalLM(cfg)
+    plan = capture_conversion(model, [("model.norm.weight", "BF16", [256])])
+    assert plan["targets"] == [] and len(plan["refused"]) == 1
+    assert "quant_method 'mxfp4'" in plan["refused"][0] and "not supported" in plan["refused"][0]
