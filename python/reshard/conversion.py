@@ -120,6 +120,77 @@ def _chunk(t: Sym, chunks: int, dim: int) -> Tuple[Sym, ...]:
     return tuple(out)
 
 
+_DTYPE_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def fp8_config(config) -> Optional[Dict[str, Any]]:
+    """config.json's quantization_config when it is transformers' finegrained FP8 (quant_method
+    "fp8": DeepSeek-V3, Qwen3-FP8), else None."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    return q if q.get("quant_method") == "fp8" else None
+
+
+def quantizer_for(config, policy: str):
+    """transformers' own FP8 quantizer of a pre-quantized checkpoint (FineGrainedFP8HfQuantizer):
+    policy "dequantize" is from_pretrained on a machine without a GPU (its validate_environment
+    sets dequantize=True there), "keep" is the FP8 model a GPU gets (FP8Linear / FP8Experts
+    holding the weight and its weight_scale_inv)."""
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    qc = AutoQuantizationConfig.from_dict(dict(fp8_config(config)))
+    qc.dequantize = policy == "dequantize"
+    return AutoHfQuantizer.from_config(qc, pre_quantized=True)
+
+
+def _symbolic_dequantize(block_size):
+    """Fp8Dequantize._dequantize_one on checkpoint keys: the dequant_fp8 node of
+    formats/model-manifest.md. transformers derives the block from the scale grid (rows //
+    scale_rows, cols // scale_cols), multiplies float32(weight) by the float32 scale and rounds
+    once to the model parameter's dtype (`output_dtype`); the node records that block and dtype.
+    Refused: weights other than float8_e4m3fn (FP4-packed int8), scales other than float32
+    (E8M0), and grids whose derived block is not the checkpoint's weight_block_size where a dim
+    has several blocks (transformers would scale rows by another block's scale)."""
+    def dequantize_one(quantized, scales, output_dtype=None):
+        if not isinstance(quantized, Sym) or not isinstance(scales, Sym) or \
+                quantized.expr["op"] != "key" or scales.expr["op"] != "key":
+            raise UnsupportedOp("Fp8Dequantize of a tensor that is not a checkpoint key")
+        w, sc = quantized.expr, scales.expr
+        if w["dtype"] != "F8_E4M3":
+            raise UnsupportedOp(f"Fp8Dequantize of {w['key']}, a {w['dtype']} weight (only F8_E4M3 is supported)")
+        if sc["dtype"] != "F32":
+            raise UnsupportedOp(f"Fp8Dequantize with {sc['key']}, {sc['dtype']} scales (only F32 is supported)")
+        if len(quantized.shape) < 2 or len(scales.shape) != len(quantized.shape) or \
+                scales.shape[:-2] != quantized.shape[:-2]:
+            raise UnsupportedOp(f"Fp8Dequantize of {w['key']} {list(quantized.shape)} with scale "
+                                f"{sc['key']} {list(scales.shape)}")
+        rows, cols = quantized.shape[-2:]
+        srows, scols = scales.shape[-2:]
+        if rows % srows or cols % scols:  # transformers' own ValueError
+            raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({srows}, {scols}).")
+        bm, bn = rows // srows, cols // scols
+        if block_size:
+            cm, cn = int(block_size[0]), int(block_size[1])
+            hub = (-(-rows // cm), -(-cols // cn))
+            if (srows, scols) != hub or (srows > 1 and bm != cm) or (scols > 1 and bn != cn):
+                raise UnsupportedOp(
+                    f"Fp8Dequantize of {w['key']} {[rows, cols]} with scale grid {[srows, scols]}: "
+                    f"transformers derives a {bm}x{bn} block from the grid, the checkpoint's "
+                    f"weight_block_size is {cm}x{cn}, so its dequantized weight would not be the "
+                    "checkpoint's values")
+        if output_dtype is None:
+            name = "F32"  # transformers: the float32 scales' dtype
+        else:
+            name = _DTYPE_NAMES.get(str(output_dtype).replace("torch.", ""))
+            if name is None:
+                raise UnsupportedOp(f"Fp8Dequantize to {output_dtype}")
+        return Sym({"op": "dequant_fp8", "block": [bm, bn], "dtype": name, "of": [w, sc]}, quantized.shape)
+
+    return dequantize_one
+
+
 def _natural_order(keys):
     from transformers.core_model_loading import dot_natural_key
 
@@ -127,17 +198,32 @@ def _natural_order(keys):
 
 
 def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Sequence[int]]],
-                       key_mapping: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+                       key_mapping: Optional[Dict[str, str]] = None, hf_quantizer=None,
+                       quantized_policy: Optional[str] = None) -> Dict[str, Any]:
     """The conversion of checkpoint `tensors` ((key, dtype name, shape), as
     reshard._C.checkpoint_tensors gives them) into `model` (meta parameters are fine):
     {"transformers", "targets": [{"name", "shape", "expr"}], "refused": [why, ...]}.
     Only tensors whose key or layout changes are targets; keys that map to themselves, and
-    keys the model does not have (from_pretrained drops those), are left out."""
+    keys the model does not have (from_pretrained drops those), are left out.
+    `hf_quantizer` (quantizer_for; `model` already prepared by it): the conversion of a
+    quantized checkpoint as from_pretrained runs it with that quantizer, recorded with
+    "quantization": {"method", "policy": `quantized_policy`, "weight_block_size"}."""
     import transformers
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping, hf_quantizer=None, add_legacy=True)
+    q = getattr(model.config, "quantization_config", None)
+    if q is not None and hf_quantizer is None:
+        method = (q if isinstance(q, dict) else q.to_dict()).get("quant_method")
+        why = ("FP8 checkpoints are captured with reshard.model_manifest's policy (--quantized)" if method == "fp8"
+               else "quantized checkpoints other than FP8 with block scales (quant_method fp8) are not supported")
+        return {"transformers": transformers.__version__, "targets": [],
+                "refused": [f"config.json quantization_config: quant_method {method!r}: {why}"]}
+    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping, hf_quantizer=hf_quantizer,
+                                              add_legacy=True)
+    block_size = None
+    if hf_quantizer is not None:
+        block_size = getattr(hf_quantizer.quantization_config, "weight_block_size", None)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -170,6 +256,9 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
                 targets.append({"name": first, "shape": shape, "expr": Sym.key(key, dtype, shape).expr})
             continue
         ops = [type(o).__name__ for o in conv.operations]
+        for o in conv.operations:
+            if type(o).__name__ == "Fp8Dequantize":
+                o._dequantize_one = _symbolic_dequantize(block_size)
         for pattern, key in g["keys"]:
             dtype, shape = info[key]
             conv.add_tensor(first, key, pattern, (lambda s=Sym.key(key, dtype, shape): s))
@@ -193,9 +282,15 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
                 refused.append(f"{name}: transformers' conversion {'/'.join(ops)} gives shape "
                                f"{list(value.shape)}, the model has {want}")
                 continue
+            if value.expr["op"] == "key" and value.expr["key"] == name:
+                continue  # itself (the FP8 converter passes weights without a scale through)
             targets.append({"name": name, "shape": list(value.shape), "expr": value.expr})
     targets.sort(key=lambda t: t["name"])
-    return {"transformers": transformers.__version__, "targets": targets, "refused": refused}
+    out = {"transformers": transformers.__version__, "targets": targets, "refused": refused}
+    if hf_quantizer is not None:
+        out["quantization"] = {"method": "fp8", "policy": quantized_policy,
+                               "weight_block_size": [int(b) for b in block_size or []]}
+    return out
 
 
 def hub_names_cause(model: nn.Module, file_keys: Sequence[str], missing: Sequence[str]) -> Optional[str]:

@@ -26,10 +26,27 @@ def _no_split_modules(model: nn.Module) -> List[str]:
     return sorted(set(names))
 
 
-def model_manifest(model: nn.Module, checkpoint: Optional[str] = None) -> Dict[str, Any]:
+def model_manifest(model: nn.Module, checkpoint: Optional[str] = None,
+                   quantized: str = "dequantize") -> Dict[str, Any]:
     """The manifest of `model` (any nn.Module; parameters may be on the meta device); with
     `checkpoint` (a Hugging Face checkpoint directory or weight file), also the conversion of
-    its tensors into the model's names and shapes (reshard.conversion)."""
+    its tensors into the model's names and shapes (reshard.conversion).
+
+    An FP8 checkpoint (quantization_config quant_method "fp8") is captured under policy
+    `quantized`: "dequantize" (the model from_pretrained builds without a GPU: FP8 weights
+    dequantized to its dtype with their scales) or "keep" (the FP8 model: each weight and its
+    weight_scale_inv as stored); `model` is prepared here by transformers' own quantizer."""
+    quantizer = None
+    if checkpoint is not None:
+        from .conversion import fp8_config, quantizer_for
+
+        if fp8_config(model.config) is not None:
+            if quantized not in ("dequantize", "keep"):
+                raise ValueError(f"quantized policy {quantized!r}: expected dequantize or keep")
+            quantizer = quantizer_for(model.config, quantized)
+            # keep: nn.Linear -> FP8Linear, experts -> FP8Experts, as from_pretrained on a GPU
+            # (dequantize: the model stays as it is).
+            quantizer._process_model_before_weight_loading(model)
     param_index: Dict[int, int] = {}
     params: List[Dict[str, Any]] = []
     modules: List[Dict[str, Any]] = []
@@ -64,7 +81,8 @@ def model_manifest(model: nn.Module, checkpoint: Optional[str] = None) -> Dict[s
         from . import _C
         from .conversion import capture_conversion
 
-        out["conversion"] = capture_conversion(model, _C.checkpoint_tensors(checkpoint))
+        out["conversion"] = capture_conversion(model, _C.checkpoint_tensors(checkpoint), hf_quantizer=quantizer,
+                                               quantized_policy=quantized if quantizer else None)
     return out
 
 
@@ -106,20 +124,26 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="manifest file to write (convert looks for SRC/ or OUT/reshard-model.json)")
     ap.add_argument("--model-class", default=None,
                     help="transformers class to build (default: config.architectures[0])")
+    ap.add_argument("--quantized", choices=("dequantize", "keep"), default="dequantize",
+                    help="an FP8 checkpoint (quantization_config quant_method fp8): dequantize its "
+                         "weights at convert exactly as from_pretrained does without a GPU (default), "
+                         "or keep each FP8 weight with its weight_scale_inv as stored, in the FP8 "
+                         "model's names (then convert with --dtype keep)")
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.src, "config.json")):
         print(f"{args.src}: no config.json; a Hugging Face checkpoint directory is needed",
               file=sys.stderr)
         return 3
     model = build_meta_model(args.src, args.model_class)
-    m = model_manifest(model, checkpoint=args.src)
+    m = model_manifest(model, checkpoint=args.src, quantized=args.quantized)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_manifest(m, args.out)
     conv = m["conversion"]
     print(f"wrote {args.out}: {m['model_class']}, {len(m['params'])} parameters, "
           f"{len(m['modules'])} modules, default wrap {m['no_split_modules'] or '(root only)'}, "
           f"{len(conv['targets'])} tensor(s) converted from the checkpoint's names"
-          + (f", {len(conv['refused'])} refused" if conv["refused"] else ""))
+          + (f", {len(conv['refused'])} refused" if conv["refused"] else "")
+          + (f", FP8 weights: {conv['quantization']['policy']}" if conv.get("quantization") else ""))
     return 0
 
 

@@ -110,6 +110,17 @@ uint32_t F16BitsToF32(uint16_t h) {
   return sign | (static_cast<uint32_t>(p + 103) << 23) | ((m << (23 - p)) & 0x7FFFFFu);
 }
 
+uint32_t F8E4M3BitsToF32(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t e = (b >> 3) & 0xFu;
+  const uint32_t m = b & 0x7u;
+  if (e == 0xF && m == 0x7) return sign | 0x7FF00000u;  // NaN, as torch gives it
+  if (e != 0) return sign | ((e + 120) << 23) | (m << 20);  // bias 7 -> 127
+  if (m == 0) return sign;
+  const int p = 31 - __builtin_clz(m);  // subnormal m·2^-9: top bit 0 … 2
+  return sign | (static_cast<uint32_t>(p + 118) << 23) | ((m << (23 - p)) & 0x7FFFFFu);
+}
+
 void ConvertElements(DType from, DType to, const void* src, void* dst, uint64_t n) {
   if (!IsConvertibleFloat(from) || !IsConvertibleFloat(to)) {
     Fail(ErrorCode::kInvalidArgument, "cannot convert " + std::string(Name(from)) + " to " +

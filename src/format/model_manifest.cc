@@ -37,6 +37,54 @@ uint64_t NumelOf(const std::vector<uint64_t>& shape, const std::string& what) {
 // capture's output.
 constexpr int kMaxConversionDepth = 16;
 
+ConversionExpr ParseExpr(const json& v, const std::string& path, const std::string& f, int depth);
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
+
+// {"op": "dequant_fp8", "block": [bm, bn], "dtype": D, "of": [weight key, scale key]}: the
+// weight (F8_E4M3, ≥ 2 dims [..., R, C]) times its scale (F32 [..., ceil(R/bm), ceil(C/bn)]).
+ConversionExpr ParseDequantFp8(const json& v, const std::string& path, const std::string& f,
+                               int depth) {
+  ConversionExpr x;
+  x.op = ConversionExpr::Op::kDequantFp8;
+  x.dtype = GetString(Member(v, "dtype", path, f), path, f + ".dtype");
+  if (x.dtype != "BF16" && x.dtype != "F16" && x.dtype != "F32") {
+    FailField(path, f + ".dtype", "\"" + x.dtype + "\"", "one of BF16, F16, F32");
+  }
+  const std::vector<uint64_t> block = ShapeOf(Member(v, "block", path, f), path, f + ".block");
+  if (block.size() != 2 || block[0] == 0 || block[1] == 0) {
+    FailField(path, f + ".block", ShapeText(block), "[rows, cols], both positive");
+  }
+  x.block_rows = block[0], x.block_cols = block[1];
+  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
+  if (of.size() != 2) {
+    FailField(path, f + ".of", std::to_string(of.size()) + " operands", "two: [weight, scale]");
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
+    if (x.of[i].op != ConversionExpr::Op::kKey) {
+      FailField(path, f + ".of[" + std::to_string(i) + "]", "an expression",
+                "a checkpoint key (transformers dequantizes each stored tensor first)");
+    }
+  }
+  const ConversionExpr& w = x.of[0];
+  const ConversionExpr& s = x.of[1];
+  if (w.dtype != "F8_E4M3") FailField(path, f + ".of[0].dtype", "\"" + w.dtype + "\"", "\"F8_E4M3\"");
+  if (s.dtype != "F32") FailField(path, f + ".of[1].dtype", "\"" + s.dtype + "\"", "\"F32\"");
+  const size_t n = w.shape.size();
+  std::vector<uint64_t> want = w.shape;
+  if (n >= 2) {
+    want[n - 2] = CeilDiv(w.shape[n - 2], x.block_rows);
+    want[n - 1] = CeilDiv(w.shape[n - 1], x.block_cols);
+  }
+  if (n < 2 || s.shape != want) {
+    FailField(path, f + ".of[1].shape", ShapeText(s.shape),
+              n < 2 ? "a weight of at least 2 dims" : ShapeText(want) + " (the weight's blocks)");
+  }
+  x.shape = w.shape;
+  return x;
+}
+
 ConversionExpr ParseExpr(const json& v, const std::string& path, const std::string& f, int depth) {
   if (depth > kMaxConversionDepth) {
     FailField(path, f, "a conversion nested deeper than " + std::to_string(kMaxConversionDepth),
@@ -53,6 +101,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
     NumelOf(x.shape, path + ": " + f + ".shape");
     return x;
   }
+  if (op == "dequant_fp8") return ParseDequantFp8(v, path, f, depth);
   if (op == "stack") {
     x.op = ConversionExpr::Op::kStack;
   } else if (op == "cat") {
@@ -60,7 +109,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
   } else if (op == "slice") {
     x.op = ConversionExpr::Op::kSlice;
   } else {
-    FailField(path, f + ".op", "\"" + op + "\"", "one of key, stack, cat, slice");
+    FailField(path, f + ".op", "\"" + op + "\"", "one of key, stack, cat, slice, dequant_fp8");
   }
   x.dim = static_cast<uint32_t>(std::min<uint64_t>(GetU64(Member(v, "dim", path, f), path, f + ".dim"), 1u << 20));
   const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
@@ -140,6 +189,25 @@ Conversion ParseConversion(const json& v, const std::string& path) {
       FailField(path, "conversion.targets", "\"" + c.targets[i].name + "\" a second time",
                 "each target once");
     }
+  }
+  if (v.contains("quantization") && !v["quantization"].is_null()) {
+    const json& q = v["quantization"];
+    const std::string f = "conversion.quantization";
+    internal::GetObject(q, path, f);
+    Quantization qz;
+    qz.method = GetString(Member(q, "method", path, f), path, f + ".method");
+    if (qz.method != "fp8") FailField(path, f + ".method", "\"" + qz.method + "\"", "\"fp8\"");
+    const std::string policy = GetString(Member(q, "policy", path, f), path, f + ".policy");
+    if (policy == "dequantize") {
+      qz.policy = Quantization::Policy::kDequantize;
+    } else if (policy == "keep") {
+      qz.policy = Quantization::Policy::kKeep;
+    } else {
+      FailField(path, f + ".policy", "\"" + policy + "\"", "\"dequantize\" or \"keep\"");
+    }
+    qz.weight_block_size =
+        ShapeOf(Member(q, "weight_block_size", path, f), path, f + ".weight_block_size");
+    c.quantization = std::move(qz);
   }
   const json& refused = GetArray(Member(v, "refused", path, "conversion"), path, "conversion.refused");
   for (size_t i = 0; i < refused.size(); ++i) {

@@ -427,6 +427,15 @@ ConvertResult Convert(const ConvertOptions& options) {
          "' weight conversion, and " + std::to_string(conversion->refused.size()) +
          " of its tensors cannot be converted (" + model_path.string() + "):" + why);
   }
+  if (conversion && conversion->quantization &&
+      conversion->quantization->policy == Quantization::Policy::kKeep && o.layout.dtype != "keep") {
+    Fail(ErrorCode::kInvalidArgument,
+         o.source.string() + ": " + model_path.string() + " keeps the checkpoint's FP8 weights "
+         "with their float32 scales (quantization policy keep), which --dtype " + o.layout.dtype +
+         " would convert: use --dtype keep, or dequantize (capture the model manifest with "
+         "python -m reshard.model_manifest " + o.source.string() + " -o FILE --quantized "
+         "dequantize, then --model-manifest FILE)");
+  }
   const Checkpoint view = conversion ? ModelView(ckpt, *conversion, model_path.string()) : ckpt;
   // FSDP2 does not shard buffers: the model's persistent buffers are stored whole.
   std::set<std::string> whole;

@@ -18,6 +18,19 @@ uint64_t Numel(const std::vector<uint64_t>& shape, const std::string& what) {
   return n;
 }
 
+// A segment of the kinds MapEntry makes (no dequantization).
+EntrySegment Segment(EntrySegment::Kind kind, uint64_t element, uint64_t count, std::string source,
+                     std::vector<uint64_t> shape, uint64_t source_element) {
+  EntrySegment s;
+  s.kind = kind;
+  s.element = element;
+  s.count = count;
+  s.source = std::move(source);
+  s.source_shape = std::move(shape);
+  s.source_element = source_element;
+  return s;
+}
+
 // Bit position of element `e` as a byte offset; kDataLoss when it falls inside a byte.
 uint64_t ByteOf(uint64_t e, uint32_t bits, const std::string& what) {
   const uint64_t b = CheckedMul(e, bits, what);
@@ -44,10 +57,10 @@ void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std
     if (until <= at) return;
     const uint64_t end_pad = std::clamp(flat.numel, at, until);  // 42 inside, zeros past numel
     if (end_pad > at) {
-      m.segments.push_back({EntrySegment::Kind::kPadding, at - lo, end_pad - at, "", {}, 0});
+      m.segments.push_back(Segment(EntrySegment::Kind::kPadding, at - lo, end_pad - at, "", {}, 0));
     }
     if (until > end_pad) {
-      m.segments.push_back({EntrySegment::Kind::kZero, end_pad - lo, until - end_pad, "", {}, 0});
+      m.segments.push_back(Segment(EntrySegment::Kind::kZero, end_pad - lo, until - end_pad, "", {}, 0));
     }
     at = until;
   };
@@ -59,10 +72,45 @@ void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std
       Fail(ErrorCode::kDataLoss, what + ": parameter " + p.fqn + " overlaps the one before it");
     }
     pad(a);
-    m.segments.push_back({EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset});
+    m.segments.push_back(Segment(EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset));
     at = b;
   }
   pad(hi);
+}
+
+// Fills `n` elements of `dst` (entry dtype `to`) with the F8_E4M3 weight's elements
+// [g0, g0 + n) dequantized: float32(weight) × float32(scale of its block), rounded once to
+// `to` (the arithmetic of transformers' Fp8Dequantize._dequantize_one). Reads the weight's n
+// bytes and only the scale rows those elements use. Returns the source bytes read.
+uint64_t FillDequantFp8(const EntrySegment& s, const SourceTensor& w, const SourceTensor& sc,
+                        const SourceRead& read, uint64_t g0, uint64_t n, DType to, char* dst,
+                        std::vector<char>& scratch) {
+  if (n == 0) return 0;
+  const size_t r = s.source_shape.size();
+  const uint64_t rows = s.source_shape[r - 2], cols = s.source_shape[r - 1];
+  const uint64_t srows = s.scale_shape[r - 2], scols = s.scale_shape[r - 1];
+  // Flat row f = l·rows + i (l: the leading index) has scale row l·srows + i / block_rows.
+  auto scale_row = [&](uint64_t f) { return (f / rows) * srows + (f % rows) / s.block_rows; };
+  const uint64_t first = scale_row(g0 / cols), last = scale_row((g0 + n - 1) / cols);
+  const uint64_t nscale = (last - first + 1) * scols;
+  scratch.resize(n + nscale * 4 + n * 4);
+  uint8_t* q = reinterpret_cast<uint8_t*>(scratch.data());
+  char* scale_bytes = scratch.data() + n;
+  char* product = scale_bytes + nscale * 4;
+  read(w.file_index, w.offset + g0, n, q);
+  read(sc.file_index, sc.offset + first * scols * 4, nscale * 4, scale_bytes);
+  for (uint64_t k = 0; k < n; ++k) {
+    const uint64_t g = g0 + k;
+    const uint64_t at = (scale_row(g / cols) - first) * scols + (g % cols) / s.block_cols;
+    float scale, value, out;
+    std::memcpy(&scale, scale_bytes + at * 4, 4);
+    const uint32_t bits = F8E4M3BitsToF32(q[k]);
+    std::memcpy(&value, &bits, 4);
+    out = value * scale;  // one float32 multiply: torch's (q * s) in float32
+    std::memcpy(product + k * 4, &out, 4);
+  }
+  ConvertElements(DType::kF32, to, product, dst, n);
+  return n + nscale * 4;
 }
 
 }  // namespace
@@ -87,7 +135,7 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
     if (e.local_shape != e.global_shape) {
       Fail(ErrorCode::kDataLoss, what + ": stored whole, but its local shape is not its global shape");
     }
-    if (m.numel) m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape, 0});
+    if (m.numel) m.segments.push_back(Segment(EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape, 0));
   } else {
     // Rows [start, end) of dim 0 (formats/rank-file.md, FSDP2 shard rule).
     const uint64_t rows = e.global_shape.empty() ? 0 : e.global_shape[0];
@@ -102,8 +150,8 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
                                      std::to_string(row_numel));
     }
     if (m.numel) {
-      m.segments.push_back({EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape,
-                            CheckedMul(e.rows.start, row_numel, what)});
+      m.segments.push_back(Segment(EntrySegment::Kind::kSource, 0, m.numel, e.name, e.global_shape,
+                            CheckedMul(e.rows.start, row_numel, what)));
     }
   }
   for (const EntrySegment& s : m.segments) {
@@ -115,6 +163,26 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
 
 std::string CheckSources(const EntryMap& map, const SourceLookup& find) {
   for (const EntrySegment& s : map.segments) {
+    if (s.kind == EntrySegment::Kind::kDequantFp8) {
+      const SourceTensor* w = find(s.source);
+      const SourceTensor* sc = find(s.scale);
+      if (!w) return "FP8 weight " + s.source + " is not in the source";
+      if (!sc) return "scale " + s.scale + " of FP8 weight " + s.source + " is not in the source";
+      if (w->dtype != DType::kF8_E4M3 || w->shape != s.source_shape || s.source_shape.size() < 2) {
+        return "FP8 weight " + s.source + " is " + std::string(Name(w->dtype)) +
+               ", not F8_E4M3 of the captured shape";
+      }
+      if (sc->dtype != DType::kF32 || sc->shape != s.scale_shape ||
+          s.scale_shape.size() != s.source_shape.size() || !s.block_rows || !s.block_cols) {
+        return "scale " + s.scale + " is " + std::string(Name(sc->dtype)) +
+               ", not F32 of the captured shape";
+      }
+      if (!IsConvertibleFloat(map.dtype)) {
+        return "FP8 weight " + s.source + " is dequantized, but the entry is " +
+               std::string(Name(map.dtype));
+      }
+      continue;
+    }
     if (s.kind != EntrySegment::Kind::kSource) continue;
     const SourceTensor* t = find(s.source);
     if (!t) return "source tensor " + s.source + " is not in the source";
@@ -150,6 +218,13 @@ uint64_t FillEntry(const EntryMap& map, const SourceLookup& find, const SourceRe
     }
     const SourceTensor* t = find(s.source);
     if (!t) Fail(ErrorCode::kMismatch, "source tensor " + s.source + " is not in the source");
+    if (s.kind == EntrySegment::Kind::kDequantFp8) {
+      const SourceTensor* sc = find(s.scale);
+      if (!sc) Fail(ErrorCode::kMismatch, "scale " + s.scale + " is not in the source");
+      read_bytes += FillDequantFp8(s, *t, *sc, read, s.source_element + (a - s0) / item,
+                                   (b - a) / item, map.dtype, dst, scratch);
+      continue;
+    }
     const uint64_t src0 = s.source_element * Info(t->dtype).bits / 8;  // the segment's start
     if (t->dtype == map.dtype) {
       read(t->file_index, t->offset + src0 + (a - s0), b - a, dst);
@@ -170,7 +245,7 @@ std::pair<size_t, uint64_t> FirstSourceByte(const EntryMap& map, const SourceLoo
                                             uint64_t begin) {
   const uint32_t bits = Info(map.dtype).bits;
   for (const EntrySegment& s : map.segments) {
-    if (s.kind != EntrySegment::Kind::kSource) continue;
+    if (s.kind != EntrySegment::Kind::kSource && s.kind != EntrySegment::Kind::kDequantFp8) continue;
     const uint64_t s0 = s.element * bits / 8, s1 = (s.element + s.count) * bits / 8;
     if (s1 <= begin) continue;
     const SourceTensor* t = find(s.source);
@@ -191,6 +266,9 @@ std::string DescribeEntryByte(const EntryMap& map, uint64_t at) {
       case EntrySegment::Kind::kSource:
         return "element " + std::to_string(s.source_element + (e - s.element)) + " of source tensor " +
                s.source;
+      case EntrySegment::Kind::kDequantFp8:
+        return "element " + std::to_string(s.source_element + (e - s.element)) +
+               " of FP8 weight " + s.source + " dequantized with " + s.scale;
     }
   }
   return "byte " + std::to_string(at) + ", past the entry";

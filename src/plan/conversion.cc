@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "reshard/base/dtype.h"
@@ -26,6 +27,14 @@ void Keys(const ConversionExpr& x, std::vector<const ConversionExpr*>& out) {
   for (const auto& c : x.of) Keys(c, out);
 }
 
+void DequantNodes(const ConversionExpr& x, std::vector<const ConversionExpr*>& out) {
+  if (x.op == ConversionExpr::Op::kDequantFp8) {
+    out.push_back(&x);
+    return;
+  }
+  for (const auto& c : x.of) DequantNodes(c, out);
+}
+
 void Push(std::vector<EntrySegment>& out, const std::string& key, const std::vector<uint64_t>& shape,
           uint64_t source_element, uint64_t count, uint64_t entry_element) {
   if (count == 0) return;
@@ -48,6 +57,80 @@ void Push(std::vector<EntrySegment>& out, const std::string& key, const std::vec
   out.push_back(std::move(s));
 }
 
+// The scale of FP8 weight `key` as transformers names it (Fp8Dequantize._scale_pattern_for).
+std::string ScaleName(const std::string& key) {
+  const std::string w = ".weight";
+  if (key.size() >= w.size() && key.compare(key.size() - w.size(), w.size(), w) == 0) {
+    return key.substr(0, key.size() - w.size()) + ".weight_scale_inv";
+  }
+  return key + "_scale_inv";
+}
+
+bool IsScaleName(const std::string& key) {
+  const std::string s = "_scale_inv";
+  return key.size() > s.size() && key.compare(key.size() - s.size(), s.size(), s) == 0;
+}
+
+// Never a weight without its scale: every F8_E4M3 tensor is dequantized with its scale
+// (policy dequantize) or kept beside it (keep), and every scale belongs to such a weight.
+void CheckQuantizedPairs(const Checkpoint& ckpt, const Conversion& conversion,
+                         const std::string& manifest_path) {
+  const Quantization& q = *conversion.quantization;
+  const bool keep = q.policy == Quantization::Policy::kKeep;
+  std::set<std::string> weights, scales;  // dequantize: the pairs the targets use
+  for (const ConversionTarget& t : conversion.targets) {
+    std::vector<const ConversionExpr*> d;
+    DequantNodes(t.expr, d);
+    for (const ConversionExpr* x : d) weights.insert(x->of[0].key), scales.insert(x->of[1].key);
+  }
+  const std::string where = ckpt.dir.string() + ": ";
+  for (const SourceTensor& s : ckpt.tensors) {
+    if (s.dtype == DType::kF8_E4M3) {
+      const std::string scale = ScaleName(s.name);
+      if (!keep) {
+        if (weights.count(s.name)) continue;
+        Fail(ErrorCode::kUnsupported,
+             where + "F8_E4M3 tensor \"" + s.name + "\" is not dequantized by " + manifest_path +
+                 "'s conversion (policy dequantize)" +
+                 (ckpt.Find(scale) ? std::string() : ": the checkpoint has no scale \"" + scale + "\" for it") +
+                 "; a weight is never stored without its scale");
+      }
+      const SourceTensor* sc = ckpt.Find(scale);
+      if (!sc) {
+        Fail(ErrorCode::kUnsupported, where + "F8_E4M3 tensor \"" + s.name + "\" has no scale \"" +
+                                          scale + "\"; a weight is never stored without its scale");
+      }
+      std::vector<uint64_t> want = s.shape;
+      const size_t n = want.size();
+      if (n >= 2 && q.weight_block_size.size() == 2 && q.weight_block_size[0] && q.weight_block_size[1]) {
+        want[n - 2] = (want[n - 2] + q.weight_block_size[0] - 1) / q.weight_block_size[0];
+        want[n - 1] = (want[n - 1] + q.weight_block_size[1] - 1) / q.weight_block_size[1];
+      }
+      if (sc->dtype != DType::kF32 || n < 2 || sc->shape != want) {
+        Fail(ErrorCode::kUnsupported,
+             where + "scale \"" + scale + "\" of F8_E4M3 \"" + s.name + "\" " + ShapeText(s.shape) +
+                 " is " + std::string(Name(sc->dtype)) + " " + ShapeText(sc->shape) + ", expected F32 " +
+                 ShapeText(want) + " (weight_block_size " + ShapeText(q.weight_block_size) + ")");
+      }
+    } else if (IsScaleName(s.name) && (keep ? false : !scales.count(s.name))) {
+      Fail(ErrorCode::kUnsupported, where + "scale \"" + s.name + "\" is not used by any FP8 weight "
+                                            "that " + manifest_path + "'s conversion dequantizes");
+    }
+  }
+  if (keep) {
+    std::set<std::string> paired;
+    for (const SourceTensor& w : ckpt.tensors) {
+      if (w.dtype == DType::kF8_E4M3) paired.insert(ScaleName(w.name));
+    }
+    for (const SourceTensor& s : ckpt.tensors) {
+      if (IsScaleName(s.name) && !paired.count(s.name)) {
+        Fail(ErrorCode::kUnsupported,
+             where + "scale \"" + s.name + "\" has no F8_E4M3 weight beside it");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint64_t entry_element,
@@ -58,6 +141,33 @@ void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint6
       case Op::kKey:
         Push(out, x.key, x.shape, begin, count, entry_element);
         return;
+      case Op::kDequantFp8: {
+        // Element for element the weight's (children are keys: ParseModelManifest).
+        const ConversionExpr& w = x.of[0];
+        const ConversionExpr& sc = x.of[1];
+        if (!out.empty()) {
+          EntrySegment& last = out.back();
+          if (last.kind == EntrySegment::Kind::kDequantFp8 && last.source == w.key &&
+              last.element + last.count == entry_element &&
+              last.source_element + last.count == begin) {
+            last.count += count;
+            return;
+          }
+        }
+        EntrySegment seg;
+        seg.kind = EntrySegment::Kind::kDequantFp8;
+        seg.element = entry_element;
+        seg.count = count;
+        seg.source = w.key;
+        seg.source_shape = w.shape;
+        seg.source_element = begin;
+        seg.scale = sc.key;
+        seg.scale_shape = sc.shape;
+        seg.block_rows = x.block_rows;
+        seg.block_cols = x.block_cols;
+        out.push_back(std::move(seg));
+        return;
+      }
       case Op::kStack: {
         // Shape S[:d] + [n] + S[d:]: per outer index, n blocks of `inner` child elements.
         const uint64_t inner = Product(x.of[0].shape, x.dim, x.of[0].shape.size());
@@ -112,6 +222,24 @@ Checkpoint ModelView(const Checkpoint& ckpt, const Conversion& conversion,
   for (const ConversionTarget& t : conversion.targets) {
     std::vector<const ConversionExpr*> keys;
     Keys(t.expr, keys);
+    // The target's dtype: its keys' (one dtype), or the dtype its FP8 weights dequantize to.
+    std::vector<const ConversionExpr*> dequants;
+    DequantNodes(t.expr, dequants);
+    std::optional<DType> value_dtype;
+    for (const ConversionExpr* d : dequants) {
+      const std::optional<DType> dt = ParseDType(d->dtype);
+      if (!dt || (value_dtype && *dt != *value_dtype)) {
+        Fail(ErrorCode::kUnsupported, manifest_path + ": \"" + t.name + "\" dequantizes to " +
+                                          d->dtype + (value_dtype ? " and " + std::string(Name(*value_dtype)) : "") +
+                                          "; one float dtype expected");
+      }
+      value_dtype = dt;
+      used.insert(d->of[0].key), used.insert(d->of[1].key);
+    }
+    if (!dequants.empty() && dequants.size() * 2 != keys.size()) {
+      Fail(ErrorCode::kUnsupported, manifest_path + ": \"" + t.name +
+                                        "\" mixes dequantized FP8 weights with other tensors");
+    }
     const SourceTensor* first = nullptr;
     for (const ConversionExpr* k : keys) {
       const SourceTensor* s = ckpt.Find(k->key);
@@ -126,7 +254,7 @@ Checkpoint ModelView(const Checkpoint& ckpt, const Conversion& conversion,
                  " " + ShapeText(s->shape) + ", but " + manifest_path + "'s conversion expects " +
                  k->dtype + " " + ShapeText(k->shape) + recapture);
       }
-      if (first && s->dtype != first->dtype) {
+      if (first && s->dtype != first->dtype && dequants.empty()) {
         Fail(ErrorCode::kUnsupported,
              ckpt.dir.string() + ": \"" + t.name + "\" is assembled from tensors of two dtypes (" +
                  std::string(Name(first->dtype)) + " \"" + first->name + "\" and " +
@@ -137,7 +265,7 @@ Checkpoint ModelView(const Checkpoint& ckpt, const Conversion& conversion,
     }
     SourceTensor v;
     v.name = t.name;
-    v.dtype = first ? first->dtype : DType::kF32;
+    v.dtype = value_dtype ? *value_dtype : first ? first->dtype : DType::kF32;
     v.shape = t.expr.shape;
     v.file_index = first ? first->file_index : 0;
     v.offset = first ? first->offset : 0;
@@ -146,6 +274,7 @@ Checkpoint ModelView(const Checkpoint& ckpt, const Conversion& conversion,
     v.nbytes = BytesFor(v.dtype, numel).value_or(0);
     view.tensors.push_back(std::move(v));
   }
+  if (conversion.quantization) CheckQuantizedPairs(ckpt, conversion, manifest_path);
   for (const SourceTensor& s : ckpt.tensors) {
     if (used.count(s.name)) continue;
     if (conversion.Find(s.name)) {
@@ -196,6 +325,14 @@ std::vector<TensorLocation> HubNameLocations(const std::vector<TensorLocation>& 
       order.push_back(t.name);
       names.insert(t.name);
       continue;
+    }
+    std::vector<const ConversionExpr*> dequants;
+    DequantNodes(target->expr, dequants);
+    if (!dequants.empty()) {
+      Fail(ErrorCode::kUnsupported,
+           "\"" + t.name + "\" was dequantized from FP8 weight \"" + dequants[0]->of[0].key +
+               "\" and its scale at convert: the checkpoint's FP8 names cannot be written back "
+               "(export without --hub-names writes the model's names)");
     }
     const uint64_t bits = Info(t.dtype).bits;
     if (bits % 8) {

@@ -40,5 +40,8 @@ void ConvertElements(DType from, DType to, const void* src, void* dst, uint64_t 
 uint16_t F32BitsToBF16(uint32_t f);
 uint16_t F32BitsToF16(uint32_t f);
 uint32_t F16BitsToF32(uint16_t h);
+/// An F8_E4M3 (float8_e4m3fn: no infinities, 0x7F/0xFF NaN) element as float32 bits, exact,
+/// as torch's Tensor.to(torch.float32): NaN becomes sign | 0x7FF00000.
+uint32_t F8E4M3BitsToF32(uint8_t b);
 
 }  // namespace reshard

@@ -24,14 +24,20 @@ namespace reshard {
 /// A run of consecutive elements of an entry: `count` elements from entry element `element`
 /// on, holding source tensor `source`'s elements [source_element, source_element + count)
 /// (row-major), or padding: FSDP1's 42 inside a flat parameter, zeros past its end.
+/// kDequantFp8: the same elements of F8_E4M3 `source` ([..., R, C]) dequantized as
+/// transformers' Fp8Dequantize: float32(weight) × float32 scale of its block (F32 `scale`,
+/// [..., ceil(R/block_rows), ceil(C/block_cols)]), rounded once to the entry's dtype.
 struct EntrySegment {
-  enum class Kind : uint8_t { kSource, kPadding, kZero };
+  enum class Kind : uint8_t { kSource, kPadding, kZero, kDequantFp8 };
   Kind kind = Kind::kSource;
   uint64_t element = 0;
   uint64_t count = 0;
-  std::string source;                 // kSource: the source tensor's name
-  std::vector<uint64_t> source_shape;  // kSource: the shape that tensor must have
-  uint64_t source_element = 0;         // kSource
+  std::string source;                 // kSource, kDequantFp8: the source tensor's name
+  std::vector<uint64_t> source_shape;  // kSource, kDequantFp8: the shape that tensor must have
+  uint64_t source_element = 0;         // kSource, kDequantFp8
+  std::string scale;                   // kDequantFp8: the scale tensor's name
+  std::vector<uint64_t> scale_shape;   // kDequantFp8: the shape it must have
+  uint64_t block_rows = 0, block_cols = 0;  // kDequantFp8
 };
 
 /// Where the bytes of one entry come from. Element e of the entry is bits [e·b, (e+1)·b) of

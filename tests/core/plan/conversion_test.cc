@@ -3,7 +3,9 @@
 // that ExprSegments gives compared with an element-by-element index calculation on every
 // range of several trees (Mixtral's stack-then-cat, a chunk, nested slices), and ModelView's
 // refusals naming the key.
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <string>
 #include <utility>
@@ -12,7 +14,9 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "reshard/base/dtype_convert.h"
 #include "reshard/format/model_manifest.h"
+#include "reshard/plan/byte_map.h"
 #include "reshard/plan/conversion.h"
 
 namespace reshard {
@@ -236,6 +240,129 @@ TEST(Conversion, ModelViewNamesAMissingOrChangedKey) {
   EXPECT_EQ(view.tensors[0].name, "lm_head.weight");
   EXPECT_EQ(view.tensors[0].offset, 64u);
   EXPECT_EQ(view.tensors[1].name, "model.norm.weight");
+}
+
+std::string Fp8Target(const std::string& name, uint64_t rows, uint64_t cols, uint64_t bm, uint64_t bn,
+                      const std::string& scale_shape) {
+  return R"({"name": ")" + name + R"(", "shape": [)" + std::to_string(rows) + ", " + std::to_string(cols) +
+         R"(], "expr": {"op": "dequant_fp8", "block": [)" + std::to_string(bm) + ", " + std::to_string(bn) +
+         R"(], "dtype": "BF16", "of": [{"op": "key", "key": ")" + name + R"(", "dtype": "F8_E4M3", "shape": [)" +
+         std::to_string(rows) + ", " + std::to_string(cols) + R"(]}, {"op": "key", "key": ")" + name +
+         R"(_scale_inv", "dtype": "F32", "shape": )" + scale_shape + "}]}}";
+}
+
+TEST(Conversion, F8E4M3DecodesEveryByteExactly) {
+  for (int b = 0; b < 256; ++b) {
+    const uint32_t bits = F8E4M3BitsToF32(static_cast<uint8_t>(b));
+    float got;
+    std::memcpy(&got, &bits, 4);
+    const int e = (b >> 3) & 15, m = b & 7;
+    const double sign = (b & 0x80) ? -1.0 : 1.0;
+    if (e == 15 && m == 7) {
+      EXPECT_TRUE(std::isnan(got)) << b;
+      EXPECT_EQ(bits, ((b & 0x80) ? 0xFFF00000u : 0x7FF00000u)) << b;  // torch's NaN
+      continue;
+    }
+    const double want = sign * (e ? std::ldexp(8 + m, e - 10) : std::ldexp(m, -9));
+    EXPECT_EQ(static_cast<double>(got), want) << b;
+  }
+}
+
+// A [200, 70] FP8 weight in 128 x 64 blocks (scale [2, 2]): every element range (rows cut
+// inside a block, as FSDP cuts them) filled by FillEntry equals float32(w) * scale rounded
+// to bf16, and reads only the weight's elements and the scale rows those rows use.
+TEST(Conversion, DequantFp8FillsAnyRangeAsFloat32ProductRoundedOnce) {
+  const uint64_t rows = 200, cols = 70;
+  const ModelManifest m = ParseModelManifest(Manifest("[" + Fp8Target("w", rows, cols, 128, 64, "[2, 2]") + "]"),
+                                             "m.json");
+  std::vector<uint8_t> w(rows * cols);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = static_cast<uint8_t>((i * 37 + 11) % 256);
+  const float scales[4] = {0.0123f, 3.5e-5f, 7.25f, 1.0f / 3.0f};
+  std::vector<char> file(w.size() + 16);
+  std::memcpy(file.data(), w.data(), w.size());
+  std::memcpy(file.data() + w.size(), scales, 16);
+  Checkpoint ckpt;
+  ckpt.dir = "SRC";
+  ckpt.tensors = {SourceTensor{"w", DType::kF8_E4M3, {rows, cols}, 0, 0, w.size()},
+                  SourceTensor{"w_scale_inv", DType::kF32, {2, 2}, 0, w.size(), 16}};
+  const Checkpoint view = ModelView(ckpt, *m.conversion, "m.json");
+  ASSERT_EQ(view.tensors.size(), 1u);
+  EXPECT_EQ(view.tensors[0].dtype, DType::kBF16);
+  const SourceLookup find = [&](std::string_view n) { return ckpt.Find(n); };
+  uint64_t scale_bytes_read = 0;
+  const SourceRead read = [&](size_t, uint64_t at, size_t n, void* dst) {
+    ASSERT_LE(at + n, file.size());
+    if (at >= w.size()) scale_bytes_read += n;
+    std::memcpy(dst, file.data() + at, n);
+  };
+  for (const auto& [r0, r1] : std::vector<std::pair<uint64_t, uint64_t>>{{0, 200}, {67, 134}, {100, 130}, {130, 200}}) {
+    EntryMap map;
+    map.name = "w";
+    map.dtype = DType::kBF16;
+    map.numel = (r1 - r0) * cols;
+    map.nbytes = map.numel * 2;
+    EntrySegment whole;  // FSDP2's rows [r0, r1) of the model tensor "w"
+    whole.count = map.numel;
+    whole.source = "w";
+    whole.source_shape = {rows, cols};
+    whole.source_element = r0 * cols;
+    map.segments.push_back(whole);
+    ExpandConversion(map, *m.conversion);
+    ASSERT_EQ(map.segments.size(), 1u);
+    ASSERT_EQ(map.segments[0].kind, EntrySegment::Kind::kDequantFp8);
+    ASSERT_EQ(CheckSources(map, find), "");
+    // Bytes [10, nbytes - 6): a range starting and ending inside rows.
+    const uint64_t begin = 10, length = map.nbytes - 16;
+    std::vector<char> out(length), scratch;
+    scale_bytes_read = 0;
+    FillEntry(map, find, read, begin, length, out.data(), scratch);
+    const bool one_block_row = r0 / 128 == (r1 - 1) / 128;
+    EXPECT_EQ(scale_bytes_read, one_block_row ? 8u : 16u) << r0;
+    for (uint64_t k = 0; k < length / 2; ++k) {
+      const uint64_t g = r0 * cols + begin / 2 + k, i = g / cols, j = g % cols;
+      const uint32_t qb = F8E4M3BitsToF32(w[g]);
+      float q;
+      std::memcpy(&q, &qb, 4);
+      const float prod = q * scales[(i / 128) * 2 + j / 64];
+      uint32_t pb;
+      std::memcpy(&pb, &prod, 4);
+      uint16_t got;
+      std::memcpy(&got, out.data() + 2 * k, 2);
+      ASSERT_EQ(got, F32BitsToBF16(pb)) << "row " << i << " col " << j;
+    }
+  }
+}
+
+TEST(Conversion, DequantFp8RefusesAScaleGridThatIsNotTheWeightsBlocks) {
+  EXPECT_TRUE(ThrowsError(
+      [] { ParseModelManifest(Manifest("[" + Fp8Target("w", 200, 70, 128, 64, "[1, 2]") + "]"), "m.json"); },
+      ErrorCode::kDataLoss, {"m.json", "expr.of[1].shape", "found [1, 2]", "[2, 2] (the weight's blocks)"}));
+}
+
+TEST(Conversion, ModelViewRefusesAnFp8WeightWithoutItsScale) {
+  const std::string conv = Manifest("[" + Fp8Target("a.weight", 4, 4, 128, 128, "[1, 1]") + "]");
+  std::string keep = conv;
+  keep.insert(keep.size() - 2, R"(, "quantization": {"method": "fp8", "policy": "keep", "weight_block_size": [128, 128]})");
+  std::string deq = conv;
+  deq.insert(deq.size() - 2, R"(, "quantization": {"method": "fp8", "policy": "dequantize", "weight_block_size": [128, 128]})");
+  Checkpoint ckpt;
+  ckpt.dir = "SRC";
+  ckpt.tensors = {SourceTensor{"a.weight", DType::kF8_E4M3, {4, 4}, 0, 0, 16},
+                  SourceTensor{"a.weight_scale_inv", DType::kF32, {1, 1}, 0, 16, 4},
+                  SourceTensor{"b.weight", DType::kF8_E4M3, {4, 4}, 0, 32, 16}};
+  const ModelManifest d = ParseModelManifest(deq, "m.json");
+  EXPECT_TRUE(ThrowsError([&] { ModelView(ckpt, *d.conversion, "m.json"); }, ErrorCode::kUnsupported,
+                          {"SRC: F8_E4M3 tensor \"b.weight\" is not dequantized", "no scale \"b.weight_scale_inv\"",
+                           "never stored without its scale"}));
+  ParseModelManifest(keep, "m.json");  // parses; its checkpoint check follows
+  ModelManifest k = ParseModelManifest(keep, "m.json");
+  k.conversion->targets.clear();
+  EXPECT_TRUE(ThrowsError([&] { ModelView(ckpt, *k.conversion, "m.json"); }, ErrorCode::kUnsupported,
+                          {"\"b.weight\" has no scale \"b.weight_scale_inv\""}));
+  ckpt.tensors.pop_back();
+  ckpt.tensors.push_back(SourceTensor{"c.weight_scale_inv", DType::kF32, {1, 1}, 0, 48, 4});
+  EXPECT_TRUE(ThrowsError([&] { ModelView(ckpt, *k.conversion, "m.json"); }, ErrorCode::kUnsupported,
+                          {"scale \"c.weight_scale_inv\" has no F8_E4M3 weight"}));
 }
 
 }  // namespace
