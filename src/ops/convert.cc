@@ -322,7 +322,8 @@ std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
   for (const auto& e : fs::directory_iterator(out)) {
     const std::string name = e.path().filename().string();
     std::error_code ec;
-    if (name == kLockName || (name.starts_with(".") && name.find(".tmp-") != std::string::npos)) {
+    if (name == kLockName || name == kConvertClaimName ||
+        (name.starts_with(".") && name.find(".tmp-") != std::string::npos)) {
       continue;
     }
     if ((name.starts_with("fsdp1-") || name.starts_with("fsdp2-")) &&
@@ -463,6 +464,26 @@ ConvertResult Convert(const ConvertOptions& options) {
                "output of this source (files there would be overwritten); pass --force to "
                "convert into it anyway");
     }
+  }
+  // Held until this conversion ends: conversions of this source (disjoint --ranks, other
+  // layouts) share it; one of another source is refused now, before it writes a byte, not
+  // at its end after its rank files have replaced this one's.
+  std::string held_owner, held_by;
+  std::optional<SharedClaim> claim = SharedClaim::Take(
+      o.out / kConvertClaimName, Hex16(ckpt.fingerprint.fingerprint),
+      "reshard convert " + Printable(fs::absolute(o.source, ec).string()) + " (source fingerprint " +
+          Hex16(ckpt.fingerprint.fingerprint) + "), pid " + std::to_string(::getpid()) + " on " +
+          SafeHostName(),
+      &held_owner, &held_by);
+  if (!claim) {
+    Fail(ErrorCode::kBusy,
+         o.out.string() + ": another conversion into this directory is running, of another "
+                          "source (fingerprint " + held_owner + ", this source is " +
+             Hex16(ckpt.fingerprint.fingerprint) + "): " + held_by + " holds " +
+             std::string(kConvertClaimName) +
+             "; nothing was written. An output directory holds layouts of one source only: "
+             "convert into another directory (or wait for that conversion to end and remove "
+             "its output)");
   }
   const fs::path dir = o.out / o.layout.Key();
   fs::create_directories(dir, ec);

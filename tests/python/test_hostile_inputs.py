@@ -279,3 +279,71 @@ def test_ctrl_c_during_convert_says_what_happened_and_a_rerun_finishes(cli, resh
     assert "did not finish: run it again" in r.out, r
     cli("convert", src, "-o", out, "--world-size", 4, "--no-capture", rc=0)
     assert "OK" in cli("verify", out, "--source", src, rc=0).out
+
+
+# ---- round three: concurrent converts, memory bounds, padding, .bin CRCs ------------------
+
+def test_a_convert_of_another_source_into_a_busy_out_fails_at_once(cli, reshard_bin, converted,
+                                                                   tmp_path):
+    """Item 4: two converts of different sources into one empty OUT at the same time. The
+    second used to run to its end, its rank files replacing the first's (which had exited 0);
+    now it is refused before writing anything, naming OUT, the running conversion and what to
+    do. A conversion of the same source (another layout) still runs beside it."""
+    import fcntl
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import save_file
+    import torch
+
+    src = tmp_path / "big"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(24)},  # 100 MB
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    other = converted[0]
+    out = tmp_path / "out"
+    a = subprocess.Popen([reshard_bin, "convert", str(src), "-o", str(out), "--world-size", "4",
+                          "--no-capture", "--threads", "1"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    layout = out / "fsdp2-ws4"
+    stopped = False
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and a.poll() is None:
+            if layout.is_dir() and any(".tmp-" in n for n in os.listdir(layout)):
+                a.send_signal(signal.SIGSTOP)  # A is writing rank files, without OUT's lock
+                stopped = True
+                break
+            time.sleep(0.002)
+        assert stopped, "convert A finished before B could start"
+        fd = os.open(out / ".reshard.lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # A does not hold the lock now
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        before = sorted(os.listdir(out))
+        t0 = time.monotonic()
+        b = cli("convert", other, "-o", out, "--world-size", 4, "--no-capture", "--lock-wait", 30)
+        took = time.monotonic() - t0
+        assert b.rc == 3, b
+        assert took < 10, f"B took {took:.1f} s to give up"
+        for words in (str(out), "another conversion into this directory is running",
+                      "of another source", f"reshard convert {src}", f"pid {a.pid}",
+                      ".reshard.convert", "nothing was written", "convert into another directory"):
+            assert words in b.err, (words, b.err)
+        assert sorted(os.listdir(out)) == before
+        # The same source into another layout shares OUT with A.
+        cli("convert", src, "-o", out, "--world-size", 2, "--no-capture", rc=0)
+    finally:
+        if stopped:
+            a.send_signal(signal.SIGCONT)
+        _, err = a.communicate(timeout=120)
+    assert a.returncode == 0, err
+    r = cli("verify", out, "--source", src, rc=0)
+    assert "OK" in r.out, r
+    # Once A has ended, B is refused by the manifest (another source), as before.
+    b = cli("convert", other, "-o", out, "--world-size", 4, "--no-capture", rc=3)
+    assert "another source" in b.err, b

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -111,7 +112,7 @@ Manifest ManifestWithAux(std::vector<std::string> aux) {
 TEST(AuxFiles, NamesThatArePathsAreRefused) {
   for (const std::string& bad : std::vector<std::string>{"../../escape", "/etc/passwd", "sub/config.json", "..", ".", "", "a\\b",
         std::string("config.json\0x", 13), "tok\x1b[2J.json", "a\nb", "reshard.json",
-        ".reshard.lock"}) {
+        ".reshard.lock", ".reshard.convert"}) {
     SCOPED_TRACE(Printable(bad));
     const std::string text = SerializeManifest(ManifestWithAux({"config.json", bad}));
     EXPECT_TRUE(ThrowsError([&] { ParseManifest(text, "out/reshard.json"); },
@@ -231,6 +232,39 @@ TEST(Permissions, CopiesAreNeverMorePermissiveThanTheSource) {
     EXPECT_EQ(st.st_mode & 0777, expected) << std::oct << mode;
   }
   ::umask(old_mask);
+}
+
+// ---- concurrent conversions of different sources (item 4) ---------------------------------
+
+TEST(SharedClaim, OneOwnerSharesItAnotherIsRefusedUntilItIsReleased) {
+  TempDir dir;
+  const fs::path file = dir / ".reshard.convert";
+  std::string owner, by;
+  std::optional<SharedClaim> a = SharedClaim::Take(file, "aaaa", "convert A, pid 1", &owner, &by);
+  ASSERT_TRUE(a);
+  // The same owner shares it (flock is per open file: a second open in this process is
+  // another holder, as another process would be).
+  std::optional<SharedClaim> a2 = SharedClaim::Take(file, "aaaa", "convert A', pid 2", &owner, &by);
+  ASSERT_TRUE(a2);
+  EXPECT_FALSE(SharedClaim::Take(file, "bbbb", "convert B", &owner, &by));
+  EXPECT_EQ(owner, "aaaa");
+  EXPECT_EQ(by, "convert A, pid 1");
+  a.reset();
+  EXPECT_FALSE(SharedClaim::Take(file, "bbbb", "convert B", &owner, &by));  // A' still holds it
+  a2.reset();
+  // Released (or its holders died): the next owner takes it over and is named in it.
+  std::optional<SharedClaim> b = SharedClaim::Take(file, "bbbb", "convert B, pid 3", &owner, &by);
+  ASSERT_TRUE(b);
+  EXPECT_FALSE(SharedClaim::Take(file, "aaaa", "convert A", &owner, &by));
+  EXPECT_EQ(owner, "bbbb");
+  EXPECT_EQ(by, "convert B, pid 3");
+  b.reset();
+  // A planted link is refused, not followed.
+  fs::remove(file);
+  fs::create_symlink(dir / "elsewhere", file);
+  EXPECT_TRUE(ThrowsError([&] { SharedClaim::Take(file, "aaaa", "A", &owner, &by); },
+                          ErrorCode::kInvalidArgument, {file.string(), "symbolic link"}));
+  EXPECT_FALSE(fs::exists(dir / "elsewhere"));
 }
 
 }  // namespace
