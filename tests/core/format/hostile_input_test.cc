@@ -14,11 +14,13 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "core/torch_archive.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/model_manifest.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/format/safetensors.h"
+#include "reshard/format/torch_pickle.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 
@@ -232,6 +234,63 @@ TEST(Permissions, CopiesAreNeverMorePermissiveThanTheSource) {
     EXPECT_EQ(st.st_mode & 0777, expected) << std::oct << mode;
   }
   ::umask(old_mask);
+}
+
+// ---- memory bounds of the pickle reader (item 7) ------------------------------------------
+
+// A state dict of one tensor, as torch.save writes it, without its STOP.
+std::string OneTensorPickleBody() {
+  test::PickledTensor t;
+  t.name = "w";
+  t.storage_type = "FloatStorage";
+  t.key = "0";
+  t.storage_numel = 6;
+  t.shape = {2, 3};
+  std::string p = test::StateDictPickle({t});
+  EXPECT_EQ(p.back(), '.');
+  p.pop_back();
+  return p;
+}
+
+TEST(PickleMemory, MemoFloodIsRefusedAtItsFirstExtraEntry) {
+  const std::string body = OneTensorPickleBody();
+  ASSERT_NO_THROW(ParseTorchPickle(body + ".", "ok.pkl"));
+  // MEMOIZE repeated on the state dict: each a memo entry (~64 bytes) for one byte of file;
+  // 50 MB of them took 2.8 GB, 250 MB ended in a bare std::bad_alloc.
+  for (const size_t n : {size_t{1000}, size_t{50} << 20}) {
+    std::string flood = body;
+    flood.append(n, static_cast<char>(0x94));
+    flood += '.';
+    EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(flood, "flood.pkl"); }, ErrorCode::kUnsupported,
+                            {"flood.pkl", "at byte", "memo entry", "objects built",
+                             "at most one memo entry per object", "memo flood"}))
+        << n;
+  }
+  // LONG_BINPUT under ever new keys: the same rule.
+  std::string puts = body;
+  for (uint32_t k = 0; k < 1000; ++k) {
+    puts += 'r';
+    for (int b = 0; b < 4; ++b) puts += static_cast<char>(((k + 1000) >> (8 * b)) & 0xFF);
+  }
+  puts += '.';
+  EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(puts, "puts.pkl"); }, ErrorCode::kUnsupported,
+                          {"puts.pkl", "memo flood"}));
+  // Overwriting one key is not a flood.
+  std::string same = body;
+  for (int k = 0; k < 1000; ++k) same += "q\x01";
+  same += '.';
+  EXPECT_NO_THROW(ParseTorchPickle(same, "same.pkl"));
+}
+
+TEST(PickleMemory, ObjectFloodStopsAtTheMemoryLimit) {
+  // 8 M empty tuples (one byte each): ~1.3 GiB of objects as the reader holds them.
+  std::string flood = "\x80\x02";
+  flood.append(8u << 20, ')');
+  flood += '.';
+  EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(flood, "objects.pkl"); },
+                          ErrorCode::kUnsupported,
+                          {"objects.pkl", "at byte", "needs more than 1024 MiB of memory",
+                           "objects", "kTorchPickleMaxMemory"}));
 }
 
 // ---- concurrent conversions of different sources (item 4) ---------------------------------
