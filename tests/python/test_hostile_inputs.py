@@ -467,3 +467,29 @@ def test_convert_chunk_size_past_the_limit_is_refused_up_front(cli, reshard_bin,
                                "--no-capture", "--chunk-size", 1 << 30, "--threads", 4], 2 << 30)
     assert p.returncode == 0, p
     cli("verify", out, "--source", converted[0], rc=0)
+
+
+def test_bin_storage_crc_is_checked_by_verify_source(cli, tmp_path):
+    """Item 10: a storage record of a torch.save archive changed after it was written (its
+    CRC-32 no longer matches) converted silently, and verify --source agreed (the rank files
+    hold what the source holds). verify --source now checks every record's CRC-32."""
+    import io
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "pytorch_model.bin"
+    path.write_bytes(_torch_zip(_tiny_bin_records()))
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as z:
+        info = [i for i in z.infolist() if i.filename.endswith("/data/0")][0]
+    n, m = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + n + m + 7] ^= 0x40  # a bit of w[1]
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--world-size", 2, "--no-capture", rc=0)
+    r = cli("verify", out, "--source", src, rc=1)
+    for words in (str(path), f'record "{info.filename}"', "CRC-32", "the central directory says",
+                  "the source changed after torch.save wrote it"):
+        assert words in r.out, (words, r.out)
+    cli("verify", out, rc=0)  # the rank files themselves are intact
