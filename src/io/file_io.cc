@@ -300,7 +300,7 @@ std::optional<SharedClaim> SharedClaim::Take(const std::filesystem::path& claim_
     FailErrno(claim_file.string(), "cannot create the claim file", errno);
   }
   SharedClaim claim(fd);  // closes fd on every path out
-  struct stat st;
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     Fail(ErrorCode::kInvalidArgument, claim_file.string() + ": found " + FileTypeName(st.st_mode) +
                                           ", expected reshard's claim file (a regular file)");
