@@ -323,20 +323,29 @@ def test_a_convert_of_another_source_into_a_busy_out_fails_at_once(cli, reshard_
     layout = out / "fsdp2-ws4"
     stopped = False
     try:
+        def lock_is_free():
+            fd = os.open(out / ".reshard.lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return True
+            except BlockingIOError:
+                return False
+            finally:
+                os.close(fd)
+
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and a.poll() is None:
             if layout.is_dir() and any(".tmp-" in n for n in os.listdir(layout)):
-                a.send_signal(signal.SIGSTOP)  # A is writing rank files, without OUT's lock
-                stopped = True
-                break
+                a.send_signal(signal.SIGSTOP)  # A is writing rank files...
+                while open(f"/proc/{a.pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "TZX":
+                    time.sleep(0.001)          # (stopped, not just signalled)
+                if lock_is_free():             # ...without OUT's lock
+                    stopped = True
+                    break
+                a.send_signal(signal.SIGCONT)  # stopped at its end, holding it: later
             time.sleep(0.002)
         assert stopped, "convert A finished before B could start"
-        fd = os.open(out / ".reshard.lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # A does not hold the lock now
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
         before = sorted(os.listdir(out))
         t0 = time.monotonic()
         b = cli("convert", other, "-o", out, "--world-size", 4, "--no-capture", "--lock-wait", 30)
