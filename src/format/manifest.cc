@@ -75,10 +75,11 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     std::string name = GetString(aux[i], path, f);
     // Copied by reshard.save and export from the manifest's directory into another one: a
     // name that is a path (or the manifest's own name) would read or write outside it.
-    if (!internal::PlainFileName(name) || name == kManifestName || name == kLockName) {
+    if (!internal::PlainFileName(name) || name == kManifestName || name == kLockName ||
+        name == kConvertClaimName) {
       FailField(path, f, "\"" + Printable(name) + "\"",
                 "a plain file name in the manifest's directory (no '/', '\\', \"..\", NUL or "
-                "control characters; not reshard.json or .reshard.lock)");
+                "control characters; not reshard.json, .reshard.lock or .reshard.convert)");
     }
     m.aux_files.push_back(std::move(name));
   }

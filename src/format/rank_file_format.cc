@@ -308,7 +308,7 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
   h.source = internal::SourceFromJson(Member(j, "source", path, "header"), path);
 
   h.chunk_size = GetU64(Member(j, "chunk_size", path, "header"), path, "chunk_size");
-  if (h.chunk_size == 0 || h.chunk_size % kDataAlignment != 0 || h.chunk_size > (1ull << 34)) {
+  if (h.chunk_size == 0 || h.chunk_size % kDataAlignment != 0 || h.chunk_size > kMaxChunkSize) {
     FailField(path, "chunk_size", std::to_string(h.chunk_size),
               "a positive multiple of 4096 up to 16 GiB");
   }

@@ -269,6 +269,7 @@ class Parser {
       Fail(ErrorCode::kUnsupported, path_ + ": the pickle builds more than " +
                                         std::to_string(kTorchPickleMaxObjects) + " objects");
     }
+    Charge(2 * sizeof(Value));  // the arena's vector doubles: up to twice its objects
     arena_.emplace_back();
     arena_.back().kind = kind;
     return static_cast<uint32_t>(arena_.size() - 1);
@@ -281,10 +282,38 @@ class Parser {
   uint32_t NewString(std::string_view s) {
     if (!ValidUtf8(s)) Bad("a string that is not valid UTF-8: \"" + Printable(s) + "\"");
     uint32_t id = New(Kind::kString);
+    Charge(s.size());
     arena_[id].s.assign(s);
     return id;
   }
-  void Push(uint32_t id) { stack_.push_back(id); }
+  void Push(uint32_t id) {
+    stack_.push_back(id);
+    if (stack_.size() > stack_high_) {
+      stack_high_ = stack_.size();
+      Charge(2 * sizeof(uint32_t));
+    }
+  }
+  void PushMark() {
+    marks_.push_back(stack_.size());
+    if (marks_.size() > marks_high_) {
+      marks_high_ = marks_.size();
+      Charge(2 * sizeof(size_t));
+    }
+  }
+  // Counts `bytes` against kTorchPickleMaxMemory before they are allocated.
+  void Charge(uint64_t bytes) {
+    used_ += bytes;
+    if (used_ > kTorchPickleMaxMemory) {
+      Fail(ErrorCode::kUnsupported,
+           path_ + ": at byte " + std::to_string(op_pos_) + ": reading this pickle needs more "
+                   "than " + std::to_string(kTorchPickleMaxMemory >> 20) + " MiB of memory (" +
+               std::to_string(arena_.size()) + " objects, " + std::to_string(memo_.size()) +
+               " memo entries, a stack of " + std::to_string(stack_high_) + " and " +
+               std::to_string(marks_high_) + " marks so far); a state dict's pickle needs "
+               "about 3.5 KiB per tensor, so this is not one reshard reads (limit "
+               "kTorchPickleMaxMemory, include/reshard/format/torch_pickle.h)");
+    }
+  }
   size_t Floor() const { return marks_.empty() ? 0 : marks_.back(); }
   uint32_t Pop(const char* what) {
     if (stack_.size() <= Floor()) Bad(std::string("stack underflow (") + what + ")");
@@ -305,7 +334,24 @@ class Parser {
     return items;
   }
   void Put(uint64_t key) {
-    memo_[key] = Top("memo put");
+    const uint32_t top = Top("memo put");
+    auto it = memo_.find(key);
+    if (it != memo_.end()) {
+      it->second = top;
+      return;
+    }
+    // The pickler memoizes each object once, and every object memoized is one this reader
+    // built: more memo entries than objects is a memo flood (MEMOIZE repeated on one object,
+    // BINPUT under ever new keys), each entry costing memory while the file costs 1-5 bytes.
+    if (memo_.size() >= arena_.size()) {
+      Fail(ErrorCode::kUnsupported,
+           path_ + ": at byte " + std::to_string(op_pos_) + ": memo entry " +
+               std::to_string(memo_.size() + 1) + " for " + std::to_string(arena_.size()) +
+               " objects built; expected at most one memo entry per object (torch.save "
+               "memoizes each object once), found a memo flood");
+    }
+    Charge(64);  // a hash node and its bucket
+    memo_.emplace(key, top);
   }
   void Get(uint64_t key) {
     auto it = memo_.find(key);
@@ -313,6 +359,7 @@ class Parser {
     Push(it->second);
   }
   uint32_t Tuple(std::vector<uint32_t> items) {
+    Charge(items.size() * sizeof(uint32_t));
     uint32_t id = New(Kind::kTuple);
     arena_[id].items = std::move(items);
     return id;
@@ -321,6 +368,7 @@ class Parser {
     if (arena_[list].kind != Kind::kList) {
       Bad(std::string(op) + " on " + KindName(arena_[list].kind) + ", expected a list");
     }
+    Charge(items.size() * 2 * sizeof(uint32_t));
     auto& v = arena_[list].items;
     v.insert(v.end(), items.begin(), items.end());
   }
@@ -329,6 +377,7 @@ class Parser {
       Bad(std::string(op) + " on " + KindName(arena_[dict].kind) + ", expected a dict");
     }
     if (kv.size() % 2 != 0) Bad(std::string(op) + " with an odd number of keys and values");
+    Charge(kv.size() * 2 * sizeof(uint32_t));
     auto& v = arena_[dict].items;
     v.insert(v.end(), kv.begin(), kv.end());
   }
@@ -345,7 +394,7 @@ class Parser {
         if (n > d_.size() - pos_) Bad("FRAME of " + std::to_string(n) + " bytes past the end");
         return;
       }
-      case '(': marks_.push_back(stack_.size()); return;
+      case '(': PushMark(); return;
       case 'N': Push(New(Kind::kNone)); return;
       case 0x88:
       case 0x89: {
@@ -558,6 +607,7 @@ class Parser {
     size_t index;
     auto it = storage_index_.find(s.key);
     if (it == storage_index_.end()) {
+      Charge(2 * (sizeof(TorchStorage) + s.key.size() + s.location.size()) + 64 + s.key.size());
       index = storages_.size();
       storage_index_.emplace(s.key, index);
       storages_.push_back(s);
@@ -599,6 +649,8 @@ class Parser {
 
   std::vector<int64_t> Strides(const Value& t, const char* fn) {
     std::vector<int64_t> out;
+    if (t.items.size() > 64) Refuse(std::string(fn) + ": a stride of " +
+                                    std::to_string(t.items.size()) + " dimensions");
     for (uint32_t i : t.items) {
       const Value& v = arena_[i];
       if (v.kind != Kind::kInt) {
@@ -658,6 +710,7 @@ class Parser {
       Bad(std::string(fn) + ": " + std::to_string(t.shape.size()) + " sizes but " +
           std::to_string(t.stride.size()) + " strides");
     }
+    Charge(2 * sizeof(TensorDesc) + 16 * t.shape.size());
     uint32_t id = New(Kind::kTensor);
     arena_[id].i = static_cast<int64_t>(tensors_.size());
     tensors_.push_back(std::move(t));
@@ -758,6 +811,8 @@ class Parser {
   std::vector<Value> arena_;
   std::vector<uint32_t> stack_;
   std::vector<size_t> marks_;
+  size_t stack_high_ = 0, marks_high_ = 0;
+  uint64_t used_ = 0;  // bytes counted by Charge
   std::unordered_map<uint64_t, uint32_t> memo_;
   std::vector<TorchStorage> storages_;
   std::unordered_map<std::string, size_t> storage_index_;

@@ -285,6 +285,71 @@ DirectoryLock::~DirectoryLock() {
   }
 }
 
+std::optional<SharedClaim> SharedClaim::Take(const std::filesystem::path& claim_file,
+                                             const std::string& owner,
+                                             const std::string& description,
+                                             std::string* held_owner, std::string* held_by) {
+  // O_NOFOLLOW as for the lock file: a planted link is refused, never written through.
+  int fd = ::open(claim_file.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    if (errno == ELOOP) {
+      Fail(ErrorCode::kInvalidArgument,
+           claim_file.string() + ": found a symbolic link, expected reshard's claim file (a "
+                                 "regular file) or nothing; remove it");
+    }
+    FailErrno(claim_file.string(), "cannot create the claim file", errno);
+  }
+  SharedClaim claim(fd);  // closes fd on every path out
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    Fail(ErrorCode::kInvalidArgument, claim_file.string() + ": found " + FileTypeName(st.st_mode) +
+                                          ", expected reshard's claim file (a regular file)");
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) == 0) {
+    // Nobody holds it: ours. Rewrite who holds it, then share it (under the directory lock,
+    // so the moment between the two locks is never seen by another claimant).
+    const std::string text = owner + "\n" + description + "\n";
+    if (::ftruncate(fd, 0) != 0) FailErrno(claim_file.string(), "cannot write", errno);
+    for (size_t done = 0; done < text.size();) {
+      const ssize_t w = ::pwrite(fd, text.data() + done, text.size() - done, static_cast<off_t>(done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) FailErrno(claim_file.string(), "cannot write", w < 0 ? errno : EIO);
+      done += static_cast<size_t>(w);
+    }
+    if (::flock(fd, LOCK_SH | LOCK_NB) != 0) FailErrno(claim_file.string(), "cannot lock", errno);
+    return claim;
+  }
+  if (errno != EWOULDBLOCK) FailErrno(claim_file.string(), "cannot lock", errno);
+  // Held: by whom (at most 4 KiB are read; the writer writes two short lines).
+  char buf[4096];
+  const ssize_t n = ::pread(fd, buf, sizeof buf, 0);
+  const std::string text(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  const size_t nl = text.find('\n');
+  const std::string first = text.substr(0, nl);
+  if (first == owner) {
+    if (::flock(fd, LOCK_SH | LOCK_NB) == 0) return claim;
+    if (errno != EWOULDBLOCK) FailErrno(claim_file.string(), "cannot lock", errno);
+  }
+  std::string second = nl == std::string::npos ? std::string() : text.substr(nl + 1);
+  if (const size_t e = second.find('\n'); e != std::string::npos) second.resize(e);
+  if (held_owner) *held_owner = Printable(first);
+  if (held_by) *held_by = second.empty() ? "a process that did not say who it is" : Printable(second);
+  return std::nullopt;
+}
+
+SharedClaim& SharedClaim::operator=(SharedClaim&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+SharedClaim::~SharedClaim() {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the flock
+}
+
 std::string SafeHostName() {
   char buf[256] = {};
   if (::gethostname(buf, sizeof buf - 1) != 0) return "host";

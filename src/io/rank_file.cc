@@ -4,6 +4,8 @@
 
 #include <zstd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <vector>
 
 #include "reshard/base/checksum.h"
@@ -127,6 +129,40 @@ uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* d
                                    " (the file is corrupt)");
   }
   return len;
+}
+
+void RankFileReader::CheckPadding() const {
+  std::vector<char> buf(64 << 10);
+  // [begin, end) in file offsets must be zero; `where` says what lies around it.
+  auto zero = [&](uint64_t begin, uint64_t end, const std::string& where) {
+    for (uint64_t at = begin; at < end;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(end - at, buf.size()));
+      file_.PReadExact(buf.data(), n, at);
+      for (size_t k = 0; k < n; ++k) {
+        if (buf[k] != 0) {
+          char hex[8];
+          std::snprintf(hex, sizeof hex, "0x%02x", static_cast<unsigned char>(buf[k]));
+          Fail(ErrorCode::kDataLoss,
+               path() + ": padding byte at file offset " + std::to_string(at + k) + " (" +
+                   where + ") is " + hex + ", expected 0 (formats/rank-file.md: padding is "
+                   "zero); the file was altered after it was written");
+        }
+      }
+      at += n;
+    }
+  };
+  zero(kPreambleSize, preamble_.data_offset, "between the preamble and the data region");
+  const uint64_t base = preamble_.data_offset;
+  uint64_t end = 0;  // in the data region
+  std::string after = "the start of the data region";
+  for (const TensorEntry& t : header_->tensors) {
+    if (t.offset > end) zero(base + end, base + t.offset, "after " + after);
+    if (t.offset + t.stored_size > end) {
+      end = t.offset + t.stored_size;
+      after = "tensor \"" + Printable(t.name) + "\"";
+    }
+  }
+  zero(base + end, base + preamble_.data_size, "after " + after + ", up to the header");
 }
 
 void RankFileReader::ReadTensor(const TensorEntry& t, void* dst) const {

@@ -237,10 +237,14 @@ class Converter {
     ParallelForOptions po;
     po.threads = threads_;
     if (o_.progress) po.progress = [&](uint64_t) { o_.progress(done_bytes_.load(), total_bytes); };
+    // Each thread's buffers are sized by the longest chunk of these ranks, not chunk_size: a
+    // large --chunk-size over small tensors costs no memory.
+    uint64_t longest = 1;
+    for (const WorkItem& it : items) longest = std::max(longest, it.length);
     ParallelFor(items.size(), po, [&] {
-      return [&, buf = std::unique_ptr<char[]>(new char[o_.chunk_size]),
+      return [&, buf = std::unique_ptr<char[]>(new char[longest]),
               scratch = std::vector<char>(),  // source elements of a converting chunk
-              encoder = ChunkEncoder(o_.codec, o_.chunk_size, o_.zstd_level)](
+              encoder = ChunkEncoder(o_.codec, longest, o_.zstd_level)](
                  size_t i) mutable -> uint64_t {
         if (failed.load()) return 0;  // the loop is ending
         try {
@@ -322,7 +326,8 @@ std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
   for (const auto& e : fs::directory_iterator(out)) {
     const std::string name = e.path().filename().string();
     std::error_code ec;
-    if (name == kLockName || (name.starts_with(".") && name.find(".tmp-") != std::string::npos)) {
+    if (name == kLockName || name == kConvertClaimName ||
+        (name.starts_with(".") && name.find(".tmp-") != std::string::npos)) {
       continue;
     }
     if ((name.starts_with("fsdp1-") || name.starts_with("fsdp2-")) &&
@@ -393,8 +398,15 @@ ConvertResult Convert(const ConvertOptions& options) {
          "world size " + std::to_string(o.layout.world_size) +
              " is too large: rank file names allow at most 99999 ranks");
   }
-  if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0) {
-    Fail(ErrorCode::kInvalidArgument, "chunk size must be a positive multiple of 4096");
+  if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0 ||
+      o.chunk_size > kMaxConvertChunkSize) {
+    Fail(ErrorCode::kInvalidArgument,
+         "--chunk-size " + std::to_string(o.chunk_size) +
+             ": expected a chunk size that is a positive multiple of 4096 up to " +
+             std::to_string(kMaxConvertChunkSize) + " (1 GiB): each worker thread holds up "
+             "to three buffers of a chunk (source, zstd frame, dtype conversion) and a loader "
+             "stages whole zstd chunks in pinned memory (lanes x slots x chunk); chunks beyond "
+             "a few MiB gain nothing (default 2 MiB)");
   }
   if (!ParseDTypePolicy(o.layout.dtype)) {
     Fail(ErrorCode::kInvalidArgument,
@@ -472,6 +484,26 @@ ConvertResult Convert(const ConvertOptions& options) {
                "output of this source (files there would be overwritten); pass --force to "
                "convert into it anyway");
     }
+  }
+  // Held until this conversion ends: conversions of this source (disjoint --ranks, other
+  // layouts) share it; one of another source is refused now, before it writes a byte, not
+  // at its end after its rank files have replaced this one's.
+  std::string held_owner, held_by;
+  std::optional<SharedClaim> claim = SharedClaim::Take(
+      o.out / kConvertClaimName, Hex16(ckpt.fingerprint.fingerprint),
+      "reshard convert " + Printable(fs::absolute(o.source, ec).string()) + " (source fingerprint " +
+          Hex16(ckpt.fingerprint.fingerprint) + "), pid " + std::to_string(::getpid()) + " on " +
+          SafeHostName(),
+      &held_owner, &held_by);
+  if (!claim) {
+    Fail(ErrorCode::kBusy,
+         o.out.string() + ": another conversion into this directory is running, of another "
+                          "source (fingerprint " + held_owner + ", this source is " +
+             Hex16(ckpt.fingerprint.fingerprint) + "): " + held_by + " holds " +
+             std::string(kConvertClaimName) +
+             "; nothing was written. An output directory holds layouts of one source only: "
+             "convert into another directory (or wait for that conversion to end and remove "
+             "its output)");
   }
   const fs::path dir = o.out / o.layout.Key();
   fs::create_directories(dir, ec);

@@ -558,9 +558,12 @@ ExportResult Export(const ExportOptions& o) {
       for (uint32_t pi = 0; pi < t.loc->pieces.size(); ++pi) {
         const TensorPiece& p = t.loc->pieces[pi];
         const uint64_t cs = headers[p.rank]->chunk_size;
-        max_chunk = std::max(max_chunk, cs);
+        // Buffers are sized by the largest chunk read, not by chunk_size: a header may say
+        // 16 GiB chunks (formats/rank-file.md) over tensors of a few bytes.
+        const uint64_t longest = std::min(cs, headers[p.rank]->tensors[p.entry].nbytes);
+        max_chunk = std::max(max_chunk, longest);
         if (t.dtype != t.loc->dtype) {
-          max_conv = std::max(max_conv, cs / (Info(t.loc->dtype).bits / 8) *
+          max_conv = std::max(max_conv, longest / (Info(t.loc->dtype).bits / 8) *
                                             (Info(t.dtype).bits / 8));
         }
         for (uint64_t c = p.src_offset / cs; c * cs < p.src_offset + p.length; ++c) {

@@ -169,8 +169,18 @@ def write_hostile_shapes(out):
             "aux-escape.json": json.dumps({"format": "reshard.manifest", "format_version": 1,
                                            "aux_files": ["../../x"]}).encode(),
         },
-        # MEMOIZE (0x94) after an empty tuple, many times: a memo flood (PROTO 4, STOP).
-        "pickle": {"memo-flood.pkl": b"\x80\x04" + b")\x94" * 20000 + b"."},
+        # Memo and object floods (item 7 of issue 25): one memo entry per object (accepted),
+        # MEMOIZE repeated on one object and LONG_BINPUT under ever new keys (refused at the
+        # first entry past the objects built), empty tuples and MARKs by the thousand (each
+        # counted against the reader's memory limit).
+        "pickle": {
+            "memo-flood.pkl": b"\x80\x04" + b")\x94" * 20000 + b".",
+            "memo-flood-one-object.pkl": b"\x80\x04)" + b"\x94" * 20000 + b".",
+            "binput-flood.pkl": b"\x80\x02)" + b"".join(
+                b"r" + struct.pack("<I", k) for k in range(5000)) + b".",
+            "object-flood.pkl": b"\x80\x02" + b")" * 50000 + b".",
+            "mark-flood.pkl": b"\x80\x02" + b"(" * 50000 + b".",
+        },
     }
     for kind, files in seeds.items():
         os.makedirs(os.path.join(out, kind), exist_ok=True)

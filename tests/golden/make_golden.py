@@ -329,6 +329,15 @@ def rank_cases(reshard_bin, work):
     add("deep_nesting", z0.with_header(None, json.dumps(z0.header).encode()[:-1] +
                                        b', "extra": ' + DEEP + b"}"), "rank_open",
         ["header", *DEPTH_ERROR], "header with a member nested 1,000 deep (checksums consistent)")
+    # Padding that is not zero (formats/rank-file.md: bytes [64, data_offset) and the data
+    # region outside every tensor are zero; no checksum covers them, verify reads them).
+    add("nonzero_padding_preamble", flip(z0.raw, 100, 0), "rank_data",
+        ["padding byte at file offset 100", "between the preamble and the data region",
+         "is 0x01, expected 0"], "one bit set in the zero bytes after the preamble", code="")
+    at = z0.data_offset + zt["offset"] + zt["stored_size"] + 10
+    add("nonzero_padding_data", flip(z0.raw, at, 7), "rank_data",
+        [f"padding byte at file offset {at}", 'after tensor "w"', "is 0x80, expected 0"],
+        "one bit set in the zero padding after the last tensor", code="")
     # Files that are intact but do not belong where they are.
     add("wrong_world_size", z4.raw, "rank_data",
         ["holds rank 0, expected file name rank-00000-of-00004.reshard"],
@@ -375,6 +384,64 @@ def index_cases():
         "a NUL inside a weight_map file name (the C path would end at it)")
     add("nul_in_tensor_name", json.dumps({"weight_map": {"w\x00x": "model.safetensors"}}).encode(),
         ["weight_map", '"w\\x00x" (a NUL inside)'], "a NUL inside a weight_map tensor name")
+
+
+# ---- torch.save archives -------------------------------------------------------------
+
+def _zip_stored(records):
+    """A ZIP of stored records (Python's zipfile, not the library): what torch.save writes,
+    without its alignment padding."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            z.writestr(info, data)
+    return buf.getvalue()
+
+
+def _binunicode(s: str) -> bytes:
+    b = s.encode()
+    return b"X" + struct.pack("<I", len(b)) + b
+
+
+def tiny_state_dict_pickle() -> bytes:
+    """{"w": a float32 [2, 3] tensor on storage "0"}, opcode by opcode (protocol 2, as
+    torch.save writes it; Python's pickletools documentation), without STOP."""
+    return (b"\x80\x02" + b"}" + _binunicode("w")
+            + b"ctorch._utils\n_rebuild_tensor_v2\n"
+            + b"("                                    # the arguments
+            + b"(" + _binunicode("storage") + b"ctorch\nFloatStorage\n" + _binunicode("0")
+            + _binunicode("cpu") + b"K\x06" + b"t"   # the persistent id
+            + b"Q"                                    # BINPERSID: the storage
+            + b"K\x00" + b"K\x02K\x03\x86" + b"K\x03K\x01\x86" + b"\x89"
+            + b"ccollections\nOrderedDict\n" + b")" + b"R"
+            + b"t" + b"R" + b"s")
+
+
+def torch_cases():
+    storage = struct.pack("<6f", *[i * 0.25 for i in range(6)])
+
+    def add(name, pickle: bytes, contains, what, code):
+        rel = f"torch/{name}/pytorch_model.bin"
+        write(rel, _zip_stored([("archive/data.pkl", pickle), ("archive/byteorder", b"little"),
+                                ("archive/data/0", storage), ("archive/version", b"3\n")]))
+        full = ["pytorch_model.bin", "data.pkl"] + contains
+        case(rel, "checkpoint", full,
+             [{"args": ["inspect", "{path}"], "exit": 3, "stderr": full},
+              {"args": ["convert", "{path}", "-o", "{tmp}/out", "--world-size", "2",
+                        "--no-capture"], "exit": 3, "stderr": full}], code=code, what=what)
+
+    body = tiny_state_dict_pickle()
+    add("memo_flood", body + b"\x94" * 1000 + b".",
+        ["memo entry", "objects built", "at most one memo entry per object", "memo flood"],
+        "MEMOIZE 1,000 times on the state dict (50 MB of them took 2.8 GB to read)",
+        "unsupported")
+    puts = b"".join(b"r" + struct.pack("<I", 1000 + k) for k in range(1000))
+    add("binput_flood", body + puts + b".", ["memo flood"],
+        "LONG_BINPUT under 1,000 new keys", "unsupported")
 
 
 def manifest_cases(reshard_bin, work):
@@ -525,12 +592,13 @@ def main():
     if do_pin:
         pin(reshard_bin)
     if os.path.isdir(GOLDEN):
-        for d in ("safetensors", "rank", "index", "manifest"):
+        for d in ("safetensors", "rank", "index", "manifest", "torch"):
             shutil.rmtree(os.path.join(GOLDEN, d), ignore_errors=True)
     with tempfile.TemporaryDirectory() as work:
         safetensors_cases()
         rank_cases(reshard_bin, work)
         index_cases()
+        torch_cases()
         manifest_cases(reshard_bin, work)
     pinned_cases()
     with open(os.path.join(GOLDEN, "expectations.json"), "w") as f:

@@ -109,11 +109,12 @@ def flip_byte(path, offset: int) -> None:
 
 
 def snapshot(out) -> Dict[str, tuple]:
-    """path -> (mtime_ns, bytes) of every regular file under OUT except the lock file."""
+    """path -> (mtime_ns, bytes) of every regular file under OUT except the lock and claim
+    files."""
     snap = {}
     for root, _, files in os.walk(out):
         for n in files:
-            if n == ".reshard.lock":
+            if n in (".reshard.lock", ".reshard.convert"):
                 continue
             p = os.path.join(root, n)
             with open(p, "rb") as fh:
@@ -684,7 +685,7 @@ def test_manifest_contents(cli, checkpoint, tmp_path):
                 header_bytes = fh.read()
             assert x["header_xxh3"] == rf.hex16(rf.xxh3_64(header_bytes))
     assert sorted(os.listdir(out)) == sorted(
-        [".reshard.lock", "reshard.json", "config.json", "generation_config.json",
+        [".reshard.lock", ".reshard.convert", "reshard.json", "config.json", "generation_config.json",
          "fsdp2-ws1", "fsdp2-ws3", "fsdp2-ws8"])
 
 

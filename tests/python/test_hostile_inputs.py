@@ -279,3 +279,226 @@ def test_ctrl_c_during_convert_says_what_happened_and_a_rerun_finishes(cli, resh
     assert "did not finish: run it again" in r.out, r
     cli("convert", src, "-o", out, "--world-size", 4, "--no-capture", rc=0)
     assert "OK" in cli("verify", out, "--source", src, rc=0).out
+
+
+# ---- round three: concurrent converts, memory bounds, padding, .bin CRCs ------------------
+
+def _limited(reshard_bin, args, as_bytes, timeout=120):
+    """`reshard ARGS` under an address-space limit of `as_bytes` (RLIMIT_AS)."""
+    import resource
+    import subprocess
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
+
+    return subprocess.run([reshard_bin, *[str(a) for a in args]], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, preexec_fn=limit,
+                          env=dict(os.environ, OMP_NUM_THREADS="2"))
+
+
+def test_a_convert_of_another_source_into_a_busy_out_fails_at_once(cli, reshard_bin, converted,
+                                                                   tmp_path):
+    """Item 4: two converts of different sources into one empty OUT at the same time. The
+    second used to run to its end, its rank files replacing the first's (which had exited 0);
+    now it is refused before writing anything, naming OUT, the running conversion and what to
+    do. A conversion of the same source (another layout) still runs beside it."""
+    import fcntl
+    import signal
+    import subprocess
+    import time
+
+    from safetensors.torch import save_file
+    import torch
+
+    src = tmp_path / "big"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(24)},  # 100 MB
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    other = converted[0]
+    out = tmp_path / "out"
+    a = subprocess.Popen([reshard_bin, "convert", str(src), "-o", str(out), "--world-size", "4",
+                          "--no-capture", "--threads", "1"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    layout = out / "fsdp2-ws4"
+    stopped = False
+    try:
+        def lock_is_free():
+            fd = os.open(out / ".reshard.lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return True
+            except BlockingIOError:
+                return False
+            finally:
+                os.close(fd)
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and a.poll() is None:
+            if layout.is_dir() and any(".tmp-" in n for n in os.listdir(layout)):
+                a.send_signal(signal.SIGSTOP)  # A is writing rank files...
+                while open(f"/proc/{a.pid}/stat").read().rsplit(")", 1)[1].split()[0] not in "TZX":
+                    time.sleep(0.001)          # (stopped, not just signalled)
+                if lock_is_free():             # ...without OUT's lock
+                    stopped = True
+                    break
+                a.send_signal(signal.SIGCONT)  # stopped at its end, holding it: later
+            time.sleep(0.002)
+        assert stopped, "convert A finished before B could start"
+        before = sorted(os.listdir(out))
+        t0 = time.monotonic()
+        b = cli("convert", other, "-o", out, "--world-size", 4, "--no-capture", "--lock-wait", 30)
+        took = time.monotonic() - t0
+        assert b.rc == 3, b
+        assert took < 10, f"B took {took:.1f} s to give up"
+        for words in (str(out), "another conversion into this directory is running",
+                      "of another source", f"reshard convert {src}", f"pid {a.pid}",
+                      ".reshard.convert", "nothing was written", "convert into another directory"):
+            assert words in b.err, (words, b.err)
+        assert sorted(os.listdir(out)) == before
+        # The same source into another layout shares OUT with A.
+        cli("convert", src, "-o", out, "--world-size", 2, "--no-capture", rc=0)
+    finally:
+        if stopped:
+            a.send_signal(signal.SIGCONT)
+        _, err = a.communicate(timeout=120)
+    assert a.returncode == 0, err
+    r = cli("verify", out, "--source", src, rc=0)
+    assert "OK" in r.out, r
+    # Once A has ended, B is refused by the manifest (another source), as before.
+    b = cli("convert", other, "-o", out, "--world-size", 4, "--no-capture", rc=3)
+    assert "another source" in b.err, b
+
+
+def _torch_zip(records):
+    """A torch.save-like archive (stored records, CRCs by zipfile)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records:
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _tiny_bin_records():
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(24, dtype=torch.float32).reshape(6, 4)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        return [(i.filename, z.read(i)) for i in z.infolist()]
+
+
+def test_pickle_memo_flood_is_refused_within_a_memory_limit(reshard_bin, tmp_path):
+    """Item 7: MEMOIZE repeated 50 M times in data.pkl (50 MB) took 2.8 GB of memory (250 MB:
+    a bare std::bad_alloc). Now refused at the first memo entry past the objects built, under
+    a 1 GiB address-space limit, naming the file."""
+    import time
+
+    recs = _tiny_bin_records()
+    name, pkl = recs[0]
+    assert name.endswith("data.pkl") and pkl.endswith(b".")
+    flood = pkl[:-1] + b"\x94" * (50 << 20) + b"."
+    path = tmp_path / "src" / "pytorch_model.bin"
+    path.parent.mkdir()
+    path.write_bytes(_torch_zip([(name, flood)] + recs[1:]))
+    t0 = time.monotonic()
+    for args in (("inspect", path), ("convert", path.parent, "-o", tmp_path / "out",
+                                     "--world-size", 2, "--no-capture")):
+        p = _limited(reshard_bin, args, 1 << 30)
+        assert p.returncode == 3, p
+        for words in (str(path), "data.pkl", "memo entry", "memo flood",
+                      "at most one memo entry per object"):
+            assert words in p.stderr, (words, p.stderr)
+    assert time.monotonic() - t0 < 30
+    assert not (tmp_path / "out" / "fsdp2-ws2").exists()
+
+
+def _set_chunk_size(out, key, chunk_size):
+    """Rewrites every rank file of OUT/KEY to say `chunk_size` (each tensor has one chunk, so
+    its checksums stay right), with the preamble's and the manifest's checksums recomputed."""
+    import reference_reader as rf
+
+    m = json.loads((out / "reshard.json").read_text())
+    for entry in m["layouts"][key]["ranks"]:
+        path = out / key / entry["file"]
+        raw = path.read_bytes()
+        magic, ver, flags, doff, dsize, hoff, hsize = struct.unpack_from("<8sIIQQQQ", raw)
+        h = json.loads(raw[hoff:hoff + hsize])
+        assert all(len(t["chunk_xxh3"]) == 1 for t in h["tensors"])
+        h["chunk_size"] = chunk_size
+        text = json.dumps(h).encode()
+        pre = struct.pack("<8sIIQQQQQ", magic, ver, flags, doff, dsize, hoff, len(text),
+                          rf.xxh3_64(text))
+        path.write_bytes(pre + struct.pack("<Q", rf.xxh3_64(pre)) + raw[64:hoff] + text)
+        entry["size"] = path.stat().st_size
+        entry["header_xxh3"] = rf.hex16(rf.xxh3_64(text))
+    (out / "reshard.json").write_text(json.dumps(m, indent=2) + "\n")
+
+
+def test_export_of_16_gib_chunks_fits_in_4_gib(reshard_bin, converted, tmp_path):
+    """Item 7: a layout whose headers say 16 GiB chunks (the format's limit) verified under a
+    4 GiB address-space limit, but export allocated chunk_size per thread (std::bad_alloc)."""
+    out = _copy_tree(converted[1], tmp_path / "out")
+    _set_chunk_size(out, "fsdp2-ws1", 1 << 34)
+    p = _limited(reshard_bin, ["verify", out, "--threads", 2], 4 << 30)
+    assert p.returncode == 0, p
+    p = _limited(reshard_bin, ["export", out, "-o", tmp_path / "hf", "--threads", 2], 4 << 30)
+    assert p.returncode == 0, p
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    want = load_file(str(converted[0] / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(got[k].equal(want[k]) for k in want)
+
+
+def test_convert_chunk_size_past_the_limit_is_refused_up_front(cli, reshard_bin, converted,
+                                                              tmp_path):
+    """Item 7: --chunk-size 1 TiB went on to allocate it per thread (std::bad_alloc)."""
+    out = tmp_path / "out"
+    for size in (1 << 40, (1 << 30) + 4096):
+        r = cli("convert", converted[0], "-o", out, "--world-size", 1, "--no-capture",
+                "--chunk-size", size, rc=2)
+        for words in (f"--chunk-size {size}", "up to 1073741824 (1 GiB)", "worker thread",
+                      "pinned memory"):
+            assert words in r.err, (words, r.err)
+        assert not out.exists()
+    # 1 GiB itself is allowed; over small tensors it costs no memory (buffers are sized by
+    # the longest chunk written, not chunk_size: 4 threads fit in a 2 GiB address space).
+    p = _limited(reshard_bin, ["convert", converted[0], "-o", out, "--world-size", 1,
+                               "--no-capture", "--chunk-size", 1 << 30, "--threads", 4], 2 << 30)
+    assert p.returncode == 0, p
+    cli("verify", out, "--source", converted[0], rc=0)
+
+
+def test_bin_storage_crc_is_checked_by_verify_source(cli, tmp_path):
+    """Item 10: a storage record of a torch.save archive changed after it was written (its
+    CRC-32 no longer matches) converted silently, and verify --source agreed (the rank files
+    hold what the source holds). verify --source now checks every record's CRC-32."""
+    import io
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "pytorch_model.bin"
+    path.write_bytes(_torch_zip(_tiny_bin_records()))
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(raw))) as z:
+        info = [i for i in z.infolist() if i.filename.endswith("/data/0")][0]
+    n, m = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    raw[info.header_offset + 30 + n + m + 7] ^= 0x40  # a bit of w[1]
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--world-size", 2, "--no-capture", rc=0)
+    r = cli("verify", out, "--source", src, rc=1)
+    for words in (str(path), f'record "{info.filename}"', "CRC-32", "the central directory says",
+                  "the source changed after torch.save wrote it"):
+        assert words in r.out, (words, r.out)
+    cli("verify", out, rc=0)  # the rank files themselves are intact

@@ -342,7 +342,8 @@ int RunCli(int argc, char** argv) {
                       "store tensor data as independent zstd frames: zstd or zstd:LEVEL "
                       "(1-19, default 3); raw by default");
   convert->add_option("--chunk-size", co.chunk_size,
-                      "bytes per checksum/compression chunk, a multiple of 4096")
+                      "bytes per checksum/compression chunk, a multiple of 4096, at most 1 GiB "
+                      "(each worker thread holds up to three chunk buffers)")
       ->capture_default_str();
   convert->add_option("--lock-wait", co.lock_wait_seconds,
                       "seconds to wait for another conversion into OUT to release the manifest "

@@ -21,6 +21,9 @@ inline constexpr std::string_view kAdapterWeightsName = "adapter_model.safetenso
 inline constexpr std::string_view kManifestFormatName = "reshard.manifest";
 inline constexpr uint32_t kManifestVersion = 1;
 inline constexpr std::string_view kLockName = ".reshard.lock";
+// Held (shared) by every conversion into OUT while it runs, naming its source: a conversion
+// of another source is refused at once (formats/manifest.md, "Concurrent conversions").
+inline constexpr std::string_view kConvertClaimName = ".reshard.convert";
 
 struct ManifestRank {
   uint32_t rank = 0;

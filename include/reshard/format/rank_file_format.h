@@ -24,6 +24,11 @@ inline constexpr uint64_t kDataAlignment = 4096;
 inline constexpr uint64_t kDataOffset = 4096;
 inline constexpr uint64_t kMaxHeaderSize = 256ull << 20;
 inline constexpr uint64_t kDefaultChunkSize = 2ull << 20;
+// The largest chunk_size a reader accepts (formats/rank-file.md), and the largest that
+// `reshard convert --chunk-size` writes (each worker thread holds up to three chunk buffers;
+// a loader stages whole zstd chunks in pinned memory).
+inline constexpr uint64_t kMaxChunkSize = 1ull << 34;
+inline constexpr uint64_t kMaxConvertChunkSize = 1ull << 30;
 inline constexpr std::string_view kRankFileFormatName = "reshard.rank";
 inline constexpr std::string_view kRankFileExtension = ".reshard";
 

@@ -16,6 +16,11 @@ namespace reshard {
 
 inline constexpr uint64_t kTorchPickleMaxSize = 256ull << 20;     // bytes of data.pkl
 inline constexpr uint64_t kTorchPickleMaxObjects = 1ull << 24;    // objects built while reading
+// Memory the reader may use for what it builds (objects, strings, lists, the memo, stack and
+// marks, storages and tensors), as it counts it (vector growth included): about 3.5 KiB per
+// tensor in torch.save's pickles, so ~300,000 tensors in one data.pkl. A file needing more is
+// refused naming it, never read until the allocator fails.
+inline constexpr uint64_t kTorchPickleMaxMemory = 1ull << 30;
 
 /// One storage of the archive: persistent id ('storage', <type>, key, location, numel).
 struct TorchStorage {

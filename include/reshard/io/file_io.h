@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 namespace reshard {
@@ -87,6 +88,34 @@ class DirectoryLock {
   DirectoryLock& operator=(const DirectoryLock&) = delete;
 
  private:
+  int fd_ = -1;
+};
+
+/// A claim on a directory that the processes of one owner share and any other owner is
+/// refused while it is held: a flock LOCK_SH on `claim_file` for the object's lifetime, the
+/// file naming (line 1) the owner and (line 2) a description of the process that took the
+/// claim first. Taken only while holding the directory's DirectoryLock, so that checking the
+/// holders and taking the claim cannot interleave with another claimant. A claim file that
+/// no process holds is stale and is taken over whoever wrote it (a crashed process's flock
+/// is gone with it).
+class SharedClaim {
+ public:
+  SharedClaim() = default;
+  /// The claim for `owner` (a single line) with `description` (a single line), or nothing,
+  /// with the holders' owner and description in *held_owner / *held_by, when processes of
+  /// another owner hold it. A symbolic link or special file at `claim_file` is refused.
+  static std::optional<SharedClaim> Take(const std::filesystem::path& claim_file,
+                                         const std::string& owner,
+                                         const std::string& description,
+                                         std::string* held_owner, std::string* held_by);
+  SharedClaim(SharedClaim&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+  SharedClaim& operator=(SharedClaim&& other) noexcept;
+  SharedClaim(const SharedClaim&) = delete;
+  SharedClaim& operator=(const SharedClaim&) = delete;
+  ~SharedClaim();
+
+ private:
+  explicit SharedClaim(int fd) : fd_(fd) {}
   int fd_ = -1;
 };
 

@@ -68,6 +68,11 @@ class RankFileReader {
   /// Reads a whole tensor into `dst` (tensor.nbytes bytes), verifying every chunk and the
   /// tensor checksum.
   void ReadTensor(const TensorEntry& tensor, void* dst) const;
+  /// Checks that every byte the format says is zero padding is zero (formats/rank-file.md):
+  /// preamble bytes [64, data_offset), and the data region's bytes outside every tensor's
+  /// [offset, offset + stored_size). Throws kDataLoss naming the file, the first nonzero byte's
+  /// file offset and value, and where it lies.
+  void CheckPadding() const;
 
  private:
   File file_;

@@ -7,17 +7,20 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "core/torch_archive.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/model_manifest.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/format/safetensors.h"
+#include "reshard/format/torch_pickle.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 
@@ -111,7 +114,7 @@ Manifest ManifestWithAux(std::vector<std::string> aux) {
 TEST(AuxFiles, NamesThatArePathsAreRefused) {
   for (const std::string& bad : std::vector<std::string>{"../../escape", "/etc/passwd", "sub/config.json", "..", ".", "", "a\\b",
         std::string("config.json\0x", 13), "tok\x1b[2J.json", "a\nb", "reshard.json",
-        ".reshard.lock"}) {
+        ".reshard.lock", ".reshard.convert"}) {
     SCOPED_TRACE(Printable(bad));
     const std::string text = SerializeManifest(ManifestWithAux({"config.json", bad}));
     EXPECT_TRUE(ThrowsError([&] { ParseManifest(text, "out/reshard.json"); },
@@ -231,6 +234,96 @@ TEST(Permissions, CopiesAreNeverMorePermissiveThanTheSource) {
     EXPECT_EQ(st.st_mode & 0777, expected) << std::oct << mode;
   }
   ::umask(old_mask);
+}
+
+// ---- memory bounds of the pickle reader (item 7) ------------------------------------------
+
+// A state dict of one tensor, as torch.save writes it, without its STOP.
+std::string OneTensorPickleBody() {
+  test::PickledTensor t;
+  t.name = "w";
+  t.storage_type = "FloatStorage";
+  t.key = "0";
+  t.storage_numel = 6;
+  t.shape = {2, 3};
+  std::string p = test::StateDictPickle({t});
+  EXPECT_EQ(p.back(), '.');
+  p.pop_back();
+  return p;
+}
+
+TEST(PickleMemory, MemoFloodIsRefusedAtItsFirstExtraEntry) {
+  const std::string body = OneTensorPickleBody();
+  ASSERT_NO_THROW(ParseTorchPickle(body + ".", "ok.pkl"));
+  // MEMOIZE repeated on the state dict: each a memo entry (~64 bytes) for one byte of file;
+  // 50 MB of them took 2.8 GB, 250 MB ended in a bare std::bad_alloc.
+  for (const size_t n : {size_t{1000}, size_t{50} << 20}) {
+    std::string flood = body;
+    flood.append(n, static_cast<char>(0x94));
+    flood += '.';
+    EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(flood, "flood.pkl"); }, ErrorCode::kUnsupported,
+                            {"flood.pkl", "at byte", "memo entry", "objects built",
+                             "at most one memo entry per object", "memo flood"}))
+        << n;
+  }
+  // LONG_BINPUT under ever new keys: the same rule.
+  std::string puts = body;
+  for (uint32_t k = 0; k < 1000; ++k) {
+    puts += 'r';
+    for (int b = 0; b < 4; ++b) puts += static_cast<char>(((k + 1000) >> (8 * b)) & 0xFF);
+  }
+  puts += '.';
+  EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(puts, "puts.pkl"); }, ErrorCode::kUnsupported,
+                          {"puts.pkl", "memo flood"}));
+  // Overwriting one key is not a flood.
+  std::string same = body;
+  for (int k = 0; k < 1000; ++k) same += "q\x01";
+  same += '.';
+  EXPECT_NO_THROW(ParseTorchPickle(same, "same.pkl"));
+}
+
+TEST(PickleMemory, ObjectFloodStopsAtTheMemoryLimit) {
+  // 8 M empty tuples (one byte each): ~1.3 GiB of objects as the reader holds them.
+  std::string flood = "\x80\x02";
+  flood.append(8u << 20, ')');
+  flood += '.';
+  EXPECT_TRUE(ThrowsError([&] { ParseTorchPickle(flood, "objects.pkl"); },
+                          ErrorCode::kUnsupported,
+                          {"objects.pkl", "at byte", "needs more than 1024 MiB of memory",
+                           "objects", "kTorchPickleMaxMemory"}));
+}
+
+// ---- concurrent conversions of different sources (item 4) ---------------------------------
+
+TEST(SharedClaim, OneOwnerSharesItAnotherIsRefusedUntilItIsReleased) {
+  TempDir dir;
+  const fs::path file = dir / ".reshard.convert";
+  std::string owner, by;
+  std::optional<SharedClaim> a = SharedClaim::Take(file, "aaaa", "convert A, pid 1", &owner, &by);
+  ASSERT_TRUE(a);
+  // The same owner shares it (flock is per open file: a second open in this process is
+  // another holder, as another process would be).
+  std::optional<SharedClaim> a2 = SharedClaim::Take(file, "aaaa", "convert A', pid 2", &owner, &by);
+  ASSERT_TRUE(a2);
+  EXPECT_FALSE(SharedClaim::Take(file, "bbbb", "convert B", &owner, &by));
+  EXPECT_EQ(owner, "aaaa");
+  EXPECT_EQ(by, "convert A, pid 1");
+  a.reset();
+  EXPECT_FALSE(SharedClaim::Take(file, "bbbb", "convert B", &owner, &by));  // A' still holds it
+  a2.reset();
+  // Released (or its holders died): the next owner takes it over and is named in it.
+  std::optional<SharedClaim> b = SharedClaim::Take(file, "bbbb", "convert B, pid 3", &owner, &by);
+  ASSERT_TRUE(b);
+  EXPECT_FALSE(SharedClaim::Take(file, "aaaa", "convert A", &owner, &by));
+  EXPECT_EQ(owner, "bbbb");
+  EXPECT_EQ(by, "convert B, pid 3");
+  b.reset();
+  // A planted link is refused, not followed.
+  fs::remove(file);
+  fs::create_symlink(dir / "elsewhere", file);
+  EXPECT_TRUE(ThrowsError([&] { SharedClaim::Take(file, "aaaa", "A", &owner, &by); },
+                          ErrorCode::kInvalidArgument, {file.string(), "symbolic link"}));
+  EXPECT_FALSE(fs::exists(dir / "elsewhere"));
 }
 
 }  // namespace
