@@ -1,6 +1,9 @@
 #include "reshard/runtime/source_load.h"
 
 #include <fcntl.h>
+#include <sys/uio.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <atomic>
@@ -45,6 +48,23 @@ class ThreadSource {
   virtual void Read(size_t file_index, uint64_t offset, size_t size, void* dst) = 0;
 };
 
+// One piece of one target: entry bytes [begin, begin + length).
+struct Piece {
+  uint32_t job = 0;
+  uint64_t begin = 0, length = 0;
+  std::pair<size_t, uint64_t> first_source{0, 0};  // for ordering the reads
+};
+
+// Whether byte `offset` of `fd` is in the page cache: a one-byte read that may not wait for
+// the disk (RWF_NOWAIT); where that is not supported, "yes" (the warm path is always right,
+// only slower on a cold file).
+bool ByteCached(int fd, uint64_t offset) {
+  char b;
+  iovec v{&b, 1};
+  const ssize_t n = ::preadv2(fd, &v, 1, static_cast<off_t>(offset), RWF_NOWAIT);
+  return n >= 0 || errno != EAGAIN;
+}
+
 // What both kinds of view share: the planned header, each entry's byte map, the load.
 class PlannedView : public SourceRankView {
  public:
@@ -67,20 +87,11 @@ class PlannedView : public SourceRankView {
   // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
   // (posix_fadvise WILLNEED): a hint, errors ignored.
   virtual void Advise(size_t file_index, uint64_t offset, uint64_t size) const = 0;
-  // The page-cache residency of the files this rank reads (0 to 1, sampled).
-  double Residency() const {
-    if (used_files_.empty()) return 1.0;
-    double sum = 0;
-    size_t n = 0;
-    for (size_t i = 0; i < used_files_.size(); i += std::max<size_t>(1, used_files_.size() / 8)) {
-      try {
-        sum += PageCacheResidency(used_files_[i]);
-      } catch (const Error&) {
-      }
-      ++n;
-    }
-    return sum / static_cast<double>(n);
-  }
+  // Whether the source byte at (file_index, offset) is in the page cache.
+  virtual bool Cached(size_t file_index, uint64_t offset) const = 0;
+  // The fraction of up to 64 pieces, spread over the load, whose first source byte is in
+  // the page cache: the bytes this rank reads, not whole files (a rank reads a part of each).
+  double Residency(const std::vector<Piece>& pieces) const;
   virtual const SourceTensor* FindSource(std::string_view name) const = 0;
   // Adds to used_files_ the files holding bytes [begin, end) of source tensor `t`.
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
@@ -157,12 +168,16 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
   }
 }
 
-// One piece of one target: entry bytes [begin, begin + length).
-struct Piece {
-  uint32_t job = 0;
-  uint64_t begin = 0, length = 0;
-  std::pair<size_t, uint64_t> first_source{0, 0};  // for ordering the reads
-};
+
+double PlannedView::Residency(const std::vector<Piece>& pieces) const {
+  const size_t samples = std::min<size_t>(pieces.size(), 64);
+  size_t cached = 0;
+  for (size_t k = 0; k < samples; ++k) {
+    const Piece& p = pieces[k * pieces.size() / samples];
+    cached += Cached(p.first_source.first, p.first_source.second) ? 1 : 0;
+  }
+  return samples ? static_cast<double>(cached) / static_cast<double>(samples) : 1.0;
+}
 
 LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* copier,
                             const LoadOptions& options) const {
@@ -222,7 +237,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // and one thread asking the kernel to read ahead in source order, so that the disk sees
   // long sequential requests rather than each reader's 4 MiB at a time.
   bool cold = options.io == IoMode::kReadahead || options.io == IoMode::kDirect;
-  if (options.io == IoMode::kAuto && !pieces.empty()) cold = Residency() < 0.5;
+  if (options.io == IoMode::kAuto && !pieces.empty()) cold = Residency(pieces) < 0.5;
   unsigned threads = std::max(1u, options.threads);
   if (cold && options.cold_threads) threads = std::min(threads, options.cold_threads);
   const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), threads));
@@ -341,6 +356,9 @@ class CheckpointView final : public PlannedView {
  protected:
   std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t) const override {
     return std::make_unique<CheckpointSource>(files_);
+  }
+  bool Cached(size_t file_index, uint64_t offset) const override {
+    return file_index >= files_.size() || ByteCached(files_[file_index].fd(), offset);
   }
   void Advise(size_t file_index, uint64_t offset, uint64_t size) const override {
     if (file_index < files_.size()) {
@@ -493,6 +511,22 @@ class LayoutView final : public PlannedView {
  protected:
   std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const override {
     return std::make_unique<LayoutSource>(bytes_, verify, hash_piece);
+  }
+  bool Cached(size_t, uint64_t offset) const override {
+    const auto it = std::upper_bound(bytes_.starts.begin(), bytes_.starts.end(), offset);
+    if (it == bytes_.starts.begin()) return true;
+    const size_t ti = static_cast<size_t>(it - bytes_.starts.begin()) - 1;
+    const TensorLocation& t = bytes_.tensors[ti];
+    const uint64_t at = offset - bytes_.starts[ti];
+    if (at >= t.nbytes) return true;
+    const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
+                                      [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
+    const TensorPiece& p = *(pit - 1);
+    const RankFileReader& r = bytes_.readers[p.rank];
+    const TensorEntry& e = r.header().tensors[p.entry];
+    const uint64_t pos = p.src_offset + (at - p.dst_offset);
+    const uint64_t in_file = e.codec == Codec::kRaw ? pos : e.frames[pos / r.header().chunk_size].offset;
+    return ByteCached(r.file().fd(), r.preamble().data_offset + e.offset + in_file);
   }
   void Advise(size_t, uint64_t offset, uint64_t size) const override {
     // The virtual range's pieces, as LayoutSource::Read walks them; raw entries only.
