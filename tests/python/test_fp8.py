@@ -196,13 +196,12 @@ def test_gpu_keep_policy_loads_the_live_fp8_model(fp8_src, tmp_path):
     """On CUDA: from_pretrained keeps the FP8 model (FP8Linear / FP8Experts); reshard.load of
     the keep-policy rank files into that model, built empty by transformers' own quantizer,
     gives the same parameters bit for bit (world size 1: FSDP2 over one GPU)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    assert torch.cuda.is_available(), "GPU test selected on a machine without CUDA"
     src, _ = fp8_src
     out = tmp_path / "out"
     _capture(src, tmp_path / "keep.json", "keep")
     bin_ = os.environ.get("RESHARD_BIN", "/work/main/build/reshard")
-    subprocess.run([bin_, "convert", src, "-o", str(out), "--world-size", 1, "--model-manifest",
+    subprocess.run([bin_, "convert", src, "-o", str(out), "--world-size", "1", "--model-manifest",
                     str(tmp_path / "keep.json")], check=True)
     _torchrun(1, os.path.join(HERE, "fp8_keep_worker.py"), "--src", src, "--out", out, "--manifest",
               tmp_path / "keep.json")
