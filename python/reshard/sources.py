@@ -52,14 +52,18 @@ def whole_names(names: Iterable[str], prefix: str) -> Set[str]:
     return out
 
 
-def other_layout(manifest: Dict[str, Any], world_size: int, policy: str) -> Optional[str]:
+def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
+                 skip_kind: Optional[str] = None) -> Optional[str]:
     """The complete layout of OUT to read a world size `world_size` job from, when none is its
     own: FSDP2 before FSDP1 (whole rows, fewer pieces), the live dtype's policy before keep
-    before another, then the fewest rank files (fewer files to open and check). None when OUT
-    holds no complete layout."""
+    before another, then the fewest rank files (fewer files to open and check). Layouts of
+    kind `skip_kind` at this world size are the job's own (found wanting: a rank file
+    missing) and not used. None when OUT holds no other complete layout."""
     best, best_rank = None, None
     for key, lay in manifest.get("layouts", {}).items():
         if not lay.get("complete") or len(lay.get("ranks", [])) != lay.get("world_size"):
+            continue
+        if lay.get("kind") == skip_kind and lay.get("world_size") == world_size:
             continue
         dtype = lay.get("dtype", "keep")
         rank = (lay.get("kind") != "fsdp2", 0 if dtype == policy else 1 if dtype == "keep" else 2,
@@ -121,7 +125,7 @@ def open_job_source(out: str, world_size: int, coord: int, live_dtype, hf_model:
             path, key, reader = open_job_file(out, world_size, coord, live_dtype)
             return JobSource(path, key, reader, "rank file")
         except NotFoundError:
-            other = other_layout(manifest, world_size, target_policy(live_dtype))
+            other = other_layout(manifest, world_size, target_policy(live_dtype), skip_kind="fsdp2")
             if other is None:
                 raise
             return open_view_of_layout(out, other, world_size, coord, live_dtype, hf_model, buffer_names)
@@ -179,7 +183,7 @@ def fsdp1_view(out: str, model: nn.Module, world_size: int, coord: int, live_dty
     model_json = os.path.join(out, "reshard-model.json")
     if manifest is None or not os.path.exists(model_json):
         return None
-    other = other_layout(manifest, world_size, policy)
+    other = other_layout(manifest, world_size, policy, skip_kind="fsdp1")
     if other is None:
         return None
     with open(model_json) as f:

@@ -1,7 +1,8 @@
 #include "reshard/runtime/source_load.h"
 
 #include <fcntl.h>
-#include <sys/uio.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 
@@ -55,14 +56,19 @@ struct Piece {
   std::pair<size_t, uint64_t> first_source{0, 0};  // for ordering the reads
 };
 
-// Whether byte `offset` of `fd` is in the page cache: a one-byte read that may not wait for
-// the disk (RWF_NOWAIT); where that is not supported, "yes" (the warm path is always right,
-// only slower on a cold file).
+// Whether byte `offset` of `fd` is in the page cache: mincore of its page, mapped alone (as
+// PageCacheResidency samples whole files; a read with RWF_NOWAIT, tried first, found cold
+// files "cached" on the GPU machine, run AJ). Where the page cannot be mapped, "yes" (the
+// warm path is always right, only slower on a cold file).
 bool ByteCached(int fd, uint64_t offset) {
-  char b;
-  iovec v{&b, 1};
-  const ssize_t n = ::preadv2(fd, &v, 1, static_cast<off_t>(offset), RWF_NOWAIT);
-  return n >= 0 || errno != EAGAIN;
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t at = offset / page * page;
+  void* map = ::mmap(nullptr, page, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(at));
+  if (map == MAP_FAILED) return true;
+  unsigned char v = 1;
+  const bool ok = ::mincore(map, page, &v) == 0;
+  ::munmap(map, page);
+  return !ok || (v & 1) != 0;
 }
 
 // What both kinds of view share: the planned header, each entry's byte map, the load.

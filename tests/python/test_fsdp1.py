@@ -135,6 +135,9 @@ def test_fsdp1_refusals(ckpts, tmp_path):
     r = run_ranks(2, src, out, tmp_path, "--live-dtype", "fp32", "--orig", "--plain-init",
                   "--expect-error", "reshard.fsdp1_param_init_fn")
     assert all(x["ok"] for x in r), r
+    # Without OUT/reshard-model.json no other layout can be replanned for the job (reshard.load
+    # reads an fsdp1 job's rank from another layout when it is there: test_load_anywhere).
+    os.remove(out / "reshard-model.json")
     # The job runs without use_orig_params: no layout matches; the error says what to convert.
     r = run_ranks(2, src, out, tmp_path, "--live-dtype", "fp32",
                   "--expect-error", "reshard convert <checkpoint> -o")

@@ -81,9 +81,11 @@ def test_hsdp_2x2_uses_shard_coordinate(ckpts, tmp_path):
 
 
 def test_fsdp2_refuses_wrong_world_size(ckpts, tmp_path):
+    """OUT holds no complete layout (a world-size-3 conversion of ranks 0-1 only): nothing to
+    read a world-size-2 job from (with a complete one, it is read from: test_load_anywhere)."""
     src = ckpts[("llama", "bf16")]
     out = tmp_path / "out"
-    convert(src, out, 3)
+    convert(src, out, 3, "--ranks", "0-1")
     run_ranks(src, out, 2, tmp_path, "--expect-error", "--world-size 2")
 
 
@@ -162,7 +164,7 @@ def test_live_dtype_differs_converts_like_to(ckpts, tmp_path):
 def test_refuses_missing_layout_with_command(ckpts, tmp_path):
     src = ckpts[("llama", "bf16")]
     out = tmp_path / "out"
-    convert(src, out, 2)
+    convert(src, out, 2, "--ranks", "1-1")  # incomplete: no layout to read world size 1 from
     model = _empty_cpu(out)
     with pytest.raises(reshard.NotFoundError, match=r"no layout fsdp2-ws1-bf16 or fsdp2-ws1 .*reshard convert .*--world-size 1 --dtype bf16"):
         reshard.load(model, str(out))

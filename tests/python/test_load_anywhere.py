@@ -215,10 +215,21 @@ def test_fsdp2_load_from_another_world_size(ckpts, tmp_path):
     for r in reports:
         assert r["source"].startswith(f"layout fsdp2-ws4 of {out}"), r
     assert sorted(os.listdir(out)) == before, "nothing is written"
-    # The exact layout is preferred once it exists.
+    # The exact layout is preferred once it exists (the choice, without a job: sources.py).
+    from torch import nn
+
+    from reshard.sources import open_job_source
+
     convert(src, out, 3)
-    reports = run_ranks(src, out, 3, tmp_path)
-    assert all(r["source"] == "rank file" for r in reports)
+    for r in range(3):
+        job = open_job_source(str(out), 3, r, torch.float32, nn.Module(), [], set())
+        assert job.source == "rank file" and job.path.endswith(f"fsdp2-ws3/rank-{r:05d}-of-00003.reshard"), job
+    job = open_job_source(str(out), 2, 1, torch.float32, nn.Module(), [], set())
+    assert job.source.startswith(f"layout fsdp2-ws3 of {out}") and job.key == "fsdp2-ws2-fp32", job
+    # A layout whose own rank file is missing is not read from itself: the other one serves.
+    os.remove(out / "fsdp2-ws3" / "rank-00001-of-00003.reshard")
+    job = open_job_source(str(out), 3, 1, torch.float32, nn.Module(), [], set())
+    assert job.source.startswith(f"layout fsdp2-ws4 of {out}"), job
 
 
 def run_fsdp1(src, out, nproc, tmp_path, *extra):
@@ -280,3 +291,43 @@ def test_hub_layout_checkpoint_loads_through_transformers_conversion(tmp_path):
     want_b = dict(ref.named_buffers())
     for name, b in model.named_buffers():
         assert b.dtype == want_b[name].dtype and torch.equal(b, want_b[name]), name
+
+
+def test_view_reads_a_cold_source_as_a_file_on_disk(ckpts, tmp_path):
+    """The bytes this rank reads out of the page cache (evicted with POSIX_FADV_DONTNEED): the
+    load takes the cold path (fewer readers, read-ahead in source order) and still lands every
+    byte; once they are cached again, the warm path."""
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 3)
+
+    def evict(paths):
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    for make in (lambda: _C.SourceRankView.of_checkpoint(src, 2, 1),
+                 lambda: _C.SourceRankView.of_layout(str(out), "fsdp2-ws3", 2, 1)):
+        view = make()
+        want = _C.RankFile.open(str(_converted(src, tmp_path, 2) / "fsdp2-ws2" / "rank-00001-of-00002.reshard"))
+        evict(view.files)
+        bufs = {t.name: torch.empty(t.nbytes, dtype=torch.uint8) for t in view.tensors}
+        stats = view.load([_C.LoadTarget(n, b.data_ptr(), b.numel(), False) for n, b in bufs.items() if b.numel()],
+                          threads=4)
+        assert stats.cold, view.description
+        ref = read_all(want)
+        assert all(torch.equal(bufs[n], ref[n]) for n in bufs)
+        stats = view.load([_C.LoadTarget(n, b.data_ptr(), b.numel(), False) for n, b in bufs.items() if b.numel()],
+                          threads=4)
+        assert not stats.cold, view.description
+
+
+def _converted(src, tmp_path, w):
+    out = tmp_path / f"ws{w}"
+    if not out.exists():
+        convert(src, out, w)
+    return out

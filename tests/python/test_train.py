@@ -53,8 +53,8 @@ def _run(cmd, timeout=240, expect_rc=0):
     return proc, out
 
 
-def _convert(reshard_bin, src, out, world):
-    _run([reshard_bin, "convert", src, "-o", out, "--world-size", world])
+def _convert(reshard_bin, src, out, world, *extra):
+    _run([reshard_bin, "convert", src, "-o", out, "--world-size", world, *extra])
 
 
 def _reports(json_dir, world):
@@ -476,15 +476,18 @@ def test_trainer_lora_trains_adapters_only_and_resumes_exactly(tiny, reshard_bin
 # Refusals under torchrun: one line from one rank, every rank out promptly, the CLI's codes
 # ---------------------------------------------------------------------------------------
 
-def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path):
-    """3 processes on a world-size-2 conversion: the load is refused on every rank; one line
-    says so (naming the convert command that fits), no worker prints a traceback, exit code 3, and
-    the job ends within seconds of the refusal (no rank waits in a collective)."""
+def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path, reshard_bin):
+    """3 processes on an incomplete world-size-2 conversion (rank 0 only; nothing to read world
+    size 3 from): the load is refused on every rank; one line says so (naming the convert
+    command that fits), no worker prints a traceback, exit code 3, and the job ends within
+    seconds of the refusal (no rank waits in a collective)."""
     import time
 
+    partial = str(tmp_path / "out-ws2-rank0")
+    _convert(reshard_bin, tiny["src"], partial, 2, "--ranks", "0-0")
     t0 = time.monotonic()
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "3", "-m", "reshard.train",
-                           tiny["out2"], "--steps", "2"], capture_output=True, text=True, env=_env(),
+                           partial, "--steps", "2"], capture_output=True, text=True, env=_env(),
                           timeout=240, stdin=subprocess.DEVNULL, cwd=REPO)
     elapsed = time.monotonic() - t0
     log = f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
@@ -500,11 +503,11 @@ def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path):
     print(f"\nrefusal under torchrun: {elapsed:.1f} s, {len(proc.stderr.splitlines())} lines of stderr")
 
 
-def test_pointing_at_the_hugging_face_directory_says_so(tiny, tmp_path):
-    """reshard.train (and reshard.load) on the source checkpoint instead of its conversion:
-    the message says it is a Hugging Face checkpoint and gives the convert command, writing
-    beside the source."""
-    proc, log = _run([sys.executable, "-m", "reshard.train", tiny["bare"], "--steps", "1"], expect_rc=3)
-    line = proc.stderr.strip().splitlines()[-1]
-    assert "is a Hugging Face checkpoint" in line, log
-    assert f"reshard convert {tiny['bare']} -o {tiny['bare']}-reshard --world-size 1" in line, log
+def test_pointing_at_the_hugging_face_directory_loads_it(tiny, tmp_path):
+    """reshard.train on the source checkpoint instead of its conversion: each rank reads its
+    part of the Hugging Face files directly (nothing written beside them), and says so."""
+    before = sorted(os.listdir(tiny["bare"]))
+    proc, log = _run([sys.executable, "-m", "reshard.train", tiny["bare"], "--steps", "1",
+                      "--check-weights", tiny["bare"]])
+    assert f"from Hugging Face checkpoint {tiny['bare']}, read directly (no conversion stored)" in proc.stdout, log
+    assert sorted(os.listdir(tiny["bare"])) == before, "nothing is written into the source"
