@@ -318,7 +318,7 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             params[base] = p
     float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
-    persistent = {rename(clean_name(n)) for n in persistent_buffer_names(hf_model)} - {None}
+    persistent = {clean_name(n) for n in persistent_buffer_names(hf_model)}  # the HF model's own names
     job = open_job_source(out, world_size, coord, live_dtype, hf_model, list(params), persistent)
     path, key, rank_file = job.path, job.key, job.reader
     entries = {t.name: t for t in rank_file.tensors}

@@ -194,6 +194,16 @@ LayoutSpec RankFileHeader::Layout() const {
   return spec;
 }
 
+void RankFileHeader::SetLayout(const LayoutSpec& layout) {
+  layout_key = layout.Key();
+  kind = layout.kind;
+  world_size = layout.world_size;
+  dtype_policy = layout.dtype;
+  wrap = layout.wrap;
+  use_orig_params = layout.use_orig_params;
+  param_dtype = layout.param_dtype;
+}
+
 std::string RankFileName(uint32_t rank, uint32_t world_size) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "rank-%05u-of-%05u", rank, world_size);

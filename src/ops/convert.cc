@@ -156,26 +156,12 @@ class Converter {
       const fs::path final_path = dir / RankFileName(rank, o_.layout.world_size);
       RankFileHeader h;
       h.writer = std::string(WriterString());
-      h.layout_key = o_.layout.Key();
-      h.kind = o_.layout.kind;
-      h.world_size = o_.layout.world_size;
-      h.dtype_policy = o_.layout.dtype;
-      h.wrap = o_.layout.wrap;
-      h.use_orig_params = o_.layout.use_orig_params;
-      h.param_dtype = o_.layout.param_dtype;
+      h.SetLayout(o_.layout);
       h.rank = rank;
       h.source = ckpt_.fingerprint;
       h.chunk_size = o_.chunk_size;
       for (const PlannedTensor& p : plan.tensors) {
-        TensorEntry e;
-        e.name = p.name;
-        e.dtype = p.dtype;
-        e.global_shape = p.global_shape;
-        e.sharded = p.sharded;
-        e.rows = p.rows;
-        e.local_shape = p.local_shape;
-        e.flat = p.flat;
-        h.tensors.push_back(std::move(e));
+        h.tensors.push_back(PlannedEntry(p));
       }
       writers.push_back({rank, RankFileWriter::Create(final_path, std::move(h), wo), {}});
       RankWriter& rw = writers.back();

@@ -10,6 +10,18 @@
 
 namespace reshard {
 
+TensorEntry PlannedEntry(const PlannedTensor& p) {
+  TensorEntry e;
+  e.name = p.name;
+  e.dtype = p.dtype;
+  e.global_shape = p.global_shape;
+  e.sharded = p.sharded;
+  e.rows = p.rows;
+  e.local_shape = p.local_shape;
+  e.flat = p.flat;
+  return e;
+}
+
 namespace {
 
 // The checks both PlanRank overloads start with; returns the layout's dtype policy.

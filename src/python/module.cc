@@ -572,13 +572,7 @@ PYBIND11_MODULE(_C, m) {
                                    "\")");
         }
         reshard::RankFileHeader h;
-        h.layout_key = layout_key;
-        h.kind = spec.kind;
-        h.world_size = world_size;
-        h.dtype_policy = spec.dtype;
-        h.wrap = spec.wrap;
-        h.use_orig_params = spec.use_orig_params;
-        h.param_dtype = spec.param_dtype;
+        h.SetLayout(spec);
         h.rank = rank;
         h.source = reshard::SourceFingerprint::FromSaved({save_id, step});
         h.chunk_size = chunk_size;

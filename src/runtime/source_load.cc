@@ -130,34 +130,27 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
     }
     plan = PlanRank(view, layout, PlanFsdp1(view, *model, layout), rank);
   } else {
-    std::set<std::string> whole;
+      std::set<std::string> whole;
     for (const std::string& n : whole_names) {
       if (const SourceTensor* t = FindSourceTensor(view, n, prefix)) whole.insert(t->name);
+    }
+    if (model) {  // as convert: the manifest's persistent buffers are stored whole
+      for (const ModelBuffer& b : model->buffers) {
+        if (!b.persistent) continue;
+        if (const SourceTensor* t = FindSourceTensor(view, b.name, prefix)) whole.insert(t->name);
+      }
     }
     plan = PlanRank(view, layout, rank, whole);
   }
   header_.writer = std::string(WriterString());
-  header_.layout_key = layout.Key();
-  header_.kind = layout.kind;
-  header_.world_size = layout.world_size;
-  header_.dtype_policy = layout.dtype;
-  header_.wrap = layout.wrap;
-  header_.use_orig_params = layout.use_orig_params;
-  header_.param_dtype = layout.param_dtype;
+  header_.SetLayout(layout);
   header_.rank = rank;
   header_.source = source;
   header_.chunk_size = kDefaultPiece;
   const SourceLookup lookup = [this](std::string_view name) { return FindSource(name); };
   for (const PlannedTensor& p : plan.tensors) {
-    TensorEntry e;
-    e.name = p.name;
-    e.dtype = p.dtype;
-    e.global_shape = p.global_shape;
-    e.sharded = p.sharded;
-    e.rows = p.rows;
-    e.local_shape = p.local_shape;
-    e.nbytes = p.nbytes;
-    e.flat = p.flat;
+    TensorEntry e = PlannedEntry(p);
+    e.nbytes = p.nbytes;  // what a writer lays out; nothing is written here
     EntryMap map = MapEntry(e, layout.kind, layout.world_size, rank, description_);
     if (conversion) ExpandConversion(map, *conversion);
     if (const std::string why = CheckSources(map, lookup); !why.empty()) {

@@ -125,6 +125,12 @@ def test_keep_policy_stores_each_fp8_weight_with_its_scale(fp8_src, cli, tmp_pat
     r = cli("convert", src, "-o", out, "--world-size", 3, "--model-manifest", tmp_path / "keep.json", "--dtype", "bf16")
     assert r.rc != 0 and "quantization policy keep" in r.text and "--dtype keep" in r.text, r
     cli("convert", src, "-o", out, "--world-size", 3, "--model-manifest", tmp_path / "keep.json", rc=0)
+    # The same in one command: convert captures the manifest with the policy it is given.
+    one = tmp_path / "one"
+    cli("convert", src, "-o", one, "--world-size", 3, "--quantized", "keep", env=CAPTURE, rc=0, timeout=600)
+    assert json.load(open(one / "reshard-model.json"))["conversion"]["quantization"]["policy"] == "keep"
+    assert [f.read_bytes() for f in sorted((one / "fsdp2-ws3").iterdir())] == \
+        [f.read_bytes() for f in sorted((out / "fsdp2-ws3").iterdir())]
 
     def expert(layer, proj, suffix, e):
         return tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.{suffix}"]

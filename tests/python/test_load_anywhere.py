@@ -21,6 +21,7 @@ import torch
 
 import reshard
 from reshard import _C
+import test_load
 from checkpoints import make_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -179,17 +180,10 @@ def test_view_refusals(ckpts, tmp_path):
         _C.SourceRankView.of_layout(str(out), "fsdp2-ws9", 2, 0)
 
 
-def run_ranks(src, out, nproc, tmp_path, *extra):
-    result = tmp_path / "result"
-    result.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.path.join(HERE, "..", "..", "python"),
-                                                                  os.environ.get("PYTHONPATH", "")] if p),
-               OMP_NUM_THREADS="1")
-    proc = subprocess.run([TORCHRUN, "--nproc-per-node", str(nproc), "--standalone",
-                           os.path.join(HERE, "fsdp_worker.py"), "--src", str(src), "--out", str(out),
-                           "--result", str(result), "--steps", "3", "--min-drop", "0", *extra],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+def run_ranks(src, out, nproc, tmp_path):
+    """tests/python/fsdp_worker.py under torchrun (test_load.run_ranks), 3 training steps; the
+    ranks' reports."""
+    result, _ = test_load.run_ranks(src, out, nproc, tmp_path, "--steps", "3", "--min-drop", "0")
     return [json.load(open(result / f"rank-{r}.json")) for r in range(nproc)]
 
 
@@ -267,12 +261,13 @@ def test_fsdp1_load_from_hugging_face_and_from_an_fsdp2_layout(ckpts, tmp_path):
 
 
 def test_hub_layout_checkpoint_loads_through_transformers_conversion(tmp_path):
-    """Mixtral's hub checkpoint (per-expert keys, fused by transformers at load): the view of
-    each rank equals convert's rank file (both through the captured conversion), and a plain
-    model loaded straight from the directory equals from_pretrained, buffers included."""
+    """DeepSeek-V3's hub checkpoint (per-expert keys, fused by transformers at load; a persistent
+    fp32 buffer, e_score_correction_bias, stored whole): the view of each rank equals convert's
+    rank file (both through the captured conversion), and a plain model loaded straight from the
+    directory equals from_pretrained, buffers included."""
     from transformers import AutoModelForCausalLM
 
-    src = make_checkpoint(str(tmp_path / "mixtral"), "mixtral", "bf16", True)
+    src = make_checkpoint(str(tmp_path / "deepseek_v3"), "deepseek_v3", "bf16", True)
     m = manifest_of(src, tmp_path)
     out = tmp_path / "out"
     convert(src, out, 3, "--model-manifest", str(m))
@@ -287,7 +282,7 @@ def test_hub_layout_checkpoint_loads_through_transformers_conversion(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     want = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        assert torch.equal(p.view(torch.uint8), want[name].view(torch.uint8)), name
+        assert p.dtype == want[name].dtype and torch.equal(p.view(torch.uint8), want[name].view(torch.uint8)), name
     want_b = dict(ref.named_buffers())
     for name, b in model.named_buffers():
         assert b.dtype == want_b[name].dtype and torch.equal(b, want_b[name]), name

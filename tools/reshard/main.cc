@@ -164,7 +164,7 @@ bool HasConversion(const fs::path& path) {
 // Runs `python -m reshard.model_manifest SRC -o FILE` (RESHARD_PYTHON, else python3): the
 // model's modules, buffers and transformers' conversion of SRC's keys, which need torch and
 // transformers (the CLI links neither). Returns "" on success, else why not (its last line).
-std::string CaptureModelManifest(const fs::path& src, const fs::path& file) {
+std::string CaptureModelManifest(const fs::path& src, const fs::path& file, const std::string& quantized) {
   const char* py = std::getenv("RESHARD_PYTHON");
   const std::string python = py && *py ? py : "python3";
   const fs::path log = file.string() + ".log";
@@ -177,7 +177,7 @@ std::string CaptureModelManifest(const fs::path& src, const fs::path& file) {
       ::dup2(fd, 2);
     }
     std::vector<std::string> args = {python, "-m", "reshard.model_manifest", src.string(), "-o",
-                                     file.string()};
+                                     file.string(), "--quantized", quantized};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -322,6 +322,15 @@ int RunCli(int argc, char** argv) {
                       "conversion of the checkpoint's names (python -m reshard.model_manifest SRC "
                       "-o FILE). Default: SRC/ or OUT/reshard-model.json, else captured now by "
                       "$RESHARD_PYTHON (default python3) when it has reshard and transformers");
+  std::string quantized = "dequantize";
+  convert->add_option("--quantized", quantized,
+                      "a quantized checkpoint (FP8 with block scales, quantization_config "
+                      "quant_method fp8): dequantize (as from_pretrained does without a GPU of "
+                      "compute capability 8.9: float32 weight x scale, rounded once to the model's "
+                      "dtype) or keep (each FP8 weight and its weight_scale_inv stored as "
+                      "the FP8 model holds them). Passed to the model manifest's capture")
+      ->check(CLI::IsMember({"dequantize", "keep"}))
+      ->capture_default_str();
   bool no_capture = false;
   convert->add_flag("--no-capture", no_capture,
                     "do not run Python to capture the model manifest (also "
@@ -330,7 +339,7 @@ int RunCli(int argc, char** argv) {
   convert->add_option("--dtype", dtype,
                       "dtype policy: keep (bytes as in the source), or bf16 / fp16 / fp32: "
                       "store every F16/BF16/F32/F64 tensor in that dtype, bit for bit as "
-                      "torch's Tensor.to(dtype) (integers, bool and F8 are kept). Part of the "
+                      "torch's Tensor.to(dtype) (integers, bool and F8 are kept; --quantized dequantize turns FP8 weights into the model's dtype). Part of the "
                       "layout key: OUT/fsdp2-ws8-bf16/")
       ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}))
       ->capture_default_str();
@@ -490,7 +499,7 @@ int RunCli(int argc, char** argv) {
         captured = fs::path(out) / ("." + std::string(reshard::kModelManifestName) + ".tmp-capture-" +
                                     std::to_string(::getpid()));
         if (!convert_json) std::fprintf(stderr, "capturing the model manifest (python -m reshard.model_manifest)...\n");
-        const std::string why = CaptureModelManifest(source, captured);
+        const std::string why = CaptureModelManifest(source, captured, quantized);
         if (why.empty()) {
           co.model_manifest = captured;
         } else {

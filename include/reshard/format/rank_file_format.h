@@ -100,6 +100,9 @@ struct RankFileHeader {
 
   const TensorEntry* Find(std::string_view name) const;
   LayoutSpec Layout() const;
+  /// Sets the layout fields from `layout`: its key, kind, world size, dtype policy and FSDP1
+  /// fields (the inverse of Layout()).
+  void SetLayout(const LayoutSpec& layout);
 };
 
 std::string SerializeHeader(const RankFileHeader& header);

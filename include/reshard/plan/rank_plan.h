@@ -13,6 +13,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/layout.h"
+#include "reshard/format/rank_file_format.h"
 
 namespace reshard {
 
@@ -36,6 +37,10 @@ struct PlannedTensor {
 
   bool converted() const { return dtype != source_dtype; }
 };
+
+/// The rank-file entry of a planned tensor: name, dtype, shapes, rows, flat object (a writer
+/// lays out its size, offset and checksums).
+TensorEntry PlannedEntry(const PlannedTensor& p);
 
 struct RankPlan {
   uint32_t rank = 0;

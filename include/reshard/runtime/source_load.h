@@ -41,7 +41,8 @@ class SourceRankView {
   /// whose conversion maps the checkpoint's keys to the model's names and shapes, when they
   /// differ, and which FSDP1 layouts are planned from (required for them); `whole`: the
   /// names (model's, or the checkpoint's) of tensors stored whole on every rank of an FSDP2
-  /// layout rather than sharded (persistent buffers: FSDP2 does not shard buffers). Throws
+  /// layout rather than sharded (persistent buffers: FSDP2 does not shard buffers; the
+  /// manifest's persistent buffers are added, as convert adds them). Throws
   /// what OpenCheckpoint and the planners throw, and kUnsupported for conversions the
   /// capture refused.
   static std::unique_ptr<SourceRankView> OfCheckpoint(const std::filesystem::path& src,
