@@ -385,6 +385,29 @@ struct LayoutBytes {
   std::vector<RankFileReader> readers;
   std::vector<TensorLocation> tensors;
   std::vector<uint64_t> starts;
+
+  // Where virtual byte `offset` lies: the piece holding it, the byte's position in the
+  // piece's entry (decoded bytes), and how many bytes of the piece follow from it; false
+  // when `offset` is outside every tensor.
+  struct Spot {
+    const TensorPiece* piece = nullptr;
+    uint64_t pos = 0;   // in the entry's decoded bytes
+    uint64_t left = 0;  // bytes of the piece from `pos` on
+  };
+  bool Locate(uint64_t offset, Spot& spot) const {
+    const auto it = std::upper_bound(starts.begin(), starts.end(), offset);
+    if (it == starts.begin()) return false;
+    const size_t ti = static_cast<size_t>(it - starts.begin()) - 1;
+    const TensorLocation& t = tensors[ti];
+    const uint64_t at = offset - starts[ti];
+    if (at >= t.nbytes) return false;
+    const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
+                                      [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
+    spot.piece = &*(pit - 1);
+    spot.pos = spot.piece->src_offset + (at - spot.piece->dst_offset);
+    spot.left = spot.piece->length - (at - spot.piece->dst_offset);
+    return true;
+  }
 };
 
 class LayoutSource final : public ThreadSource {
@@ -395,19 +418,10 @@ class LayoutSource final : public ThreadSource {
   void Read(size_t, uint64_t offset, size_t size, void* dst) override {
     auto* out = static_cast<char*>(dst);
     while (size > 0) {
-      // The tensor holding `offset`, then the piece.
-      const auto it = std::upper_bound(b_.starts.begin(), b_.starts.end(), offset);
-      if (it == b_.starts.begin()) Fail(ErrorCode::kDataLoss, "read before the first tensor");
-      const size_t ti = static_cast<size_t>(it - b_.starts.begin()) - 1;
-      const TensorLocation& t = b_.tensors[ti];
-      const uint64_t at = offset - b_.starts[ti];
-      if (at >= t.nbytes) Fail(ErrorCode::kDataLoss, "read past tensor " + t.name);
-      const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
-                                        [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
-      const TensorPiece& p = *(pit - 1);
-      const uint64_t in_piece = at - p.dst_offset;
-      const uint64_t n = std::min<uint64_t>(size, p.length - in_piece);
-      ReadEntry(p.rank, p.entry, p.src_offset + in_piece, n, out);
+      LayoutBytes::Spot at;
+      if (!b_.Locate(offset, at)) Fail(ErrorCode::kDataLoss, "read outside the layout's tensors");
+      const uint64_t n = std::min<uint64_t>(size, at.left);
+      ReadEntry(at.piece->rank, at.piece->entry, at.pos, n, out);
       out += n;
       offset += n;
       size -= n;
@@ -512,18 +526,11 @@ class LayoutView final : public PlannedView {
     return std::make_unique<LayoutSource>(bytes_, verify, hash_piece);
   }
   bool Cached(size_t, uint64_t offset) const override {
-    const auto it = std::upper_bound(bytes_.starts.begin(), bytes_.starts.end(), offset);
-    if (it == bytes_.starts.begin()) return true;
-    const size_t ti = static_cast<size_t>(it - bytes_.starts.begin()) - 1;
-    const TensorLocation& t = bytes_.tensors[ti];
-    const uint64_t at = offset - bytes_.starts[ti];
-    if (at >= t.nbytes) return true;
-    const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
-                                      [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
-    const TensorPiece& p = *(pit - 1);
-    const RankFileReader& r = bytes_.readers[p.rank];
-    const TensorEntry& e = r.header().tensors[p.entry];
-    const uint64_t pos = p.src_offset + (at - p.dst_offset);
+    LayoutBytes::Spot at;
+    if (!bytes_.Locate(offset, at)) return true;
+    const RankFileReader& r = bytes_.readers[at.piece->rank];
+    const TensorEntry& e = r.header().tensors[at.piece->entry];
+    const uint64_t pos = at.pos;
     const uint64_t in_file = e.codec == Codec::kRaw ? pos : e.frames[pos / r.header().chunk_size].offset;
     return ByteCached(r.file().fd(), r.preamble().data_offset + e.offset + in_file);
   }
@@ -531,22 +538,15 @@ class LayoutView final : public PlannedView {
     // The virtual range's pieces, as LayoutSource::Read walks them; raw entries only.
     const uint64_t end = offset + size;
     while (offset < end) {
-      const auto it = std::upper_bound(bytes_.starts.begin(), bytes_.starts.end(), offset);
-      if (it == bytes_.starts.begin()) return;
-      const size_t ti = static_cast<size_t>(it - bytes_.starts.begin()) - 1;
-      const TensorLocation& t = bytes_.tensors[ti];
-      const uint64_t at = offset - bytes_.starts[ti];
-      if (at >= t.nbytes) return;
-      const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
-                                        [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
-      const TensorPiece& p = *(pit - 1);
-      const uint64_t n = std::min<uint64_t>(end - offset, p.length - (at - p.dst_offset));
-      const RankFileReader& r = bytes_.readers[p.rank];
-      const TensorEntry& e = r.header().tensors[p.entry];
+      LayoutBytes::Spot at;
+      if (!bytes_.Locate(offset, at)) return;
+      const uint64_t n = std::min<uint64_t>(end - offset, at.left);
+      const RankFileReader& r = bytes_.readers[at.piece->rank];
+      const TensorEntry& e = r.header().tensors[at.piece->entry];
       if (e.codec == Codec::kRaw) {
         const uint64_t cs = r.header().chunk_size;
-        const uint64_t a = (p.src_offset + (at - p.dst_offset)) / cs * cs;
-        const uint64_t b = std::min(e.nbytes, p.src_offset + (at - p.dst_offset) + n);
+        const uint64_t a = at.pos / cs * cs;
+        const uint64_t b = std::min(e.nbytes, at.pos + n);
         ::posix_fadvise(r.file().fd(), static_cast<off_t>(r.preamble().data_offset + e.offset + a),
                         static_cast<off_t>(b - a), POSIX_FADV_WILLNEED);
       }
