@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .engine import (LoadReport, default_threads, load_tensors, load_via_host, open_rank_file, target,
+from .engine import (LoadReport, ProgressLine, default_threads, load_tensors, load_via_host, open_rank_file, target,
                      target_device)
 from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
 from .layout import POLICY_NAMES, layout_key, layout_rank_file, require_manifest, torch_dtype
@@ -265,7 +265,8 @@ def load_saved_adapters(out: str, world_size: int, coord: int, params, *, thread
 
 
 def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: bool = True,
-         io: str = "auto", strict_buffers: bool = True, adapter: Optional[str] = None) -> LoadReport:
+         io: str = "auto", strict_buffers: bool = True, adapter: Optional[str] = None,
+         progress: bool = False) -> LoadReport:
     """Loads this rank's shard from OUT into `model` in place.
 
     `model` is an FSDP2 model (fully_shard'ed, to_empty'd, before its first forward) or a plain
@@ -281,7 +282,25 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     PEFT (LoRA) models: the base parameters load from OUT by their original names; the adapter
     parameters from `adapter` (a PEFT adapter directory: adapter_model.safetensors and
     adapter_config.json) when given, else with PEFT's own initialisation, which
-    reshard.empty_model(OUT, peft_config=...) keeps (reshard.adapters)."""
+    reshard.empty_model(OUT, peft_config=...) keeps (reshard.adapters).
+
+    `progress`: a line on stderr showing the bytes landed, the rate and the time left while
+    the load runs (e.g. progress=(rank == 0 and sys.stderr.isatty()), as reshard.train does);
+    nothing for a load that ends within half a second."""
+    with ProgressLine(f"rank {_rank_label()}: reshard.load", enabled=progress):
+        return _load(model, out, threads=threads, verify=verify, io=io,
+                     strict_buffers=strict_buffers, adapter=adapter)
+
+
+def _rank_label() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return "0"
+
+
+def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, adapter) -> LoadReport:
     from .adapters import adapter_names, is_peft_model, load_adapters
     from .load_fsdp1 import fsdp1_units, load_fsdp1
 

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <future>
@@ -98,6 +99,11 @@ reshard::LayoutSpec JobLayout(uint32_t world_size, const std::optional<Fsdp1Arg>
 
 // An opened, validated rank file (preamble and header checked, the header parsed once) that
 // Python holds across the checks of a load and the load itself: one open, one parse.
+// reshard._C.LoadProgress: the counter behind reshard.load(progress=True).
+struct LoadProgress {
+  std::atomic<uint64_t> bytes{0};
+};
+
 struct RankFileHandle {
   std::shared_ptr<const reshard::RankFileReader> reader;
   const reshard::RankFileHeader& header() const { return reader->header(); }
@@ -360,6 +366,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("cold", &reshard::LoadStats::cold)
       .def_readonly("direct_io", &reshard::LoadStats::direct_io);
 
+  py::class_<LoadProgress, std::shared_ptr<LoadProgress>>(
+      m, "LoadProgress",
+      "A byte counter the loader adds to as spans land (LoadOptions::progress), read by a "
+      "progress display on another thread while a load runs without the GIL.")
+      .def(py::init<>())
+      .def_property_readonly("bytes", [](const LoadProgress& p) { return p.bytes.load(std::memory_order_relaxed); });
+
   py::class_<RankFileHandle>(m, "RankFile",
                              "An opened rank file: preamble and header checked, header parsed once.")
       .def_static("open", &OpenRankFile, py::arg("path"),
@@ -410,15 +423,17 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "load",
           [](const RankFileHandle& f, const std::vector<reshard::LoadTarget>& targets, int device,
-             unsigned threads, bool verify, const std::string& io) {
+             unsigned threads, bool verify, const std::string& io,
+             const std::shared_ptr<LoadProgress>& progress) {
             reshard::LoadOptions o = reshard::KnobbedLoadOptions(threads, reshard::SlotsKnob(std::nullopt));
             o.verify_checksums = verify;
             o.io = ParseIo(io);
+            if (progress) o.progress = &progress->bytes;
             py::gil_scoped_release release;
             return reshard::LoadThroughCache(Copiers(), *f.reader, targets, device, o);
           },
           py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
-          py::arg("verify") = true, py::arg("io") = "auto",
+          py::arg("verify") = true, py::arg("io") = "auto", py::arg("progress") = nullptr,
           "Loads targets (LoadTarget: a subset of the file's tensors, each named once) with the "
           "pipelined loader; CUDA targets through this process's copy engine for `device`. "
           "The knobs of formats' measurements come from RESHARD_* environment variables.");
@@ -480,10 +495,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "load",
           [](const SourceViewHandle& f, const std::vector<reshard::LoadTarget>& targets, int device,
-             unsigned threads, bool verify, const std::string& io) {
+             unsigned threads, bool verify, const std::string& io,
+             const std::shared_ptr<LoadProgress>& progress) {
             reshard::LoadOptions o = reshard::KnobbedLoadOptions(threads, reshard::SlotsKnob(std::nullopt));
             o.verify_checksums = verify;
             o.io = ParseIo(io);
+            if (progress) o.progress = &progress->bytes;
             std::shared_ptr<const reshard::SourceRankView> view = f.view;
             py::gil_scoped_release release;
             return reshard::LoadThroughCache(
@@ -493,7 +510,7 @@ PYBIND11_MODULE(_C, m) {
                 });
           },
           py::arg("targets"), py::arg("device") = 0, py::arg("threads") = 8,
-          py::arg("verify") = true, py::arg("io") = "auto",
+          py::arg("verify") = true, py::arg("io") = "auto", py::arg("progress") = nullptr,
           "Loads targets as RankFile.load does, reading the source's bytes.");
 
   m.def("page_cache_residency", &reshard::PageCacheResidency, py::arg("path"));

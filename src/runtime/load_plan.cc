@@ -150,6 +150,7 @@ LoadPlan PlanLoad(LoadJobs in, const RankFileHeader& h, uint64_t data_offset,
   }
   if (plan.any_device) plan.staging_bytes = uint64_t{plan.lanes} * plan.slots * plan.slot_bytes;
   plan.verify_checksums = options.verify_checksums;
+  plan.progress = options.progress;
   plan.hash_piece =
       !cold && options.verify_checksums && options.hash_piece_bytes > 0 ? options.hash_piece_bytes : 0;
   // Lead-in (warm loads): a lane's first span is copied in parts as it is read.

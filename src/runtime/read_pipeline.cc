@@ -109,7 +109,13 @@ class ReaderLane {
       while (!errors.failed()) {
         const size_t si = queue.Take();
         if (si >= queue.size()) break;
-        Read(plan_.spans[si]);
+        const LoadSpan& span = plan_.spans[si];
+        Read(span);
+        if (plan_.progress != nullptr) {
+          const uint64_t landed = span.kind == SpanKind::kDeviceRaw ? span.bytes()
+                                                                     : plan_.chunks[span.first_chunk].length;
+          plan_.progress->fetch_add(landed, std::memory_order_relaxed);
+        }
       }
     } catch (...) {
       errors.Record(std::current_exception());

@@ -302,6 +302,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
         mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, dst, scratch);
       }
       thread.Done(p.length);
+      if (options.progress != nullptr) options.progress->fetch_add(p.length, std::memory_order_relaxed);
     }
     read_bytes += mine;
   });

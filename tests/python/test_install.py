@@ -175,3 +175,24 @@ def test_wheel_with_build_isolation_installs_elsewhere(tmp_path):
     assert version.rstrip("\n") == build_info["version_text"], version
     assert "torch at build time: none (not needed)" in version, version
     assert re.search(r"^CUDA: (yes \([0-9.]+\)|no \(CPU-only build\))$", version, re.M), version
+
+
+def test_extension_links_no_torch_and_no_cuda_library():
+    """Why one wheel serves any torch 2.x: reshard._C needs no torch, c10 or CUDA shared
+    library and no symbol of theirs (tensors cross as data pointers; the CUDA runtime is linked
+    statically), so the torch a training environment holds is never part of the ABI."""
+    import reshard._C as C
+
+    readelf, nm = shutil.which("readelf"), shutil.which("nm")
+    if readelf is None or nm is None:
+        pytest.fail("binutils (readelf, nm) not on PATH", pytrace=False)
+    dyn = subprocess.run([readelf, "-d", C.__file__], capture_output=True, text=True, check=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
+    assert needed and "libc.so.6" in needed, dyn
+    foreign = [n for n in needed if re.match(r"lib(torch|c10|cuda|cudart|nccl|shm)", n)]
+    assert not foreign, f"reshard._C needs {foreign}"
+    undefined = subprocess.run([nm, "-D", "--undefined-only", "-C", C.__file__], capture_output=True,
+                               text=True, check=True).stdout
+    assert "PyObject" in undefined or "Py_" in undefined, "nm output has no Python symbol: wrong file?"
+    torchy = [ln for ln in undefined.splitlines() if re.search(r"\b(at|c10|torch)::", ln)]
+    assert not torchy, torchy[:5]

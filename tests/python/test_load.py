@@ -278,3 +278,42 @@ def test_prepare_is_a_no_op_without_cuda(monkeypatch):
     assert reshard.prepare() is False
     monkeypatch.setenv("RESHARD_PREPARE", "0")
     assert reshard.prepare("cuda:0") is False
+
+
+@pytest.mark.parametrize("source", ["rank-file", "zstd", "hf-dir"])
+def test_progress_line_counts_every_byte(ckpts, tmp_path, monkeypatch, capsys, source):
+    """reshard.load(progress=True): the native loader's counter reaches exactly the bytes the
+    report says were loaded (rank files raw and zstd, and a view of the HF files), and the
+    line on stderr ends with that figure and the total."""
+    from reshard.engine import ProgressLine
+
+    monkeypatch.setattr(ProgressLine, "DELAY", 0.0)
+    monkeypatch.setattr(ProgressLine, "INTERVAL", 0.001)
+    seen = []
+    real_exit = ProgressLine.__exit__
+
+    def spy_exit(self, *exc):
+        seen.append((self.counter.bytes, self.total))
+        return real_exit(self, *exc)
+
+    monkeypatch.setattr(ProgressLine, "__exit__", spy_exit)
+    src = ckpts[("llama", "fp32")]
+    out = tmp_path / "out"
+    if source == "hf-dir":
+        out = src
+    else:
+        convert(src, out, 1, "--chunk-size", "8192", *(["--compress", "zstd"] if source == "zstd" else []))
+    model = _empty_cpu(out)
+    capsys.readouterr()
+    report = reshard.load(model, str(out), progress=True)
+    err = capsys.readouterr().err
+    (done, total), = seen
+    assert done == report.bytes > 0
+    assert total == report.bytes  # every tensor of the file is loaded here
+    last = err.rstrip("\n").split("\r")[-1]
+    assert last.startswith("\033[Krank 0: reshard.load: ")
+    assert f"{reshard.format_bytes(done)} / {reshard.format_bytes(total)}" in last
+    assert err.endswith("\n")
+    # Off (the default): nothing on stderr.
+    reshard.load(_empty_cpu(out), str(out))
+    assert capsys.readouterr().err == ""

@@ -102,6 +102,7 @@ struct LoadPlan {
   uint64_t staging_bytes = 0;          // lanes × slots × slot_bytes (0 without device targets)
   uint64_t largest_span = 0;           // the largest device raw span (0: none)
   bool verify_checksums = true;        // LoadOptions::verify_checksums
+  std::atomic<uint64_t>* progress = nullptr;  // LoadOptions::progress
   /// Warm with checksums: each chunk of a device raw span read in pieces of this many bytes,
   /// each hashed as it is read (0: the span read whole, then hashed).
   uint64_t hash_piece = 0;

@@ -7,6 +7,7 @@
 // next chunk. This header has no CUDA dependency: the CUDA copier lives in src/cuda.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -64,6 +65,10 @@ struct LoadOptions {
   /// Run the reader threads on these (already started) threads rather than starting new
   /// ones for this load; ignored when it has fewer threads than the load wants.
   WorkerPool* pool = nullptr;
+  /// When set, the decoded bytes of every span (rank files) or piece (views) are added here
+  /// once they have landed (host) or been handed to the copier (device), for a progress
+  /// display polled by another thread (reshard.load(progress=True)). One relaxed add per span.
+  std::atomic<uint64_t>* progress = nullptr;
 };
 
 /// What every load reports (reshard.load's LoadStats).

@@ -658,6 +658,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     report, err = None, None
     try:
         report = reshard.load(model, weights, threads=args.threads,
+                              progress=rank == 0 and sys.stderr.isatty(),
                               **({"adapter": resume} if args.lora and resume else {}))
     except reshard.ReshardError as e:
         err = (e.code, str(e))
