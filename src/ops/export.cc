@@ -225,11 +225,21 @@ std::string_view TorchFloatName(DType d) {
   }
 }
 
-// config.json with its top-level "dtype" / "torch_dtype" set to `name` where it says another
-// floating dtype; nullopt when nothing needs to change (the file is then copied as it is).
-// transformers loads a checkpoint in the dtype its config names (dtype="auto"), so a config
-// left at bfloat16 beside float32 weights would silently load them rounded to bfloat16.
-std::optional<std::string> ConfigWithDtype(const fs::path& config, std::string_view name) {
+// config.json as the exported weights need it, or nullopt when nothing needs to change (the
+// file is then copied as it is):
+// * its top-level "dtype" / "torch_dtype" set to `dtype_name` (when not empty) where it says
+//   another floating dtype: transformers loads a checkpoint in the dtype its config names
+//   (dtype="auto"), so a config left at bfloat16 beside float32 weights would silently load
+//   them rounded to bfloat16;
+// * with `drop_fp8` (the exported weights hold no FP8 tensor: a layout dequantized at convert),
+//   its "quantization_config" removed when that names quant_method "fp8": transformers would
+//   otherwise build FP8Linear layers on a GPU and quantize the plain weights again.
+// Says in *edits what it changed.
+struct ConfigEdits {
+  bool dtype = false, quantization = false;
+};
+std::optional<std::string> ExportedConfig(const fs::path& config, std::string_view dtype_name, bool drop_fp8,
+                                          ConfigEdits* edits) {
   const std::string text = ReadWholeFile(config, 64ull << 20);
   internal::CheckJsonDepth(text, config.string(), "config.json");  // before any recursion
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr,
@@ -237,14 +247,25 @@ std::optional<std::string> ConfigWithDtype(const fs::path& config, std::string_v
   if (j.is_discarded() || !j.is_object()) return std::nullopt;  // not ours to judge: copied as is
   bool changed = false;
   for (const char* key : {"dtype", "torch_dtype"}) {
+    if (dtype_name.empty()) break;
     auto it = j.find(key);
     if (it == j.end() || !it->is_string()) continue;
     const std::string was = it->get<std::string>();
     const bool float_name = was == "float32" || was == "bfloat16" || was == "float16" ||
                             was == "float64" || was == "float" || was == "half";
-    if (float_name && was != name) {
-      *it = std::string(name);
-      changed = true;
+    if (float_name && was != dtype_name) {
+      *it = std::string(dtype_name);
+      changed = edits->dtype = true;
+    }
+  }
+  if (drop_fp8) {
+    auto q = j.find("quantization_config");
+    if (q != j.end() && q->is_object()) {
+      auto m = q->find("quant_method");
+      if (m != q->end() && m->is_string() && m->get<std::string>() == "fp8") {
+        j.erase(q);
+        changed = edits->quantization = true;
+      }
     }
   }
   if (!changed) return std::nullopt;
@@ -632,9 +653,10 @@ ExportResult Export(const ExportOptions& o) {
   }
   // The floating dtype of the exported weights, when they have one.
   std::optional<DType> float_dtype;
-  bool mixed = false;
+  bool mixed = false, any_fp8 = false;
   for (const OutFile& f : files) {
     for (const OutTensor& t : f.tensors) {
+      if (t.dtype == DType::kF8_E4M3 || t.dtype == DType::kF8_E5M2) any_fp8 = true;
       if (!Info(t.dtype).is_float) continue;
       if (float_dtype && *float_dtype != t.dtype) mixed = true;
       float_dtype = t.dtype;
@@ -647,14 +669,16 @@ ExportResult Export(const ExportOptions& o) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");
     }
     std::optional<std::string> config;
-    if (a == "config.json" && !o.adapter && float_dtype && !mixed && !TorchFloatName(*float_dtype).empty()) {
-      config = ConfigWithDtype(from, TorchFloatName(*float_dtype));
-    }
+    std::string_view dtype_name;
+    if (float_dtype && !mixed) dtype_name = TorchFloatName(*float_dtype);
+    ConfigEdits edits;
+    if (a == "config.json" && !o.adapter) config = ExportedConfig(from, dtype_name, !any_fp8, &edits);
     if (config) {
       File out = File::Create(staging / a, CopyMode(from));
       out.PWriteExact(config->data(), config->size(), 0);
       out.Sync();
-      result.config_dtype = std::string(TorchFloatName(*float_dtype));
+      if (edits.dtype) result.config_dtype = std::string(dtype_name);
+      result.config_dequantized = edits.quantization;
     } else {
       CopyFile(from, staging / a);
     }

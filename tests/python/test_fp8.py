@@ -89,7 +89,14 @@ def test_dequantize_policy_is_bit_exact_against_from_pretrained(fp8_src, cli, tm
     assert "OK" in r.out
     r = cli("export", out, "-o", tmp_path / "hub", "--hub-names", "--layout", "fsdp2-ws3")
     assert r.rc != 0 and "dequantized from FP8 weight" in r.text, r  # no FP8 names to write back
-    cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
+    r = cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
+    # The weights are plain bf16 now: the fp8 quantization_config goes (with it, transformers
+    # would build FP8Linear layers on a GPU and quantize them again); the rest of config.json stays.
+    assert "quantization_config (fp8) removed" in r.out, r.out
+    src_config = json.load(open(os.path.join(src, "config.json")))
+    exp_config = json.load(open(tmp_path / "exported" / "config.json"))
+    assert src_config["quantization_config"]["quant_method"] == "fp8"
+    assert exp_config == {k: v for k, v in src_config.items() if k != "quantization_config"}
     exported = _from_pretrained(str(tmp_path / "exported"), torch.bfloat16).state_dict()
     ref = _from_pretrained(src, torch.bfloat16).state_dict()
     assert set(exported) == set(ref)
@@ -174,6 +181,10 @@ def test_keep_policy_stores_each_fp8_weight_with_its_scale(fp8_src, cli, tmp_pat
     assert [rf.read_tensor(files[r], o).shape[0] for r in range(3)] == [1, 1, 0]
     r = cli("verify", out, "--source", src, rc=0)
     assert "OK" in r.out
+    # Exported as stored (FP8 weights and their scales): the quantization_config stays.
+    r = cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
+    assert "removed" not in r.out
+    assert json.load(open(tmp_path / "exported" / "config.json")) == json.load(open(os.path.join(src, "config.json")))
 
 
 def test_a_weight_without_its_scale_is_refused_by_name(cli, tmp_path):

@@ -611,6 +611,7 @@ int RunCli(int argc, char** argv) {
                             {"total_size", r.total_size},    {"bytes_read", r.bytes_read},
                             {"seconds", r.seconds},          {"hub_names", r.hub_names}};
         if (!r.config_dtype.empty()) j["config_dtype"] = r.config_dtype;
+        if (r.config_dequantized) j["config_quantization_removed"] = true;
         std::cout << j.dump(2) << "\n";
       } else {
         std::printf("wrote %s of layout %s into %s: %llu tensors, %zu weight file(s), %s in "
@@ -621,6 +622,10 @@ int RunCli(int argc, char** argv) {
                     Rate(r.total_size, r.seconds).c_str());
         if (!r.config_dtype.empty()) {
           std::printf("config.json: dtype set to %s, the weights' dtype\n", r.config_dtype.c_str());
+        }
+        if (r.config_dequantized) {
+          std::printf("config.json: quantization_config (fp8) removed: the weights were dequantized "
+                      "at convert\n");
         }
       }
       return 0;

@@ -66,6 +66,7 @@ struct ExportResult {
   uint64_t total_size = 0;                // tensor bytes written (index metadata.total_size)
   uint64_t bytes_read = 0;                // decoded rank-file bytes read (checksums checked)
   std::string config_dtype;               // set when config.json's dtype was rewritten to it
+  bool config_dequantized = false;        // config.json's fp8 quantization_config removed (no FP8 weight)
   double seconds = 0;
 };
 
