@@ -133,6 +133,50 @@ def fp8_config(config) -> Optional[Dict[str, Any]]:
     return q if q.get("quant_method") == "fp8" else None
 
 
+def mxfp4_config(config) -> Optional[Dict[str, Any]]:
+    """config.json's quantization_config when it is gpt-oss's MXFP4 (quant_method "mxfp4")."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    return q if q.get("quant_method") == "mxfp4" else None
+
+
+def mxfp4_quantizer_for(config, policy: str):
+    """transformers' own MXFP4 quantizer (Mxfp4HfQuantizer) with dequantize=True: what
+    from_pretrained does without Triton kernels (a CPU, or `Mxfp4Config(dequantize=True)`, the
+    fine-tuning recipe): each expert projection's blocks and scales dequantized to bfloat16. Policy
+    "keep" is refused: transformers' MXFP4 model holds Triton-swizzled tensors in its experts, not
+    parameters that FSDP can shard."""
+    from transformers.quantizers.auto import AutoHfQuantizer, AutoQuantizationConfig
+
+    if policy != "dequantize":
+        raise ValueError("MXFP4 checkpoints (quant_method mxfp4) are dequantized at convert (--quantized "
+                         "dequantize): transformers' MXFP4 model holds Triton-swizzled expert tensors, "
+                         "not parameters FSDP can shard, so there is no layout to keep them in")
+    qc = AutoQuantizationConfig.from_dict(dict(mxfp4_config(config)))
+    qc.dequantize = True
+    return AutoHfQuantizer.from_config(qc, pre_quantized=True)
+
+
+def _symbolic_mxfp4(blocks, scales):
+    """integrations.mxfp4.dequantize_convertops on checkpoint keys: the dequant_mxfp4 node of
+    formats/model-manifest.md (blocks U8 [E, N, G, 16], scales U8 [E, N, G] -> bfloat16
+    [E, G*32, N], transformers' convert_moe_packed_tensors)."""
+    if not isinstance(blocks, Sym) or not isinstance(scales, Sym) or \
+            blocks.expr["op"] != "key" or scales.expr["op"] != "key":
+        raise UnsupportedOp("Mxfp4Dequantize of a tensor that is not a checkpoint key")
+    b, s = blocks.expr, scales.expr
+    if b["dtype"] != "U8" or s["dtype"] != "U8":
+        raise UnsupportedOp(f"Mxfp4Dequantize of {b['key']} ({b['dtype']}) with {s['key']} ({s['dtype']}): "
+                            "U8 blocks and scales expected")
+    if len(blocks.shape) != 4 or blocks.shape[3] != 16 or list(scales.shape) != list(blocks.shape[:3]):
+        raise UnsupportedOp(f"Mxfp4Dequantize of {b['key']} {list(blocks.shape)} with {s['key']} "
+                            f"{list(scales.shape)}: [E, N, G, 16] blocks and [E, N, G] scales expected")
+    e, n, g, _ = blocks.shape
+    return Sym({"op": "dequant_mxfp4", "dtype": "BF16", "of": [b, s]}, [e, g * 32, n])
+
+
 def quantizer_for(config, policy: str):
     """transformers' own FP8 quantizer of a pre-quantized checkpoint (FineGrainedFP8HfQuantizer):
     policy "dequantize" is from_pretrained on a machine without a GPU (its validate_environment
@@ -215,15 +259,20 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
     q = getattr(model.config, "quantization_config", None)
     if q is not None and hf_quantizer is None:
         method = (q if isinstance(q, dict) else q.to_dict()).get("quant_method")
-        why = ("FP8 checkpoints are captured with reshard.model_manifest's policy (--quantized)" if method == "fp8"
-               else "quantized checkpoints other than FP8 with block scales (quant_method fp8) are not supported")
+        why = ("FP8 and MXFP4 checkpoints are captured with reshard.model_manifest's policy (--quantized)"
+               if method in ("fp8", "mxfp4")
+               else "quantized checkpoints other than FP8 with block scales (quant_method fp8) and "
+                    "MXFP4 (quant_method mxfp4) are not supported")
         return {"transformers": transformers.__version__, "targets": [],
                 "refused": [f"config.json quantization_config: quant_method {method!r}: {why}"]}
     transforms = get_model_conversion_mapping(model, key_mapping=key_mapping, hf_quantizer=hf_quantizer,
                                               add_legacy=True)
     block_size = None
+    method = None
     if hf_quantizer is not None:
         block_size = getattr(hf_quantizer.quantization_config, "weight_block_size", None)
+        method = hf_quantizer.quantization_config.quant_method
+        method = getattr(method, "value", method)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -263,7 +312,14 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
             dtype, shape = info[key]
             conv.add_tensor(first, key, pattern, (lambda s=Sym.key(key, dtype, shape): s))
         try:
-            out = conv.convert(first, model=model, config=model.config)
+            if "Mxfp4Dequantize" in ops:
+                import transformers.integrations.mxfp4 as mx
+                from unittest import mock
+
+                with mock.patch.object(mx, "dequantize_convertops", _symbolic_mxfp4):
+                    out = conv.convert(first, model=model, config=model.config)
+            else:
+                out = conv.convert(first, model=model, config=model.config)
         except UnsupportedOp as e:
             refused.append(f"{first}: op {'/'.join(ops)} of transformers' conversion is not supported ({e})")
             continue
@@ -288,7 +344,7 @@ def capture_conversion(model: nn.Module, tensors: Sequence[Tuple[str, str, Seque
     targets.sort(key=lambda t: t["name"])
     out = {"transformers": transformers.__version__, "targets": targets, "refused": refused}
     if hf_quantizer is not None:
-        out["quantization"] = {"method": "fp8", "policy": quantized_policy,
+        out["quantization"] = {"method": str(method), "policy": quantized_policy,
                                "weight_block_size": [int(b) for b in block_size or []]}
     return out
 

@@ -38,9 +38,12 @@ def model_manifest(model: nn.Module, checkpoint: Optional[str] = None,
     weight_scale_inv as stored); `model` is prepared here by transformers' own quantizer."""
     quantizer = None
     if checkpoint is not None:
-        from .conversion import fp8_config, quantizer_for
+        from .conversion import fp8_config, mxfp4_config, mxfp4_quantizer_for, quantizer_for
 
-        if fp8_config(model.config) is not None:
+        if mxfp4_config(model.config) is not None:
+            # gpt-oss: dequantized to bfloat16 (the model stays as it is); keep is refused there.
+            quantizer = mxfp4_quantizer_for(model.config, quantized)
+        elif fp8_config(model.config) is not None:
             if quantized not in ("dequantize", "keep"):
                 raise ValueError(f"quantized policy {quantized!r}: expected dequantize or keep")
             quantizer = quantizer_for(model.config, quantized)

@@ -85,6 +85,40 @@ ConversionExpr ParseDequantFp8(const json& v, const std::string& path, const std
   return x;
 }
 
+// {"op": "dequant_mxfp4", "dtype": "BF16", "of": [blocks key, scales key]}: gpt-oss's MXFP4
+// experts (transformers' Mxfp4Dequantize): blocks U8 [E, N, G, 16] (32 FP4 e2m1 values per
+// block, low nibble first), scales U8 [E, N, G] (E8M0 exponents, bias 127); the result
+// [E, G·32, N] (the dequantized [E, N, G·32] transposed), in bfloat16 as transformers computes it.
+ConversionExpr ParseDequantMxfp4(const json& v, const std::string& path, const std::string& f,
+                                 int depth) {
+  ConversionExpr x;
+  x.op = ConversionExpr::Op::kDequantMxfp4;
+  x.dtype = GetString(Member(v, "dtype", path, f), path, f + ".dtype");
+  if (x.dtype != "BF16") FailField(path, f + ".dtype", "\"" + x.dtype + "\"", "\"BF16\"");
+  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
+  if (of.size() != 2) {
+    FailField(path, f + ".of", std::to_string(of.size()) + " operands", "two: [blocks, scales]");
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
+    if (x.of[i].op != ConversionExpr::Op::kKey) {
+      FailField(path, f + ".of[" + std::to_string(i) + "]", "an expression",
+                "a checkpoint key (transformers dequantizes each stored tensor first)");
+    }
+  }
+  const ConversionExpr& b = x.of[0];
+  const ConversionExpr& s = x.of[1];
+  if (b.dtype != "U8") FailField(path, f + ".of[0].dtype", "\"" + b.dtype + "\"", "\"U8\"");
+  if (s.dtype != "U8") FailField(path, f + ".of[1].dtype", "\"" + s.dtype + "\"", "\"U8\"");
+  if (b.shape.size() != 4 || b.shape[3] != 16) {
+    FailField(path, f + ".of[0].shape", ShapeText(b.shape), "[experts, rows, blocks, 16]");
+  }
+  const std::vector<uint64_t> want(b.shape.begin(), b.shape.end() - 1);
+  if (s.shape != want) FailField(path, f + ".of[1].shape", ShapeText(s.shape), ShapeText(want));
+  x.shape = {b.shape[0], CheckedMul(b.shape[2], 32, path + ": " + f), b.shape[1]};
+  return x;
+}
+
 ConversionExpr ParseExpr(const json& v, const std::string& path, const std::string& f, int depth) {
   if (depth > kMaxConversionDepth) {
     FailField(path, f, "a conversion nested deeper than " + std::to_string(kMaxConversionDepth),
@@ -102,6 +136,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
     return x;
   }
   if (op == "dequant_fp8") return ParseDequantFp8(v, path, f, depth);
+  if (op == "dequant_mxfp4") return ParseDequantMxfp4(v, path, f, depth);
   if (op == "stack") {
     x.op = ConversionExpr::Op::kStack;
   } else if (op == "cat") {
@@ -109,7 +144,7 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
   } else if (op == "slice") {
     x.op = ConversionExpr::Op::kSlice;
   } else {
-    FailField(path, f + ".op", "\"" + op + "\"", "one of key, stack, cat, slice, dequant_fp8");
+    FailField(path, f + ".op", "\"" + op + "\"", "one of key, stack, cat, slice, dequant_fp8, dequant_mxfp4");
   }
   x.dim = static_cast<uint32_t>(std::min<uint64_t>(GetU64(Member(v, "dim", path, f), path, f + ".dim"), 1u << 20));
   const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
@@ -196,7 +231,9 @@ Conversion ParseConversion(const json& v, const std::string& path) {
     internal::GetObject(q, path, f);
     Quantization qz;
     qz.method = GetString(Member(q, "method", path, f), path, f + ".method");
-    if (qz.method != "fp8") FailField(path, f + ".method", "\"" + qz.method + "\"", "\"fp8\"");
+    if (qz.method != "fp8" && qz.method != "mxfp4") {
+      FailField(path, f + ".method", "\"" + qz.method + "\"", "\"fp8\" or \"mxfp4\"");
+    }
     const std::string policy = GetString(Member(q, "policy", path, f), path, f + ".policy");
     if (policy == "dequantize") {
       qz.policy = Quantization::Policy::kDequantize;

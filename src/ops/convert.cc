@@ -16,6 +16,9 @@
 #include <thread>
 #include <tuple>
 
+#include <nlohmann/json.hpp>
+
+#include "format/json_util.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"
@@ -341,6 +344,22 @@ std::string ForeignEntry(const fs::path& out, const Checkpoint& ckpt) {
   return {};
 }
 
+// config.json's quantization_config.quant_method beside checkpoint `dir` ("" when it has none,
+// or no readable config.json: not convert's to judge).
+std::string QuantMethod(const fs::path& dir) {
+  const fs::path config = dir / "config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(config, ec)) return "";
+  const std::string text = ReadWholeFile(config, 64ull << 20);
+  internal::CheckJsonDepth(text, config.string(), "config.json");
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return "";
+  auto q = j.find("quantization_config");
+  if (q == j.end() || !q->is_object()) return "";
+  auto m = q->find("quant_method");
+  return m != q->end() && m->is_string() ? m->get<std::string>() : std::string("?");
+}
+
 }  // namespace
 
 fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
@@ -424,6 +443,23 @@ ConvertResult Convert(const ConvertOptions& options) {
          "checkpoint through transformers " + conversion->transformers_version +
          "' weight conversion, and " + std::to_string(conversion->refused.size()) +
          " of its tensors cannot be converted (" + model_path.string() + "):" + why);
+  }
+  if (!conversion || !conversion->quantization) {
+    // A quantized checkpoint copied as stored would hold packed blocks and scales under names
+    // the model does not have (MXFP4), or FP8 weights a plain model cannot take: only the
+    // captured conversion knows transformers' policy for them.
+    if (const std::string method = QuantMethod(ckpt.dir); !method.empty()) {
+      Fail(ErrorCode::kUnsupported,
+           o.source.string() + ": a quantized checkpoint (config.json quantization_config.quant_method \"" +
+               method + "\"), and " +
+               (model ? model_path.string() + " records no quantization policy for it"
+                      : std::string("no model manifest was captured")) +
+               ": convert needs transformers' own conversion of it, captured by Python (reshard and "
+               "transformers importable; or first: python -m reshard.model_manifest " + o.source.string() +
+               " -o FILE [--quantized dequantize|keep], then --model-manifest FILE)" +
+               (method == "fp8" || method == "mxfp4" ? std::string()
+                                                      : "; only fp8 and mxfp4 are supported"));
+    }
   }
   if (conversion && conversion->quantization &&
       conversion->quantization->policy == Quantization::Policy::kKeep && o.layout.dtype != "keep") {

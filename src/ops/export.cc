@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -231,15 +232,16 @@ std::string_view TorchFloatName(DType d) {
 //   another floating dtype: transformers loads a checkpoint in the dtype its config names
 //   (dtype="auto"), so a config left at bfloat16 beside float32 weights would silently load
 //   them rounded to bfloat16;
-// * with `drop_fp8` (the exported weights hold no FP8 tensor: a layout dequantized at convert),
-//   its "quantization_config" removed when that names quant_method "fp8": transformers would
-//   otherwise build FP8Linear layers on a GPU and quantize the plain weights again.
+// * its "quantization_config" removed when that names a method in `dequantized` (the exported
+//   weights hold none of that method's tensors: a layout dequantized at convert): "fp8"
+//   (no FP8 tensor) or "mxfp4" (no `_blocks` tensor); transformers would otherwise build FP8Linear
+//   / MXFP4 experts on a GPU and quantize the plain weights again.
 // Says in *edits what it changed.
 struct ConfigEdits {
   bool dtype = false, quantization = false;
 };
-std::optional<std::string> ExportedConfig(const fs::path& config, std::string_view dtype_name, bool drop_fp8,
-                                          ConfigEdits* edits) {
+std::optional<std::string> ExportedConfig(const fs::path& config, std::string_view dtype_name,
+                                          const std::set<std::string>& dequantized, ConfigEdits* edits) {
   const std::string text = ReadWholeFile(config, 64ull << 20);
   internal::CheckJsonDepth(text, config.string(), "config.json");  // before any recursion
   nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr,
@@ -258,11 +260,11 @@ std::optional<std::string> ExportedConfig(const fs::path& config, std::string_vi
       changed = edits->dtype = true;
     }
   }
-  if (drop_fp8) {
+  {
     auto q = j.find("quantization_config");
     if (q != j.end() && q->is_object()) {
       auto m = q->find("quant_method");
-      if (m != q->end() && m->is_string() && m->get<std::string>() == "fp8") {
+      if (m != q->end() && m->is_string() && dequantized.count(m->get<std::string>())) {
         j.erase(q);
         changed = edits->quantization = true;
       }
@@ -653,10 +655,12 @@ ExportResult Export(const ExportOptions& o) {
   }
   // The floating dtype of the exported weights, when they have one.
   std::optional<DType> float_dtype;
-  bool mixed = false, any_fp8 = false;
+  bool mixed = false, any_fp8 = false, any_blocks = false;
   for (const OutFile& f : files) {
     for (const OutTensor& t : f.tensors) {
       if (t.dtype == DType::kF8_E4M3 || t.dtype == DType::kF8_E5M2) any_fp8 = true;
+      const std::string& n = t.loc->name;
+      if (n.size() > 7 && n.compare(n.size() - 7, 7, "_blocks") == 0) any_blocks = true;
       if (!Info(t.dtype).is_float) continue;
       if (float_dtype && *float_dtype != t.dtype) mixed = true;
       float_dtype = t.dtype;
@@ -672,7 +676,10 @@ ExportResult Export(const ExportOptions& o) {
     std::string_view dtype_name;
     if (float_dtype && !mixed) dtype_name = TorchFloatName(*float_dtype);
     ConfigEdits edits;
-    if (a == "config.json" && !o.adapter) config = ExportedConfig(from, dtype_name, !any_fp8, &edits);
+    std::set<std::string> dequantized;
+    if (!any_fp8) dequantized.insert("fp8");
+    if (!any_blocks) dequantized.insert("mxfp4");
+    if (a == "config.json" && !o.adapter) config = ExportedConfig(from, dtype_name, dequantized, &edits);
     if (config) {
       File out = File::Create(staging / a, CopyMode(from));
       out.PWriteExact(config->data(), config->size(), 0);

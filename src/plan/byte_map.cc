@@ -1,6 +1,7 @@
 #include "reshard/plan/byte_map.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -113,6 +114,63 @@ uint64_t FillDequantFp8(const EntrySegment& s, const SourceTensor& w, const Sour
   return n + nscale * 4;
 }
 
+// FP4 e2m1 values by code (bit 3: sign), as transformers' FP4_VALUES.
+constexpr float kFp4Values[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Fills `n` elements of `dst` (entry dtype `to`) with the elements [o0, o0 + n) of the MXFP4
+// experts tensor dequantized as transformers' Mxfp4Dequantize does: the result [E, G·32, N] is
+// the transpose of [E, N, G·32], whose element (e, r, 32·g + j) is FP4 code j of block
+// (e, r, g) (byte j / 2, low nibble for even j) as a bfloat16 value, times 2^(scale - 127)
+// computed in float32 (torch.ldexp: bf16 × float32 power of two), rounded once to bfloat16;
+// then converted to `to` (a load into a float32 model widens it exactly). Per expert it reads
+// the byte range of the blocks and scales from row 0's first block to row N-1's last that the
+// elements need (the transpose makes every row contribute to each output row). Returns the
+// source bytes read.
+uint64_t FillDequantMxfp4(const EntrySegment& s, const SourceTensor& blocks, const SourceTensor& scales,
+                          const SourceRead& read, uint64_t o0, uint64_t n, DType to, char* dst,
+                          std::vector<char>& scratch) {
+  if (n == 0) return 0;
+  const uint64_t N = s.source_shape[1], G = s.source_shape[2];
+  const uint64_t K = G * 32, per_expert = K * N;
+  uint64_t read_bytes = 0;
+  uint64_t done = 0;
+  while (done < n) {
+    const uint64_t o = o0 + done;
+    const uint64_t e = o / per_expert, base = e * per_expert;
+    const uint64_t m = std::min(n - done, base + per_expert - o);  // elements of this expert
+    const uint64_t g_lo = ((o - base) / N) / 32, g_hi = ((o + m - 1 - base) / N) / 32;
+    const uint64_t first = e * N * G + g_lo;               // (e, 0, g_lo), in blocks
+    const uint64_t last = e * N * G + (N - 1) * G + g_hi;  // (e, N-1, g_hi)
+    const uint64_t nblocks = last - first + 1;
+    scratch.resize(nblocks * 16 + nblocks + m * 4);
+    uint8_t* q = reinterpret_cast<uint8_t*>(scratch.data());
+    uint8_t* sc = q + nblocks * 16;
+    char* product = reinterpret_cast<char*>(sc + nblocks);
+    read(blocks.file_index, blocks.offset + first * 16, nblocks * 16, q);
+    read(scales.file_index, scales.offset + first, nblocks, sc);
+    read_bytes += nblocks * 17;
+    for (uint64_t i = 0; i < m; ++i) {
+      const uint64_t rel = o + i - base;
+      const uint64_t k = rel / N, r = rel % N;
+      const uint64_t g = k / 32, j = k % 32;
+      const uint64_t b = e * N * G + r * G + g - first;  // the block, relative to `first`
+      const uint8_t byte = q[b * 16 + j / 2];
+      const uint8_t code = (j & 1) ? byte >> 4 : byte & 0x0F;
+      const float out = kFp4Values[code] * std::ldexp(1.0f, static_cast<int>(sc[b]) - 127);
+      std::memcpy(product + i * 4, &out, 4);
+    }
+    ConvertElements(DType::kF32, DType::kBF16, product, dst + done * 2, m);  // transformers' bf16
+    done += m;
+  }
+  if (to != DType::kBF16) {
+    std::vector<char> widened(n * Info(to).bits / 8);
+    ConvertElements(DType::kBF16, to, dst, widened.data(), n);
+    std::memcpy(dst, widened.data(), widened.size());
+  }
+  return read_bytes;
+}
+
 }  // namespace
 
 EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, uint32_t rank,
@@ -183,6 +241,26 @@ std::string CheckSources(const EntryMap& map, const SourceLookup& find) {
       }
       continue;
     }
+    if (s.kind == EntrySegment::Kind::kDequantMxfp4) {
+      const SourceTensor* b = find(s.source);
+      const SourceTensor* sc = find(s.scale);
+      if (!b) return "MXFP4 blocks " + s.source + " are not in the source";
+      if (!sc) return "scales " + s.scale + " of MXFP4 blocks " + s.source + " are not in the source";
+      if (b->dtype != DType::kU8 || b->shape != s.source_shape || s.source_shape.size() != 4 ||
+          s.source_shape[3] != 16) {
+        return "MXFP4 blocks " + s.source + " are " + std::string(Name(b->dtype)) + ", not U8 of the captured shape";
+      }
+      if (sc->dtype != DType::kU8 || sc->shape != s.scale_shape ||
+          !std::equal(s.scale_shape.begin(), s.scale_shape.end(), s.source_shape.begin()) ||
+          s.scale_shape.size() != 3) {
+        return "scales " + s.scale + " are " + std::string(Name(sc->dtype)) + ", not U8 of the captured shape";
+      }
+      if (map.dtype != DType::kBF16 && map.dtype != DType::kF32 && map.dtype != DType::kF64) {
+        return "MXFP4 blocks " + s.source + " are dequantized to BF16, but the entry is " +
+               std::string(Name(map.dtype)) + ", which would round them again";
+      }
+      continue;
+    }
     if (s.kind != EntrySegment::Kind::kSource) continue;
     const SourceTensor* t = find(s.source);
     if (!t) return "source tensor " + s.source + " is not in the source";
@@ -225,6 +303,13 @@ uint64_t FillEntry(const EntryMap& map, const SourceLookup& find, const SourceRe
                                    (b - a) / item, map.dtype, dst, scratch);
       continue;
     }
+    if (s.kind == EntrySegment::Kind::kDequantMxfp4) {
+      const SourceTensor* sc = find(s.scale);
+      if (!sc) Fail(ErrorCode::kMismatch, "scales " + s.scale + " are not in the source");
+      read_bytes += FillDequantMxfp4(s, *t, *sc, read, s.source_element + (a - s0) / item,
+                                     (b - a) / item, map.dtype, dst, scratch);
+      continue;
+    }
     const uint64_t src0 = s.source_element * Info(t->dtype).bits / 8;  // the segment's start
     if (t->dtype == map.dtype) {
       read(t->file_index, t->offset + src0 + (a - s0), b - a, dst);
@@ -245,11 +330,20 @@ std::pair<size_t, uint64_t> FirstSourceByte(const EntryMap& map, const SourceLoo
                                             uint64_t begin) {
   const uint32_t bits = Info(map.dtype).bits;
   for (const EntrySegment& s : map.segments) {
-    if (s.kind != EntrySegment::Kind::kSource && s.kind != EntrySegment::Kind::kDequantFp8) continue;
+    if (s.kind != EntrySegment::Kind::kSource && s.kind != EntrySegment::Kind::kDequantFp8 &&
+        s.kind != EntrySegment::Kind::kDequantMxfp4) {
+      continue;
+    }
     const uint64_t s0 = s.element * bits / 8, s1 = (s.element + s.count) * bits / 8;
     if (s1 <= begin) continue;
     const SourceTensor* t = find(s.source);
     if (!t) return {0, 0};
+    if (s.kind == EntrySegment::Kind::kDequantMxfp4) {  // the expert's first block
+      const uint64_t per_expert = s.source_shape[1] * s.source_shape[2] * 32;
+      const uint64_t skip = begin > s0 ? (begin - s0) * 8 / bits : 0;
+      const uint64_t e = (s.source_element + skip) / per_expert;
+      return {t->file_index, t->offset + e * s.source_shape[1] * s.source_shape[2] * 16};
+    }
     const uint64_t skip = begin > s0 ? (begin - s0) * 8 / bits : 0;  // elements before begin
     return {t->file_index, t->offset + (s.source_element + skip) * Info(t->dtype).bits / 8};
   }
@@ -269,6 +363,9 @@ std::string DescribeEntryByte(const EntryMap& map, uint64_t at) {
       case EntrySegment::Kind::kDequantFp8:
         return "element " + std::to_string(s.source_element + (e - s.element)) +
                " of FP8 weight " + s.source + " dequantized with " + s.scale;
+      case EntrySegment::Kind::kDequantMxfp4:
+        return "element " + std::to_string(s.source_element + (e - s.element)) +
+               " of the experts dequantized from MXFP4 blocks " + s.source + " with " + s.scale;
     }
   }
   return "byte " + std::to_string(at) + ", past the entry";

@@ -28,7 +28,7 @@ void Keys(const ConversionExpr& x, std::vector<const ConversionExpr*>& out) {
 }
 
 void DequantNodes(const ConversionExpr& x, std::vector<const ConversionExpr*>& out) {
-  if (x.op == ConversionExpr::Op::kDequantFp8) {
+  if (x.op == ConversionExpr::Op::kDequantFp8 || x.op == ConversionExpr::Op::kDequantMxfp4) {
     out.push_back(&x);
     return;
   }
@@ -73,9 +73,46 @@ bool IsScaleName(const std::string& key) {
 
 // Never a weight without its scale: every F8_E4M3 tensor is dequantized with its scale
 // (policy dequantize) or kept beside it (keep), and every scale belongs to such a weight.
+bool EndsWith(const std::string& s, const std::string& tail) {
+  return s.size() > tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// MXFP4 (gpt-oss): every U8 `<proj>_blocks` is dequantized with its `<proj>_scales` (the only
+// policy: the model transformers builds with MXFP4 kept holds Triton tensors, not parameters
+// FSDP can shard), and every `_scales` tensor belongs to such blocks.
+void CheckMxfp4Pairs(const Checkpoint& ckpt, const Conversion& conversion, const std::string& manifest_path) {
+  const std::string where = ckpt.dir.string() + ": ";
+  if (conversion.quantization->policy != Quantization::Policy::kDequantize) {
+    Fail(ErrorCode::kUnsupported,
+         manifest_path + ": MXFP4 with policy keep: transformers' MXFP4 model holds Triton-swizzled "
+                         "tensors, not parameters FSDP can shard; capture with --quantized dequantize");
+  }
+  std::set<std::string> blocks, scales;
+  for (const ConversionTarget& t : conversion.targets) {
+    std::vector<const ConversionExpr*> d;
+    DequantNodes(t.expr, d);
+    for (const ConversionExpr* x : d) blocks.insert(x->of[0].key), scales.insert(x->of[1].key);
+  }
+  for (const SourceTensor& s : ckpt.tensors) {
+    if (EndsWith(s.name, "_blocks") && s.dtype == DType::kU8 && !blocks.count(s.name)) {
+      const std::string scale = s.name.substr(0, s.name.size() - 7) + "_scales";
+      Fail(ErrorCode::kUnsupported,
+           where + "MXFP4 blocks \"" + s.name + "\" are not dequantized by " + manifest_path +
+               "'s conversion" +
+               (ckpt.Find(scale) ? std::string() : ": the checkpoint has no scales \"" + scale + "\" for them") +
+               "; a weight is never stored without its scale");
+    }
+    if (EndsWith(s.name, "_scales") && s.dtype == DType::kU8 && !scales.count(s.name)) {
+      Fail(ErrorCode::kUnsupported, where + "MXFP4 scales \"" + s.name + "\" are not used by any blocks "
+                                            "that " + manifest_path + "'s conversion dequantizes");
+    }
+  }
+}
+
 void CheckQuantizedPairs(const Checkpoint& ckpt, const Conversion& conversion,
                          const std::string& manifest_path) {
   const Quantization& q = *conversion.quantization;
+  if (q.method == "mxfp4") return CheckMxfp4Pairs(ckpt, conversion, manifest_path);
   const bool keep = q.policy == Quantization::Policy::kKeep;
   std::set<std::string> weights, scales;  // dequantize: the pairs the targets use
   for (const ConversionTarget& t : conversion.targets) {
@@ -168,6 +205,31 @@ void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint6
         out.push_back(std::move(seg));
         return;
       }
+      case Op::kDequantMxfp4: {
+        // Element e of the [E, G·32, N] result (children are keys: ParseModelManifest).
+        const ConversionExpr& b = x.of[0];
+        const ConversionExpr& sc = x.of[1];
+        if (!out.empty()) {
+          EntrySegment& last = out.back();
+          if (last.kind == EntrySegment::Kind::kDequantMxfp4 && last.source == b.key &&
+              last.element + last.count == entry_element &&
+              last.source_element + last.count == begin) {
+            last.count += count;
+            return;
+          }
+        }
+        EntrySegment seg;
+        seg.kind = EntrySegment::Kind::kDequantMxfp4;
+        seg.element = entry_element;
+        seg.count = count;
+        seg.source = b.key;
+        seg.source_shape = b.shape;
+        seg.source_element = begin;
+        seg.scale = sc.key;
+        seg.scale_shape = sc.shape;
+        out.push_back(std::move(seg));
+        return;
+      }
       case Op::kStack: {
         // Shape S[:d] + [n] + S[d:]: per outer index, n blocks of `inner` child elements.
         const uint64_t inner = Product(x.of[0].shape, x.dim, x.of[0].shape.size());
@@ -238,7 +300,7 @@ Checkpoint ModelView(const Checkpoint& ckpt, const Conversion& conversion,
     }
     if (!dequants.empty() && dequants.size() * 2 != keys.size()) {
       Fail(ErrorCode::kUnsupported, manifest_path + ": \"" + t.name +
-                                        "\" mixes dequantized FP8 weights with other tensors");
+                                        "\" mixes dequantized weights with other tensors");
     }
     const SourceTensor* first = nullptr;
     for (const ConversionExpr* k : keys) {
@@ -329,9 +391,11 @@ std::vector<TensorLocation> HubNameLocations(const std::vector<TensorLocation>& 
     std::vector<const ConversionExpr*> dequants;
     DequantNodes(target->expr, dequants);
     if (!dequants.empty()) {
+      const bool fp8 = dequants[0]->op == ConversionExpr::Op::kDequantFp8;
       Fail(ErrorCode::kUnsupported,
-           "\"" + t.name + "\" was dequantized from FP8 weight \"" + dequants[0]->of[0].key +
-               "\" and its scale at convert: the checkpoint's FP8 names cannot be written back "
+           "\"" + t.name + "\" was dequantized from " + (fp8 ? "FP8 weight" : "MXFP4 blocks") + " \"" +
+               dequants[0]->of[0].key +
+               "\" and its scale at convert: the checkpoint's quantized tensors cannot be written back "
                "(export without --hub-names writes the model's names)");
     }
     const uint64_t bits = Info(t.dtype).bits;

@@ -92,7 +92,7 @@ def test_dequantize_policy_is_bit_exact_against_from_pretrained(fp8_src, cli, tm
     r = cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
     # The weights are plain bf16 now: the fp8 quantization_config goes (with it, transformers
     # would build FP8Linear layers on a GPU and quantize them again); the rest of config.json stays.
-    assert "quantization_config (fp8) removed" in r.out, r.out
+    assert "quantization_config removed" in r.out, r.out
     src_config = json.load(open(os.path.join(src, "config.json")))
     exp_config = json.load(open(tmp_path / "exported" / "config.json"))
     assert src_config["quantization_config"]["quant_method"] == "fp8"
@@ -225,16 +225,18 @@ def test_gpu_keep_policy_loads_the_live_fp8_model(fp8_src, tmp_path):
 
 
 def test_other_quantization_methods_are_refused_by_name():
-    """MXFP4 (gpt-oss) and every quant_method but fp8: refused at capture, naming it (convert
-    refuses a manifest with any refusal)."""
+    """Every quant_method but fp8 and mxfp4 (test_mxfp4.py): refused at capture, naming it
+    (convert refuses a manifest with any refusal); fp8 / mxfp4 without the quantizer (a capture
+    not made by reshard.model_manifest) name the way they are captured."""
     import transformers as tr
 
     from reshard.conversion import capture_conversion
 
-    cfg = fp8_checkpoint.config(num_hidden_layers=1)
-    cfg.quantization_config = {"quant_method": "mxfp4"}
-    with torch.device("meta"):
-        model = tr.DeepseekV3ForCausalLM(cfg)
-    plan = capture_conversion(model, [("model.norm.weight", "BF16", [256])])
-    assert plan["targets"] == [] and len(plan["refused"]) == 1
-    assert "quant_method 'mxfp4'" in plan["refused"][0] and "not supported" in plan["refused"][0]
+    for method, why in (("awq", "not supported"), ("mxfp4", "policy (--quantized)")):
+        cfg = fp8_checkpoint.config(num_hidden_layers=1)
+        cfg.quantization_config = {"quant_method": method}
+        with torch.device("meta"):
+            model = tr.DeepseekV3ForCausalLM(cfg)
+        plan = capture_conversion(model, [("model.norm.weight", "BF16", [256])])
+        assert plan["targets"] == [] and len(plan["refused"]) == 1
+        assert f"quant_method {method!r}" in plan["refused"][0] and why in plan["refused"][0], plan

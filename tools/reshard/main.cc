@@ -624,7 +624,7 @@ int RunCli(int argc, char** argv) {
           std::printf("config.json: dtype set to %s, the weights' dtype\n", r.config_dtype.c_str());
         }
         if (r.config_dequantized) {
-          std::printf("config.json: quantization_config (fp8) removed: the weights were dequantized "
+          std::printf("config.json: quantization_config removed: the weights were dequantized "
                       "at convert\n");
         }
       }

@@ -38,23 +38,25 @@ struct ModelBuffer {
 /// rearrangements (formats/model-manifest.md, "conversion"). `shape` is every node's shape,
 /// given for keys and computed (and checked) for the others.
 struct ConversionExpr {
-  enum class Op : uint8_t { kKey, kStack, kCat, kSlice, kDequantFp8 };
+  enum class Op : uint8_t { kKey, kStack, kCat, kSlice, kDequantFp8, kDequantMxfp4 };
   Op op = Op::kKey;
   std::string key;                  // kKey: the checkpoint tensor
   std::string dtype;                // kKey: its dtype as recorded at capture ("BF16", ...);
-                                    // kDequantFp8: the model's dtype of the result ("BF16")
+                                    // kDequantFp8, kDequantMxfp4: the result's dtype ("BF16")
   uint32_t dim = 0;                 // kStack, kCat, kSlice
   uint64_t start = 0, stop = 0;     // kSlice: [start, stop) of dim
   uint64_t block_rows = 0, block_cols = 0;  // kDequantFp8: elements of the weight per scale
   std::vector<ConversionExpr> of;   // kStack, kCat: ≥ 1 children; kSlice: exactly 1;
-                                    // kDequantFp8: [weight key (F8_E4M3), scale key (F32)]
+                                    // kDequantFp8: [weight key (F8_E4M3), scale key (F32)];
+                                    // kDequantMxfp4: [blocks key (U8 [E, N, G, 16]),
+                                    // scales key (U8 [E, N, G])], shape [E, G·32, N]
   std::vector<uint64_t> shape;
 };
 
 /// How the capture treats a quantized checkpoint (formats/model-manifest.md, "quantization").
 struct Quantization {
   enum class Policy : uint8_t { kDequantize, kKeep };
-  std::string method;  // "fp8"
+  std::string method;  // "fp8", "mxfp4"
   Policy policy = Policy::kDequantize;
   std::vector<uint64_t> weight_block_size;  // config.json's, e.g. [128, 128]
 };

@@ -28,15 +28,15 @@ namespace reshard {
 /// transformers' Fp8Dequantize: float32(weight) × float32 scale of its block (F32 `scale`,
 /// [..., ceil(R/block_rows), ceil(C/block_cols)]), rounded once to the entry's dtype.
 struct EntrySegment {
-  enum class Kind : uint8_t { kSource, kPadding, kZero, kDequantFp8 };
+  enum class Kind : uint8_t { kSource, kPadding, kZero, kDequantFp8, kDequantMxfp4 };
   Kind kind = Kind::kSource;
   uint64_t element = 0;
   uint64_t count = 0;
-  std::string source;                 // kSource, kDequantFp8: the source tensor's name
-  std::vector<uint64_t> source_shape;  // kSource, kDequantFp8: the shape that tensor must have
-  uint64_t source_element = 0;         // kSource, kDequantFp8
-  std::string scale;                   // kDequantFp8: the scale tensor's name
-  std::vector<uint64_t> scale_shape;   // kDequantFp8: the shape it must have
+  std::string source;                 // kSource, kDequant*: the source tensor's name (MXFP4: blocks)
+  std::vector<uint64_t> source_shape;  // kSource, kDequant*: the shape that tensor must have
+  uint64_t source_element = 0;         // kSource, kDequant* (MXFP4: of the [E, G·32, N] result)
+  std::string scale;                   // kDequant*: the scale tensor's name
+  std::vector<uint64_t> scale_shape;   // kDequant*: the shape it must have
   uint64_t block_rows = 0, block_cols = 0;  // kDequantFp8
 };
 

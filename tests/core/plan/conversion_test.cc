@@ -339,6 +339,111 @@ TEST(Conversion, DequantFp8RefusesAScaleGridThatIsNotTheWeightsBlocks) {
       ErrorCode::kDataLoss, {"m.json", "expr.of[1].shape", "found [1, 2]", "[2, 2] (the weight's blocks)"}));
 }
 
+std::string Mxfp4Target(const std::string& name, uint64_t e, uint64_t n, uint64_t g, const std::string& scale_shape) {
+  return R"({"name": ")" + name + R"(", "shape": [)" + std::to_string(e) + ", " + std::to_string(g * 32) + ", " +
+         std::to_string(n) + R"(], "expr": {"op": "dequant_mxfp4", "dtype": "BF16", "of": [{"op": "key", "key": ")" +
+         name + R"(_blocks", "dtype": "U8", "shape": [)" + std::to_string(e) + ", " + std::to_string(n) + ", " +
+         std::to_string(g) + R"(, 16]}, {"op": "key", "key": ")" + name + R"(_scales", "dtype": "U8", "shape": )" +
+         scale_shape + "}]}}";
+}
+
+// gpt-oss experts [E=3, N=5 rows, G=2 blocks of 32]: every byte range FillEntry fills (ranges
+// inside an expert, across experts, FSDP2's rows of dim 0) equals an index-math decoding of the
+// transposed [E, 64, 5] result (FP4 code × 2^(scale − 127) in float32, one rounding to bf16),
+// every scale byte 0-255 included; stored as F32 the same values widened exactly.
+TEST(Conversion, DequantMxfp4FillsAnyRangeAsTransformersDecodes) {
+  const uint64_t E = 3, N = 5, G = 2, K = G * 32;
+  const ModelManifest m = ParseModelManifest(Manifest("[" + Mxfp4Target("x", E, N, G, "[3, 5, 2]") + "]"), "m.json");
+  std::vector<uint8_t> blocks(E * N * G * 16), scales(E * N * G);
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = static_cast<uint8_t>((i * 91 + 7) % 256);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = static_cast<uint8_t>(i * 255 / (scales.size() - 1));
+  std::vector<char> file(blocks.size() + scales.size());
+  std::memcpy(file.data(), blocks.data(), blocks.size());
+  std::memcpy(file.data() + blocks.size(), scales.data(), scales.size());
+  Checkpoint ckpt;
+  ckpt.dir = "SRC";
+  ckpt.tensors = {SourceTensor{"x_blocks", DType::kU8, {E, N, G, 16}, 0, 0, blocks.size()},
+                  SourceTensor{"x_scales", DType::kU8, {E, N, G}, 0, blocks.size(), scales.size()}};
+  const Checkpoint view = ModelView(ckpt, *m.conversion, "m.json");
+  ASSERT_EQ(view.tensors.size(), 1u);
+  EXPECT_EQ(view.tensors[0].dtype, DType::kBF16);
+  EXPECT_EQ(view.tensors[0].shape, (std::vector<uint64_t>{E, K, N}));
+  const SourceLookup find = [&](std::string_view n) { return ckpt.Find(n); };
+  const SourceRead read = [&](size_t, uint64_t at, size_t n, void* dst) {
+    ASSERT_LE(at + n, file.size());
+    std::memcpy(dst, file.data() + at, n);
+  };
+  const float fp4[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  auto want = [&](uint64_t o) {  // element o of [E, K, N]
+    const uint64_t e = o / (K * N), k = (o / N) % K, r = o % N;
+    const uint64_t b = (e * N + r) * G + k / 32, j = k % 32;
+    const uint8_t byte = blocks[b * 16 + j / 2];
+    const float v = fp4[(j & 1) ? byte >> 4 : byte & 15] * std::ldexp(1.0f, scales[b] - 127);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return F32BitsToBF16(bits);
+  };
+  for (const DType stored : {DType::kBF16, DType::kF32}) {
+    const uint64_t item = stored == DType::kBF16 ? 2 : 4;
+    for (const auto& [r0, r1] : std::vector<std::pair<uint64_t, uint64_t>>{{0, 3}, {1, 2}, {2, 3}, {0, 1}}) {
+      EntryMap map;
+      map.name = "x";
+      map.dtype = stored;
+      map.numel = (r1 - r0) * K * N;
+      map.nbytes = map.numel * item;
+      EntrySegment rows;  // FSDP2's experts [r0, r1)
+      rows.count = map.numel;
+      rows.source = "x";
+      rows.source_shape = {E, K, N};
+      rows.source_element = r0 * K * N;
+      map.segments.push_back(rows);
+      ExpandConversion(map, *m.conversion);
+      ASSERT_EQ(map.segments.size(), 1u);
+      ASSERT_EQ(map.segments[0].kind, EntrySegment::Kind::kDequantMxfp4);
+      ASSERT_EQ(CheckSources(map, find), "");
+      for (const auto& [begin, end] : std::vector<std::pair<uint64_t, uint64_t>>{
+               {0, map.numel}, {7, 301}, {K * N - 3, K * N + 11}, {map.numel - 1, map.numel}}) {
+        if (end > map.numel || begin >= end) continue;
+        std::vector<char> out((end - begin) * item), scratch;
+        FillEntry(map, find, read, begin * item, out.size(), out.data(), scratch);
+        for (uint64_t i = 0; i < end - begin; ++i) {
+          const uint16_t w = want(r0 * K * N + begin + i);
+          if (stored == DType::kBF16) {
+            uint16_t got;
+            std::memcpy(&got, out.data() + 2 * i, 2);
+            ASSERT_EQ(got, w) << "element " << r0 * K * N + begin + i;
+          } else {
+            uint32_t got;
+            std::memcpy(&got, out.data() + 4 * i, 4);
+            if ((w & 0x7F80) == 0x7F80 && (w & 0x7F)) {
+              ASSERT_EQ(got & 0x7F800000u, 0x7F800000u) << "NaN stays NaN";
+            } else {
+              ASSERT_EQ(got, static_cast<uint32_t>(w) << 16) << "element " << r0 * K * N + begin + i;
+            }
+          }
+        }
+      }
+    }
+  }
+  EntryMap f16;
+  f16.name = "x";
+  f16.dtype = DType::kF16;
+  f16.segments.push_back(EntrySegment{});
+  f16.segments[0].count = 1, f16.segments[0].source = "x", f16.segments[0].source_shape = {E, K, N};
+  ExpandConversion(f16, *m.conversion);
+  EXPECT_NE(CheckSources(f16, find).find("round them again"), std::string::npos);
+}
+
+TEST(Conversion, DequantMxfp4ParserRefusesShapesThatDoNotFit) {
+  EXPECT_TRUE(ThrowsError(
+      [] { ParseModelManifest(Manifest("[" + Mxfp4Target("x", 3, 5, 2, "[3, 5]") + "]"), "m.json"); },
+      ErrorCode::kDataLoss, {"m.json", "expr.of[1].shape", "found [3, 5]", "[3, 5, 2]"}));
+  std::string bad = Mxfp4Target("x", 3, 5, 2, "[3, 5, 2]");
+  bad.replace(bad.find(", 16]}"), 6, ", 8]}");
+  EXPECT_TRUE(ThrowsError([&] { ParseModelManifest(Manifest("[" + bad + "]"), "m.json"); },
+                          ErrorCode::kDataLoss, {"expr.of[0].shape", "[experts, rows, blocks, 16]"}));
+}
+
 TEST(Conversion, ModelViewRefusesAnFp8WeightWithoutItsScale) {
   const std::string conv = Manifest("[" + Fp8Target("a.weight", 4, 4, 128, 128, "[1, 1]") + "]");
   std::string keep = conv;
