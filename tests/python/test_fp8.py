@@ -106,6 +106,10 @@ def test_dequantize_policy_is_bit_exact_against_from_pretrained(fp8_src, cli, tm
         os.makedirs(tmp_path / f"r{ws}")
         _torchrun(ws, os.path.join(HERE, "fsdp_worker.py"), "--src", src, "--out", out,
                   "--result", tmp_path / f"r{ws}", "--steps", 0)
+    # FSDP1 at 2: flat shards of dequantized weights equal FSDP1's own of from_pretrained's model.
+    from test_mxfp4 import fsdp1_ranks
+
+    fsdp1_ranks(2, src, out, tmp_path)
     # --dtype fp32: the float32 products themselves (from_pretrained(dtype=float32)), not
     # bf16 widened; read back with the reference reader.
     out32 = tmp_path / "out32"

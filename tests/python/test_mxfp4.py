@@ -64,6 +64,22 @@ def independent_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return vals.reshape(e, n, g * 32).transpose(1, 2).to(torch.bfloat16).contiguous()
 
 
+def fsdp1_ranks(ws, src, out, tmp_path):
+    """convert --layout fsdp1 (the model manifest already in OUT), then fsdp1_worker.py."""
+    import glob
+    import subprocess
+
+    bin_ = os.environ.get("RESHARD_BIN", os.path.join(HERE, "..", "..", "build", "reshard"))
+    subprocess.run([bin_, "convert", src, "-o", str(out), "--world-size", str(ws), "--layout", "fsdp1"],
+                   check=True, capture_output=True)
+    result = tmp_path / f"fsdp1-{ws}"
+    _torchrun(ws, os.path.join(HERE, "fsdp1_worker.py"), "--src", src, "--out", out, "--result", result,
+              "--steps", 0)
+    results = [json.load(open(p)) for p in sorted(glob.glob(f"{result}.*"))]
+    assert len(results) == ws and all(r["ok"] for r in results), results
+    return results
+
+
 @pytest.fixture(scope="module")
 def mx_src(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("mxfp4") / "gpt_oss_mxfp4")
@@ -90,6 +106,9 @@ def test_dequantize_is_bit_exact_against_from_pretrained(mx_src, cli, tmp_path):
         os.makedirs(tmp_path / f"r{ws}")
         _torchrun(ws, os.path.join(HERE, "fsdp_worker.py"), "--src", src, "--out", out,
                   "--result", tmp_path / f"r{ws}", "--steps", 0)
+    # FSDP1 at 2 (flat shards padded, experts split inside a unit): the local flat shards equal
+    # FSDP1's own of from_pretrained's model, summon_full_params gives its parameters.
+    fsdp1_ranks(2, src, out, tmp_path)
     r = cli("export", out, "-o", tmp_path / "exported", "--layout", "fsdp2-ws3", rc=0)
     assert "quantization_config removed" in r.out, r.out
     src_config = json.load(open(os.path.join(src, "config.json")))
