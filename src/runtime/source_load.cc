@@ -99,6 +99,11 @@ class PlannedView : public SourceRankView {
   // the page cache: the bytes this rank reads, not whole files (a rank reads a part of each).
   double Residency(const std::vector<Piece>& pieces) const;
   virtual const SourceTensor* FindSource(std::string_view name) const = 0;
+  // Where the piece of entry map `map` that starts at byte `begin` should end, at most at
+  // `end`: a source that is read in units (another layout's checksum chunks) ends it on a
+  // unit boundary when one lies inside, so that later pieces read whole units straight into
+  // their destination rather than the same unit twice, by two readers, through a buffer.
+  virtual uint64_t PieceEnd(const EntryMap& /*map*/, uint64_t /*begin*/, uint64_t end) const { return end; }
   // Adds to used_files_ the files holding bytes [begin, end) of source tensor `t`.
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
   std::vector<std::string> files() const override { return used_files_; }
@@ -223,10 +228,12 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   std::vector<Piece> pieces;
   for (uint32_t j = 0; j < jobs.size(); ++j) {
     const TensorEntry& e = header_.tensors[jobs[j].entry];
-    for (uint64_t b = 0; b < e.nbytes; b += piece) {
-      Piece p{j, b, std::min(piece, e.nbytes - b), {}};
+    for (uint64_t b = 0; b < e.nbytes;) {
+      const uint64_t end = PieceEnd(maps_[jobs[j].entry], b, std::min(b + piece, e.nbytes));
+      Piece p{j, b, end - b, {}};
       p.first_source = FirstSourceByte(maps_[jobs[j].entry], lookup, b);
       pieces.push_back(p);
+      b = end;
     }
   }
   // Source order: the disk sees reads in file order, however the model orders its tensors.
@@ -562,6 +569,26 @@ class LayoutView final : public PlannedView {
     }
   }
   const SourceTensor* FindSource(std::string_view name) const override { return virt_.Find(name); }
+  uint64_t PieceEnd(const EntryMap& map, uint64_t begin, uint64_t end) const override {
+    // The segment holding `begin`: a run of one virtual tensor's bytes in the same dtype.
+    const uint64_t item = Info(map.dtype).bits / 8;
+    if (item == 0) return end;
+    for (const EntrySegment& s : map.segments) {
+      const uint64_t s0 = s.element * item, s1 = (s.element + s.count) * item;
+      if (begin < s0 || begin >= s1) continue;
+      if (s.kind != EntrySegment::Kind::kSource || end > s1) return end;
+      const SourceTensor* t = virt_.Find(s.source);
+      if (!t || t->dtype != map.dtype) return end;
+      LayoutBytes::Spot at;
+      if (!bytes_.Locate(t->offset + s.source_element * item + (begin - s0), at)) return end;
+      if (end - begin > at.left) return end;  // crosses into another rank file's piece
+      const uint64_t cs = bytes_.readers[at.piece->rank].header().chunk_size;
+      const uint64_t boundary = (at.pos + (end - begin)) / cs * cs;  // the last one inside
+      if (boundary <= at.pos || (boundary - at.pos) % item != 0) return end;
+      return begin + (boundary - at.pos);
+    }
+    return end;
+  }
 
  private:
   LayoutBytes bytes_;
