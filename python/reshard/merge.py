@@ -157,14 +157,16 @@ def _scaling(cfg: dict, module_key: str, r_found: int, saved: str) -> float:
     for the module by PEFT's own get_pattern_key, as LoraModel._create_and_replace does."""
     import math
 
-    from peft.utils.other import get_pattern_key
-
     from .errors import LayoutMismatchError
 
     rank_pattern = cfg.get("rank_pattern") or {}
     alpha_pattern = cfg.get("alpha_pattern") or {}
-    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module_key), cfg.get("r"))
-    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module_key), cfg.get("lora_alpha"))
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if rank_pattern or alpha_pattern:  # PEFT's own matching (importing peft takes seconds)
+        from peft.utils.other import get_pattern_key
+
+        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module_key), r)
+        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module_key), alpha)
     if r != r_found:
         raise LayoutMismatchError(f"{saved}: module {module_key}: its adapter has rank {r_found}, "
                                   f"{ADAPTER_CONFIG} says r={r}")

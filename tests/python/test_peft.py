@@ -246,18 +246,16 @@ def _assert_merged(hf_dir, want, src):
     assert changed == 4, changed  # 2 layers x (q_proj, v_proj): the merge changed exactly those
 
 
-@pytest.mark.parametrize("arch,dtype,sharded,ws", [
-    ("llama", "bf16", True, 2),   # bf16 base, fp32 adapters: the in-place add rounds once
-    ("qwen2", "fp32", False, 3),  # fp32, tied embeddings; rank 3 over 3 ranks
-])
-def test_merge_export_equals_merge_and_unload(checkpoint, cli, tmp_path, arch, dtype, sharded, ws):
-    """Train at world size 2 or 3 -> reshard.save (adapters only; the save records the base) ->
-    `reshard export --merge` -> from_pretrained equals merge_and_unload() of PEFT's unsharded
-    model with the same trained adapters, every tensor bit for bit. lora_alpha 5 / r 3: a
-    scaling that is no power of two."""
-    src, out = _converted(checkpoint, cli, tmp_path, arch, dtype, sharded, ws)
+def test_merge_export_equals_merge_and_unload(checkpoint, cli, tmp_path):
+    """Llama, bf16 base with fp32 adapters (the in-place add rounds once), trained at world
+    size 2 -> reshard.save (adapters only; the save records the base) -> `reshard export
+    --merge` into several safetensors files -> from_pretrained equals merge_and_unload() of
+    PEFT's unsharded model with the same trained adapters, every tensor bit for bit. lora_alpha
+    5 / r 3: a scaling that is no power of two. (World size 3, Qwen2 fp32 with tied embeddings:
+    test_save_with_base_is_self_contained.)"""
+    src, out = _converted(checkpoint, cli, tmp_path, "llama", "bf16", True, 2)
     saved, dump = tmp_path / "saved", tmp_path / "trained.safetensors"
-    _run(ws, src, out, tmp_path, "--save", saved, "--dump", dump, "--lora-rank", "3", "--alpha", "5", "--more", "0")
+    _run(2, src, out, tmp_path, "--save", saved, "--dump", dump, "--lora-rank", "3", "--alpha", "5", "--more", "0")
     record = json.load(open(saved / "reshard-adapter.json"))
     assert record["base"]["stored"] is False and record["base"]["out"] == str(out), record["base"]
     want = _merged_reference(src, dump, 3, 5, ["q_proj", "v_proj"])
@@ -270,16 +268,18 @@ def test_merge_export_equals_merge_and_unload(checkpoint, cli, tmp_path, arch, d
 
 
 def test_save_with_base_is_self_contained(checkpoint, cli, tmp_path):
-    """reshard.save(..., base=True) at world size 2: a new job builds and loads from OUT alone
-    (every parameter equals the trained model's); `export OUT` is the base (the source
-    checkpoint's tensors, bit for bit), `--adapter` the adapters, `--merge` needs no --base."""
+    """reshard.save(..., base=True) of Qwen2 (fp32, tied embeddings) at world size 3 (rank 3
+    over 3 ranks): a new job builds and loads from OUT alone (every parameter equals the
+    trained model's); `export OUT` is the base (the source checkpoint's tensors, bit for bit),
+    `--adapter` the adapters, and `--merge`, with no --base, equals merge_and_unload() of
+    PEFT's unsharded model with the trained adapters bit for bit."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    src, out = _converted(checkpoint, cli, tmp_path, "llama", "bf16", True, 2)
+    src, out = _converted(checkpoint, cli, tmp_path, "qwen2", "fp32", False, 3)
     saved, dump, dump_all = tmp_path / "saved", tmp_path / "trained.safetensors", tmp_path / "all.safetensors"
-    _run(2, src, out, tmp_path, "--save", saved, "--save-base", "--dump", dump, "--dump-all", dump_all,
-         "--more", "0", "--alpha", "5")
+    _run(3, src, out, tmp_path, "--save", saved, "--save-base", "--dump", dump, "--dump-all", dump_all,
+         "--more", "0", "--lora-rank", "3", "--alpha", "5")
     assert json.load(open(saved / "reshard-adapter.json"))["base"]["stored"] is True
     cli("verify", saved, rc=0)
 
@@ -293,8 +293,8 @@ def test_save_with_base_is_self_contained(checkpoint, cli, tmp_path):
     # base with the exported adapters (the worker's reference).
     again = tmp_path / "again"
     again.mkdir()
-    torchrun(2, WORKER, "--src", src, "--out", saved, "--result", again, "--expect", dump_all,
-             "--ref-adapter", adapter, "--alpha", "5", timeout=400)
+    torchrun(3, WORKER, "--src", src, "--out", saved, "--result", again, "--expect", dump_all,
+             "--ref-adapter", adapter, "--lora-rank", "3", "--alpha", "5", timeout=400)
     assert json.load(open(again / "rank-0.json"))["adapters"]["source"] == str(saved)
 
     plain = tmp_path / "plain"
@@ -309,7 +309,7 @@ def test_save_with_base_is_self_contained(checkpoint, cli, tmp_path):
     merged = tmp_path / "merged"
     r = cli("export", saved, "-o", merged, "--merge", rc=0)
     assert "the save itself" in r.out, r.out
-    _assert_merged(merged, _merged_reference(src, dump, 4, 5, ["q_proj", "v_proj"]), src)
+    _assert_merged(merged, _merged_reference(src, dump, 3, 5, ["q_proj", "v_proj"]), src)
 
 
 @pytest.fixture
@@ -331,14 +331,25 @@ def saved_ws1(ws1, tmp_path):
     return src, out, saved
 
 
-def test_merge_refusals(checkpoint, cli, saved_ws1, tmp_path):
+def test_merge_refusals(checkpoint, cli, saved_ws1, tmp_path, capsys):
+    """Through the CLI (exit status passed on) and, to spare a Python start each, reshard.merge's
+    main in this process: --merge of a conversion, an output inside the source, another model
+    as the base (by the source the save records, then by shapes), no base recorded."""
+    from reshard.merge import main as merge_main
+
     src, out, saved = saved_ws1
+
+    def merge(*args):
+        capsys.readouterr()
+        rc = merge_main([str(a) for a in args])
+        return rc, capsys.readouterr().err
+
     # --merge of a save that is not an adapter save (a conversion)
     r = cli("export", out, "-o", tmp_path / "m1", "--merge", rc=2)
     assert "lists no adapter_config.json" in r.err and str(out) in r.err, r.err
     # the output inside the source
-    r = cli("export", saved, "-o", saved / "merged", "--merge", rc=2)
-    assert "must lie outside" in r.err, r.err
+    rc, err = merge(saved, "-o", saved / "merged")
+    assert rc == 2 and "must lie outside" in err, err
     # another model as the base: refused by the source the save records, naming both paths
     other = tmp_path / "other"
     cli("convert", checkpoint("qwen2", "fp32", False), "-o", other, "--world-size", 1, rc=0)
@@ -349,13 +360,14 @@ def test_merge_refusals(checkpoint, cli, saved_ws1, tmp_path):
     rec = json.load(open(rec_path))
     rec["base"] = {"stored": False, "out": None, "layout": None, "source": None}
     json.dump(rec, open(rec_path, "w"))
-    r = cli("export", saved, "-o", tmp_path / "m3", "--merge", rc=2)
-    assert "pass --base OUT" in r.err, r.err
-    r = cli("export", saved, "-o", tmp_path / "m4", "--merge", "--base", other, rc=3)
-    assert "another model" in r.err and str(other) in r.err and str(saved) in r.err, r.err
+    rc, err = merge(saved, "-o", tmp_path / "m3")
+    assert rc == 2 and "pass --base OUT" in err, err
+    rc, err = merge(saved, "-o", tmp_path / "m4", "--base", other)
+    assert rc == 3 and "another model" in err and str(other) in err and str(saved) in err, err
     left = [n for n in os.listdir(tmp_path) if n.startswith(("m", ".m"))]
     assert left == [], f"refused merges left {left}"
-    cli("export", saved, "-o", tmp_path / "m5", "--merge", "--base", out, rc=0)  # the right base
+    rc, err = merge(saved, "-o", tmp_path / "m5", "--base", out)  # the right base
+    assert rc == 0 and os.path.exists(tmp_path / "m5" / "model.safetensors"), err
 
 
 @pytest.mark.parametrize("base_dtype,autocast,fan_in_fan_out", [
