@@ -338,6 +338,11 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
             saved_adapters = set(record["adapter_tensors"])
             if record["base"].get("stored") and adapter is None:
                 adapter = out  # reshard.save(..., base=True): base and adapters from OUT alone
+            elif not record["base"].get("stored"):
+                base_out = record["base"].get("out") or "BASE_OUT"
+                raise InvalidArgumentError(
+                    f"{out} holds a PEFT model's adapters without its base (reshard.save(..., base=True) "
+                    f"stores both): reshard.load(model, {base_out!r}, adapter={out!r})")
         if manifest is not None:  # where the base came from, for reshard.save's record
             model._reshard_base = {"out": os.path.abspath(out), "layout": key, "source": manifest.get("source")}
     prefix = getattr(hf_model, "base_model_prefix", "") or ""

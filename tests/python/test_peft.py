@@ -347,6 +347,10 @@ def test_merge_refusals(checkpoint, cli, saved_ws1, tmp_path, capsys):
     # --merge of a save that is not an adapter save (a conversion)
     r = cli("export", out, "-o", tmp_path / "m1", "--merge", rc=2)
     assert "lists no adapter_config.json" in r.err and str(out) in r.err, r.err
+    # no Python to run the merge in: says what to install, or which variable to set
+    r = cli("export", saved, "-o", tmp_path / "m0", "--merge", env={"RESHARD_PYTHON": str(tmp_path / "no-python")},
+            rc=3)
+    assert "was not found" in r.err and "RESHARD_PYTHON" in r.err and "torch" in r.err, r.err
     # the output inside the source
     rc, err = merge(saved, "-o", saved / "merged")
     assert rc == 2 and "must lie outside" in err, err
@@ -368,6 +372,13 @@ def test_merge_refusals(checkpoint, cli, saved_ws1, tmp_path, capsys):
     assert left == [], f"refused merges left {left}"
     rc, err = merge(saved, "-o", tmp_path / "m5", "--base", out)  # the right base
     assert rc == 0 and os.path.exists(tmp_path / "m5" / "model.safetensors"), err
+    # reshard.load from an adapter save without its base says how to load it
+    import reshard
+
+    model = reshard.empty_model(saved, peft_config=_lora())
+    model.to_empty(device="cpu")
+    with pytest.raises(reshard.InvalidArgumentError, match=r"without its base .*adapter="):
+        reshard.load(model, saved)
 
 
 @pytest.mark.parametrize("base_dtype,autocast,fan_in_fan_out", [
