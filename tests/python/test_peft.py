@@ -10,7 +10,14 @@
   targets);
 * refusals, by name: PEFT methods other than LoRA, initialisations that read the base weights,
   a PEFT model wrapped without reshard (its initialisation lost with the meta device), an
-  adapter for other target modules or another rank, an adapter directory without safetensors.
+  adapter for other target modules or another rank, an adapter directory without safetensors;
+* `reshard export --merge` (reshard.merge): from_pretrained of the merged export equals
+  merge_and_unload() of PEFT's unsharded model with the trained adapters, every tensor bit for
+  bit (Llama bf16 + fp32 adapters at world size 2, Qwen2 fp32 tied at 3); the arithmetic against
+  PEFT's for bf16/fp16 bases, bf16 adapters, fan_in_fan_out, embeddings, rank/alpha patterns;
+  reshard.save(..., base=True) loads, exports and merges from OUT alone; refusals (not an
+  adapter save, another model as the base, no base recorded, output inside the source, no
+  Python).
 """
 
 from __future__ import annotations
