@@ -241,8 +241,13 @@ def load_saved_adapters(out: str, world_size: int, coord: int, params, *, thread
     """Loads a PEFT model's adapter parameters (`params`: PEFT's saved key -> live parameter)
     from OUT, a reshard.save of the adapters at this world size, through the copy engine;
     returns the bytes read. Raises naming what does not match."""
+    from .merge import read_record
+
     path, _, rank_file = open_job_file(out, world_size, coord)
     entries = {t.name: t for t in rank_file.tensors}
+    record = read_record(out)
+    if record is not None:  # a save holding the base too: only the adapter's tensors
+        entries = {k: e for k, e in entries.items() if k in set(record["adapter_tensors"])}
     absent = sorted(k for k in params if k not in entries)
     extra = sorted(k for k in entries if k not in params)
     if absent or extra:
@@ -341,6 +346,24 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
     job = open_job_source(out, world_size, coord, live_dtype, hf_model, list(params), persistent)
     path, key, rank_file = job.path, job.key, job.reader
     entries = {t.name: t for t in rank_file.tensors}
+    saved_adapters = set()
+    if names is not None:
+        from .layout import read_manifest
+        from .merge import read_record
+
+        manifest = read_manifest(out)
+        record = read_record(out) if manifest is not None else None
+        if record is not None:  # a PEFT save: its adapter tensors are not the base's
+            saved_adapters = set(record["adapter_tensors"])
+            if record["base"].get("stored") and adapter is None:
+                adapter = out  # reshard.save(..., base=True): base and adapters from OUT alone
+            elif not record["base"].get("stored"):
+                base_out = record["base"].get("out") or "BASE_OUT"
+                raise InvalidArgumentError(
+                    f"{out} holds a PEFT model's adapters without its base (reshard.save(..., base=True) "
+                    f"stores both): reshard.load(model, {base_out!r}, adapter={out!r})")
+        if manifest is not None:  # where the base came from, for reshard.save's record
+            model._reshard_base = {"out": os.path.abspath(out), "layout": key, "source": manifest.get("source")}
     prefix = getattr(hf_model, "base_model_prefix", "") or ""
     convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
 
@@ -389,7 +412,7 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
         k = file_key(n, entries, prefix) if n is not None else None
         if k is not None:
             aliases.add(k)
-    unexpected = [k for k in unexpected if k not in aliases]
+    unexpected = [k for k in unexpected if k not in aliases and k not in saved_adapters]
     if unexpected:
         warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
                       f"{', '.join(unexpected[:8])}", stacklevel=2)

@@ -160,28 +160,34 @@ def _raise_first(errs: List[Optional[Tuple[str, str]]], what: str) -> None:
         raise error_class(code)(f"{what} failed on rank {r}{more}: {text}")
 
 
-def _model_entries(model: nn.Module, world: int, coord: int, peft_names=None):
+def _model_entries(model: nn.Module, world: int, coord: int, peft_names=None, base: bool = False):
     """Every parameter sharded like the live one and the persistent buffers whole; of a PEFT
-    model, only the adapter parameters, by the names PEFT's save_pretrained gives them."""
+    model, the adapter parameters by the names PEFT's save_pretrained gives them, and with
+    `base` the base model's parameters and persistent buffers by their original names too."""
     from torch.distributed.tensor import DTensor
 
     entries, keep = [], []
     for name, p in model.named_parameters():
         if peft_names is not None:
             name = clean_name(name)
-            if peft_names.base_name(name) is not None:
+            original = peft_names.base_name(name)
+            if original is not None and not base:
                 continue  # the base model: unchanged by LoRA, loaded from its conversion
-            name = peft_names.saved_key(name)
+            name = original if original is not None else peft_names.saved_key(name)
         is_d = isinstance(p, DTensor)
         e, t = save_entry(name, local_tensor(p).detach(), list(p.shape), world, coord,
                       sharded_like_param=is_d or world == 1)
         entries.append(e)
         keep.append(t)
-    if peft_names is not None:
+    if peft_names is not None and not base:
         return entries, keep
     persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
         if name in persistent:  # whole on every rank, as FSDP2 holds them (and convert stores them)
+            if peft_names is not None:
+                name = peft_names.base_name(clean_name(name))
+                if name is None:
+                    continue
             e, t = raw_save_entry(name, b.detach(), list(b.shape), False, 0, 0)
             entries.append(e)
             keep.append(t)
@@ -214,7 +220,20 @@ def _write_atomic(path: str, data) -> None:
         raise
 
 
-def _aux_files(model: nn.Module, source: Optional[str], peft_names=None) -> List[Tuple[str, bytes]]:
+def _adapter_record(model: nn.Module, entries, base: bool) -> bytes:
+    """OUT/reshard-adapter.json of a PEFT model's save (formats/manifest.md): the adapter's
+    tensors, whether the base is stored too, and the reshard output the job loaded the base
+    from (reshard.load records it), which `reshard export --merge` merges into."""
+    loaded = getattr(model, "_reshard_base", None) or {}
+    rec = {"format": "reshard.adapter", "format_version": 1,
+           "adapter_tensors": sorted(entries),
+           "base": {"stored": bool(base), "out": loaded.get("out"), "layout": loaded.get("layout"),
+                    "source": loaded.get("source")}}
+    return (json.dumps(rec, indent=1) + "\n").encode()
+
+
+def _aux_files(model: nn.Module, source: Optional[str], peft_names=None,
+               record: Optional[bytes] = None) -> List[Tuple[str, bytes]]:
     """(name, content) of the config/tokenizer files the save carries: those listed by the
     source's manifest when SOURCE is a reshard output directory (a checkpoint loaded with
     reshard.load), else config.json (and generation_config.json) written from the model. A
@@ -224,7 +243,13 @@ def _aux_files(model: nn.Module, source: Optional[str], peft_names=None) -> List
     if peft_names is not None:
         from .adapters import ADAPTER_CONFIG, adapter_config_json
 
+        from .merge import ADAPTER_RECORD
+
         files.append((ADAPTER_CONFIG, adapter_config_json(model, peft_names).encode()))
+        if record is not None:
+            files.append((ADAPTER_RECORD, record))
+        if source is None:  # the config and tokenizer files of the base the job loaded
+            source = (getattr(model, "_reshard_base", None) or {}).get("out")
         model = peft_names.inner
     manifest = read_manifest(source) if source else None
     names: List[str] = []
@@ -423,7 +448,7 @@ def _atexit_pending() -> None:
 def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None, *,
          source: Optional[str] = None, chunk_size: int = 2 << 20,
          staging_bytes: int = 32 << 20, verify: bool = False, blocking: bool = True,
-         snapshot: str = "auto"):
+         snapshot: str = "auto", base: bool = False):
     """Saves `model` (FSDP2, FSDP1 or plain; on CUDA or CPU) as a reshard output directory OUT.
 
     Collective: every rank of the job calls it. Every shard coordinate's first replica writes
@@ -446,7 +471,13 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     (manifest last, by rank 0, once every rank's files are durable). One save is in flight at
     a time: the next reshard.save waits for the previous one (and raises its error if nothing
     waited for it). Call handle.wait() (or reshard.wait_pending()) before destroying the
-    process group."""
+    process group.
+
+    A PEFT (LoRA) model: its adapters, by PEFT's saved names, and OUT/adapter_config.json;
+    with `base=True` the base model's parameters and persistent buffers too, by their original
+    names (as its conversion has them), so that OUT alone restores the model
+    (`reshard.load(peft_model, OUT)`) and exports it (`reshard export OUT`: the base,
+    `--adapter`: the adapters, `--merge`: merged). OUT/reshard-adapter.json records which."""
     import time
 
     t_call = time.perf_counter()
@@ -457,6 +488,9 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     from .adapters import is_peft_model, save_names
 
     peft_names = save_names(model) if is_peft_model(model) else None
+    if base and peft_names is None:
+        raise InvalidArgumentError("reshard.save(..., base=True) applies to a PEFT model (its base "
+                                   "weights beside the adapters); a model's weights are always saved")
     job, writes = _fsdp1_start(model, group)
     if job is not None and peft_names is not None:
         raise UnsupportedError("reshard.save of a PEFT model under FSDP1: PEFT models are saved "
@@ -497,7 +531,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         if job is not None:
             entries, _ = _fsdp1_model_entries(model, job)  # the items hold their tensors
         else:
-            entries, _ = _model_entries(model, world, coord, peft_names)
+            entries, _ = _model_entries(model, world, coord, peft_names, base)
         if optimizer is not None:
             opt_entries, _, meta = optimizer_entries(optimizer, model, world, coord,
                                                              fsdp1=job is not None)
@@ -514,7 +548,12 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         if not blocking:
             where, snap_bytes = snapshot_items(entries + opt_entries, snapshot)
         if group.rank == 0:
-            aux = _aux_files(model, source, peft_names)
+            record = None
+            if peft_names is not None:
+                names = [clean_name(n) for n, _ in model.named_parameters()]
+                record = _adapter_record(model, [peft_names.saved_key(n) for n in names
+                                                 if peft_names.base_name(n) is None], base)
+            aux = _aux_files(model, source, peft_names, record)
     except Exception as e:  # noqa: BLE001
         err = _error_record(e)
 

@@ -28,6 +28,8 @@ LoRA (``--lora R [--lora-targets q_proj,v_proj]``, FSDP2): the model is built wi
 ``reshard.empty_model(OUT, peft_config=LoraConfig(...))`` (PEFT wraps it on the meta device and
 reshard keeps PEFT's initial adapter values), the optimizer holds the adapters only, and
 ``reshard.load`` fills the frozen base from the rank files and the adapters with those values.
+``--save DIR`` saves the adapters after training (``reshard.save``; ``--save-base``: the base
+too); ``reshard export DIR -o MERGED --merge`` writes the merged model.
 
 FSDP1 (``recipes/accelerate/fsdp1.yaml``, ``fsdp_version: 1``): OUT needs an fsdp1 layout
 matching the plugin (``python -m reshard.manifest SRC -o OUT/reshard-model.json``, then
@@ -75,6 +77,10 @@ def parse_args(argv=None):
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
     ap.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R only (FSDP2)")
     ap.add_argument("--lora-targets", default=None, help="modules LoRA wraps (default: PEFT's for the model)")
+    ap.add_argument("--save", default=None, metavar="DIR",
+                    help="after training, reshard.save the model into DIR (with --lora: the adapters; "
+                         "`reshard export DIR -o MERGED --merge` then writes the merged model)")
+    ap.add_argument("--save-base", action="store_true", help="with --lora --save: the base weights too")
     return ap.parse_args(argv)
 
 
@@ -231,6 +237,10 @@ def main(argv=None) -> int:
           f"in {report.seconds:.3f} s ({report.gbps:.2f} GB/s); peak RSS {peak_after / 2**20:.0f} MiB after "
           f"load, {result['rss']['peak_final'] / 2**20:.0f} MiB at the end"
           + (f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""), flush=True)
+    if args.save:
+        saved = reshard.save(model, args.save, step=args.steps, base=args.save_base)
+        accelerator.print(f"save: {args.save} ({saved.layout}, rank 0 wrote {saved.bytes} bytes)")
+        result["saved"] = args.save
     if args.json_out:
         os.makedirs(args.json_out, exist_ok=True)
         with open(os.path.join(args.json_out, f"rank-{rank}.json"), "w") as f:

@@ -448,7 +448,7 @@ ExportResult Export(const ExportOptions& o) {
                                    std::to_string(ml.world_size) +
                                    " rank files; run reshard convert for the missing ranks");
   }
-  bool holds_adapter = false;
+  bool holds_adapter = false, holds_record = false;
   for (const auto& a : manifest->aux_files) {
     if (!IsPlainFileName(a) || a.ends_with(".safetensors") ||
         a == "model.safetensors.index.json") {
@@ -456,6 +456,28 @@ ExportResult Export(const ExportOptions& o) {
                 "plain file names other than the weight files and their index");
     }
     holds_adapter = holds_adapter || a == kAdapterConfigName;
+    holds_record = holds_record || a == kAdapterRecordName;
+  }
+  // A PEFT save's record (formats/manifest.md): the adapter's tensors, and whether the base
+  // model's tensors are there too (reshard.save(..., base=True)).
+  std::set<std::string> adapter_tensors;
+  bool base_stored = false;
+  if (holds_adapter && holds_record) {
+    const fs::path rp = o.out / kAdapterRecordName;
+    const std::string text = ReadWholeFile(rp, 256ull << 20);
+    internal::CheckJsonDepth(text, rp.string(), std::string(kAdapterRecordName));
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("adapter_tensors") ||
+        !j["adapter_tensors"].is_array() || !j.contains("base") || !j["base"].is_object()) {
+      FailField(rp.string(), "adapter_tensors", "a record without it",
+                "{\"format\": \"reshard.adapter\", \"adapter_tensors\": [...], \"base\": {...}}");
+    }
+    for (const auto& n : j["adapter_tensors"]) {
+      if (!n.is_string()) FailField(rp.string(), "adapter_tensors", n.dump(), "tensor names");
+      adapter_tensors.insert(n.get<std::string>());
+    }
+    const auto& b = j["base"];
+    base_stored = b.contains("stored") && b["stored"].is_boolean() && b["stored"].get<bool>();
   }
   // reshard.save of a PEFT model writes its adapters (PEFT's own key names) and the adapter's
   // adapter_config.json: exported as PEFT writes an adapter, never as a model.
@@ -465,11 +487,12 @@ ExportResult Export(const ExportOptions& o) {
              std::string(kAdapterConfigName) +
              ": not a save of a PEFT model's adapters (reshard.save of a PEFT model writes one)");
   }
-  if (!o.adapter && holds_adapter) {
+  if (!o.adapter && holds_adapter && !base_stored) {
     Fail(ErrorCode::kInvalidArgument,
          o.out.string() + " holds the adapters of a PEFT model (" +
              std::string(kAdapterConfigName) +
-             "), not a model: export them as a PEFT adapter directory with --adapter");
+             "), not a model: export them as a PEFT adapter directory with --adapter, or merged "
+             "into their base model with --merge");
   }
   if (o.adapter && o.hub_names) {
     Fail(ErrorCode::kInvalidArgument, "--adapter and --hub-names: an adapter has PEFT's names");
@@ -507,6 +530,20 @@ ExportResult Export(const ExportOptions& o) {
   }
   for (const auto& r : readers) headers.push_back(&r.header());
   std::vector<TensorLocation> locations = DescribeLayoutTensors(headers, paths);
+  if (!adapter_tensors.empty()) {  // a PEFT save: the adapter's tensors, or the base's
+    size_t found = 0;
+    std::erase_if(locations, [&](const TensorLocation& l) {
+      const bool is_adapter = adapter_tensors.count(l.name) > 0;
+      found += is_adapter;
+      return is_adapter != o.adapter;
+    });
+    if (found != adapter_tensors.size()) {
+      FailField((o.out / kAdapterRecordName).string(), "adapter_tensors",
+                std::to_string(adapter_tensors.size()) + " names, " + std::to_string(found) +
+                    " of them in layout " + key,
+                "names of the layout's tensors");
+    }
+  }
   if (o.hub_names) {
     // The checkpoint's own names and layout: the conversion convert applied, inverted.
     const fs::path mm = o.out / kModelManifestName;
@@ -668,6 +705,7 @@ ExportResult Export(const ExportOptions& o) {
   }
   for (const auto& a : manifest->aux_files) {
     if (o.adapter && a != kAdapterConfigName) continue;  // a PEFT directory: the adapter's own files
+    if (!o.adapter && (a == kAdapterConfigName || a == kAdapterRecordName)) continue;  // the base
     const fs::path from = o.out / a;
     if (!fs::exists(from, ec)) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");

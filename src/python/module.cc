@@ -31,6 +31,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/build_info.h"
+#include "reshard/ops/export.h"
 #include "reshard/runtime/copier_cache.h"
 #include "reshard/runtime/knobs.h"
 #include "reshard/runtime/loader.h"
@@ -221,6 +222,40 @@ PYBIND11_MODULE(_C, m) {
       py::arg("source"),
       "The tensors of a Hugging Face checkpoint (directory or weight file) as the core reads "
       "them: (name, dtype name, shape), sorted by name; headers only.");
+  m.def(
+      "export",
+      [](const std::string& out, const std::string& hf_dir, const std::string& layout,
+         uint64_t max_shard_size, unsigned threads, bool force, bool adapter) {
+        reshard::ExportOptions o;
+        o.out = out;
+        o.hf_dir = hf_dir;
+        o.layout = layout;
+        o.max_shard_size = max_shard_size;
+        o.threads = threads;
+        o.force = force;
+        o.adapter = adapter;
+        reshard::ExportResult r;
+        {
+          py::gil_scoped_release release;
+          r = reshard::Export(o);
+        }
+        py::dict d;
+        d["layout"] = r.layout_key;
+        d["hf_dir"] = r.hf_dir.string();
+        d["weight_files"] = r.weight_files;
+        d["aux_files"] = r.aux_files;
+        d["sharded"] = r.sharded;
+        d["tensors"] = r.tensors;
+        d["total_size"] = r.total_size;
+        d["bytes_read"] = r.bytes_read;
+        d["seconds"] = r.seconds;
+        return d;
+      },
+      py::arg("out"), py::arg("hf_dir"), py::arg("layout") = "",
+      py::arg("max_shard_size") = 5'000'000'000ull, py::arg("threads") = 0u,
+      py::arg("force") = false, py::arg("adapter") = false,
+      "`reshard export OUT -o HF_DIR` (reshard::Export): a layout of OUT written as a Hugging "
+      "Face checkpoint, streamed chunk by chunk; returns the summary `--json` prints.");
   // The CLI's rules, so that Python prints and resolves exactly as `reshard` does.
   m.def("format_bytes", [](double n) { return reshard::FormatBytes(n); }, py::arg("n"),
         "A byte count in the unit that fits: 512 B, 1.54 KB, 12.3 MB, 7.60 GB (powers of 1000).");

@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--adapter", default=None, help="a PEFT adapter directory to load")
     ap.add_argument("--init", default="gaussian", help="init_lora_weights: true or gaussian")
     ap.add_argument("--targets", default="q_proj,v_proj")
-    ap.add_argument("--r", type=int, default=4)
+    ap.add_argument("--lora-rank", "--r", dest="r", type=int, default=4)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--ref-adapter", default=None,
@@ -51,6 +51,15 @@ def main():
     ap.add_argument("--dump", default=None, help="rank 0 writes the trained adapters (full, live names) here")
     ap.add_argument("--resume", action="store_true", help="reshard.load_optimizer from --adapter "
                                                           "(a reshard.save), train --more steps")
+    ap.add_argument("--alpha", type=int, default=8, help="lora_alpha")
+    ap.add_argument("--save-base", action="store_true", help="--save with base=True")
+    ap.add_argument("--no-base-record", action="store_true",
+                    help="forget where the base came from before --save (a save that records no base)")
+    ap.add_argument("--dump-all", default=None,
+                    help="rank 0 writes every trained parameter (full, live names) here at --save")
+    ap.add_argument("--expect", default=None,
+                    help="after the load (from --out alone), every parameter must equal this "
+                         "--dump-all file bit for bit; then stop")
     args = ap.parse_args()
 
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -64,7 +73,7 @@ def main():
 
     def config():
         init = True if args.init == "true" else args.init
-        return LoraConfig(r=args.r, lora_alpha=8, target_modules=args.targets.split(","),
+        return LoraConfig(r=args.r, lora_alpha=args.alpha, target_modules=args.targets.split(","),
                           init_lora_weights=init)
 
     torch.manual_seed(args.seed)
@@ -76,7 +85,9 @@ def main():
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
     report = reshard.load(model, args.out, adapter=args.adapter)
-    if args.adapter:
+    if args.expect:  # a save holding the base: base and adapters from OUT alone
+        assert report.adapters["source"] == str(args.out), report.adapters
+    elif args.adapter:
         assert report.adapters["source"] == str(args.adapter), report.adapters
     else:
         assert report.adapters["source"].startswith("initialised as PEFT"), report.adapters
@@ -115,6 +126,21 @@ def main():
     assert torch.equal(bits(logits), bits(ref_logits)), \
         f"logits differ: max abs {(logits.float() - ref_logits.float()).abs().max().item()}"
 
+    if args.expect:
+        from safetensors.torch import load_file
+
+        expected = load_file(args.expect)
+        assert set(expected) == set(live), sorted(set(expected) ^ set(live))[:6]
+        for name, p in live.items():
+            f = full(p)
+            assert f.dtype == expected[name].dtype, (name, f.dtype, expected[name].dtype)
+            assert torch.equal(bits(f), bits(expected[name])), f"parameter {name} differs from the trained model's"
+        with open(os.path.join(args.result, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "adapters": report.adapters}, f)
+        print(f"rank {rank}: loaded from {args.out} alone, every parameter as trained")
+        dist.destroy_process_group()
+        return
+
     before = {n: full(p).clone() for n, p in live.items()}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
 
@@ -146,7 +172,13 @@ def main():
             from safetensors.torch import save_file
 
             save_file({n: after[n].contiguous() for n in adapters}, args.dump)
-        saved = reshard.save(model, args.save, optimizer=opt, step=args.steps)
+        if args.dump_all and rank == 0:
+            from safetensors.torch import save_file
+
+            save_file({n: t.contiguous() for n, t in after.items()}, args.dump_all)
+        if args.no_base_record:
+            del model._reshard_base
+        saved = reshard.save(model, args.save, optimizer=opt, step=args.steps, base=args.save_base)
         assert saved.wrote and saved.bytes > 0, saved
         more = train(args.more)
     changed = sorted(n for n in live if not torch.equal(bits(before[n]), bits(after[n])))

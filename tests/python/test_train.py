@@ -205,7 +205,7 @@ def test_accelerate_recipe_two_processes(tiny, tmp_path, config, live_dtype):
     print(f"\naccelerate recipe ({config}) 2 ranks: loss {first:.3f} -> {last:.3f}")
 
 
-def test_accelerate_recipe_lora_two_processes(tiny, tmp_path):
+def test_accelerate_recipe_lora_two_processes(tiny, tmp_path, reshard_bin):
     """The recipe's LoRA variant as recipes/accelerate.md writes it: accelerate shards the PEFT
     model (bf16 mixed precision), the optimizer holds the 8 adapter tensors, the adapters start
     as PEFT initialises them, and the loss falls."""
@@ -215,12 +215,28 @@ def test_accelerate_recipe_lora_two_processes(tiny, tmp_path):
           "--num_processes", "2", "--main_process_port", _free_port(),
           os.path.join(RECIPE, "train_accelerate.py"), tiny["out2"], "--lora", "4", "--steps", "30",
           "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-          "--seq-len", "64", "--batch-size", "4", "--lr", "3e-2", "--log-every", "5", "--json-out", json_dir])
+          "--seq-len", "64", "--batch-size", "4", "--lr", "3e-2", "--log-every", "5", "--json-out", json_dir,
+          "--save", tmp_path / "acc-lora"])
     for rep in _reports(json_dir, 2):
         assert rep["optimizer_params"] == 28, rep  # 2 layers x 7 targets x (A, B)
         assert rep["adapters"]["source"].startswith("initialised as PEFT"), rep["adapters"]
         assert rep["prepared_on_meta"]
     _loss_fell(_reports(json_dir, 2)[0]["losses"], 0.05)
+    # The merged model, as the recipe says: equal to merge_and_unload() of PEFT's model with
+    # the saved adapters (export --adapter, which test_peft.py checks against the trained ones).
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    saved, adapter, merged = tmp_path / "acc-lora", tmp_path / "adapter", tmp_path / "merged"
+    _run([reshard_bin, "export", saved, "-o", adapter, "--adapter"])
+    _run([reshard_bin, "export", saved, "-o", merged, "--merge"])
+    want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny["src"], dtype="auto"),
+                                     str(adapter)).merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(merged), dtype="auto").state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(-1).view(torch.uint8),
+                                                              want[k].view(-1).view(torch.uint8)), k
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,7 +457,9 @@ def test_trainer_lora_trains_adapters_only_and_resumes_exactly(tiny, reshard_bin
     """--lora 4 (PEFT's default targets for Llama: q_proj, v_proj), two ranks: the optimizer
     holds the 8 adapter tensors only; 3 steps + save + resume 3 give exactly the losses of 6
     uninterrupted steps (the base from OUT, the adapters and optimizer from the checkpoint);
-    the checkpoint holds the adapters alone and exports as a PEFT adapter directory."""
+    the checkpoint (--save-base: the base too) exports as a PEFT adapter directory and, with
+    --merge, as the merged model, equal to merge_and_unload() of PEFT's model with those
+    adapters."""
     pytest.importorskip("peft", reason="peft is a pinned test dependency (scripts/setup.sh)")
 
     def train(json_dir, *extra):
@@ -456,7 +474,7 @@ def test_trainer_lora_trains_adapters_only_and_resumes_exactly(tiny, reshard_bin
     assert whole[0]["lora"]["adapters"]["source"].startswith("initialised as PEFT")
     _loss_fell(whole[0]["losses"], 0.0)
     saves = tmp_path / "saves"
-    first, _ = train(tmp_path / "first", "--steps", 3, "--save-dir", saves)
+    first, _ = train(tmp_path / "first", "--steps", 3, "--save-dir", saves, "--save-base")
     ckpt = saves / "step-00000003"
     with open(ckpt / "reshard.json") as f:
         manifest = json.load(f)
@@ -464,6 +482,19 @@ def test_trainer_lora_trains_adapters_only_and_resumes_exactly(tiny, reshard_bin
     _run([reshard_bin, "verify", ckpt])
     _run([reshard_bin, "export", ckpt, "-o", tmp_path / "adapter", "--adapter"])
     assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+    _run([reshard_bin, "export", ckpt, "-o", tmp_path / "merged", "--merge"])
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    # The trainer keeps fp32 master weights, so the live base (and the save's) is fp32: the
+    # merge is merge_and_unload() of that model, in fp32.
+    base = AutoModelForCausalLM.from_pretrained(tiny["src"], dtype=torch.float32)
+    want = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype="auto").state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype == torch.float32, (k, got[k].dtype)
+        assert torch.equal(got[k].view(-1).view(torch.uint8), want[k].view(-1).view(torch.uint8)), k
     second, proc = train(tmp_path / "second", "--steps", 6, "--resume", saves)
     assert "at step 3" in proc.stdout
     assert second[0]["lora"]["adapters"]["source"] == str(ckpt)

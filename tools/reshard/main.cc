@@ -453,6 +453,19 @@ int RunCli(int argc, char** argv) {
                 "OUT is a reshard.save of a PEFT (LoRA) model's adapters: write a PEFT adapter "
                 "directory (adapter_model.safetensors, adapter_config.json) that "
                 "PeftModel.from_pretrained loads");
+  bool export_merge = false;
+  std::string export_base, export_base_layout;
+  exp->add_flag("--merge", export_merge,
+                "OUT is a reshard.save of a PEFT (LoRA) model's adapters: write the base model with "
+                "the adapters merged, bit for bit as PEFT's merge_and_unload(), as a Hugging Face "
+                "checkpoint (runs python -m reshard.merge with $RESHARD_PYTHON, default python3, "
+                "which needs reshard, torch and peft)");
+  exp->add_option("--base", export_base,
+                  "with --merge: the reshard output directory holding the base model (default: OUT "
+                  "itself when saved with base=True, else the directory the job loaded it from, as "
+                  "the save records it)");
+  exp->add_option("--base-layout", export_base_layout,
+                  "with --merge: the layout of --base to merge into, when it holds several");
   exp->add_flag("--hub-names", eo.hub_names,
                 "write the source checkpoint's own names and layout (per-expert MoE keys, "
                 "embed_out, ...) by inverting the conversion convert applied "
@@ -463,6 +476,7 @@ int RunCli(int argc, char** argv) {
               "          reshard export ./llama-shards --layout fsdp2-ws8-bf16 -o ./llama-bf16\n"
               "          reshard export ./mixtral-shards -o ./mixtral-hf --hub-names\n"
               "          reshard export ./lora-step-100 -o ./lora-adapter --adapter\n"
+              "          reshard export ./lora-step-100 -o ./llama-merged --merge [--base ./llama-shards]\n"
               "Files are written into a hidden directory beside the output and renamed into "
               "place at the end:\nan interrupted export leaves no output directory.");
 
@@ -598,6 +612,52 @@ int RunCli(int argc, char** argv) {
       eo.hf_dir = export_dir;
       eo.max_shard_size = *size;
       eo.dtype = export_dtype;
+      if (!export_merge && (!export_base.empty() || !export_base_layout.empty())) {
+        throw CLI::ValidationError("--base", "applies to --merge, which was not given");
+      }
+      if (export_merge) {
+        // PEFT's merge arithmetic is torch's: Python does it (reshard/merge.py), this process
+        // waits for it and passes its exit status on (2: bad usage, 3: failed).
+        if (eo.adapter || eo.hub_names || export_dtype != "keep") {
+          throw CLI::ValidationError("--merge", "writes the base model's names and dtypes, as "
+                                                "merge_and_unload: not with --adapter, --hub-names "
+                                                "or --dtype");
+        }
+        const char* py = std::getenv("RESHARD_PYTHON");
+        const std::string python = py && *py ? py : "python3";
+        std::vector<std::string> args = {python, "-m", "reshard.merge", export_out, "-o", export_dir,
+                                         "--max-shard-size", std::to_string(*size)};
+        if (!export_base.empty()) args.insert(args.end(), {"--base", export_base});
+        if (!export_base_layout.empty()) args.insert(args.end(), {"--base-layout", export_base_layout});
+        if (!eo.layout.empty()) args.insert(args.end(), {"--layout", eo.layout});
+        if (eo.threads) args.insert(args.end(), {"--threads", std::to_string(eo.threads)});
+        if (eo.force) args.push_back("--force");
+        if (export_json) args.push_back("--json");
+        std::fflush(nullptr);
+        const pid_t pid = ::fork();
+        if (pid < 0) throw reshard::Error(reshard::ErrorCode::kIo, "cannot start " + python);
+        if (pid == 0) {
+          std::vector<char*> argv_c;
+          for (auto& a : args) argv_c.push_back(a.data());
+          argv_c.push_back(nullptr);
+          ::execvp(argv_c[0], argv_c.data());
+          ::_exit(127);
+        }
+        int status = 0;
+        while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+        }
+        const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (rc == 1 || rc == 127) {  // reshard.merge never exits 1: Python could not run it
+          std::fprintf(stderr,
+                       "reshard: error: export --merge runs `%s -m reshard.merge` (PEFT's merge "
+                       "arithmetic needs torch), which %s. Install the reshard package (pip install "
+                       ". from this repository), torch, safetensors and peft in that Python, or set "
+                       "RESHARD_PYTHON to the training environment's python\n",
+                       python.c_str(), rc == 127 ? "was not found" : "could not import reshard (see above)");
+          return kExitFailed;
+        }
+        return rc == 0 ? 0 : rc == kExitUsage ? kExitUsage : kExitFailed;
+      }
       Progress progress(export_json);
       if (progress.on()) {
         eo.progress = [&progress](uint64_t done, uint64_t total) { progress("", done, total); };

@@ -18,6 +18,9 @@ inline constexpr std::string_view kManifestName = "reshard.json";
 // files; `reshard export --adapter` writes the adapters as PEFT does (formats/manifest.md).
 inline constexpr std::string_view kAdapterConfigName = "adapter_config.json";
 inline constexpr std::string_view kAdapterWeightsName = "adapter_model.safetensors";
+// reshard.save of a PEFT model also lists this record: which tensors of the layout are the
+// adapter's, whether the save holds the base too (`base=True`) and where the base came from.
+inline constexpr std::string_view kAdapterRecordName = "reshard-adapter.json";
 inline constexpr std::string_view kManifestFormatName = "reshard.manifest";
 inline constexpr uint32_t kManifestVersion = 1;
 inline constexpr std::string_view kLockName = ".reshard.lock";

@@ -43,8 +43,11 @@ With ``--lora R`` only LoRA adapters of rank R train (PEFT): the model is built 
 ``reshard.empty_model(OUT, peft_config=LoraConfig(...))`` (``--lora-targets``, default PEFT's
 targets for the model type; ``--lora-alpha``, default 2R), the base loads from OUT frozen, the
 adapters start as PEFT initialises them, the optimizer holds the adapters only, and checkpoints
-hold the adapters (``reshard export CKPT -o DIR --adapter`` gives a PEFT adapter directory);
-``--resume`` loads the base from OUT and the adapters from the checkpoint.
+hold the adapters (``reshard export CKPT -o DIR --adapter`` gives a PEFT adapter directory,
+``reshard export CKPT -o DIR --merge`` the model with the adapters merged, as PEFT's
+``merge_and_unload()``, the base read from OUT); ``--save-base`` puts the base in every
+checkpoint too, so that it alone exports and resumes; ``--resume`` loads the base from OUT and
+the adapters from the checkpoint.
 
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
@@ -351,6 +354,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora-targets", default=None, metavar="M1,M2",
                     help="module names LoRA wraps (default: PEFT's for the model type)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2R)")
+    ap.add_argument("--save-base", action="store_true",
+                    help="with --lora: each checkpoint holds the base weights too (reshard.save(..., "
+                         "base=True)), so that it alone loads, resumes and exports (--merge)")
     ap.add_argument("--save-dir", default=None,
                     help="save model and optimizer with reshard.save into DIR/step-NNNNNNNN/")
     ap.add_argument("--save-every", type=int, default=0,
@@ -374,6 +380,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--save-every must be at least 0")
     if args.keep < 0:
         ap.error("--keep must be at least 0")
+    if args.save_base and not (args.lora and args.save_dir):
+        ap.error("--save-base needs --lora R and --save-dir")
     if (args.keep or args.save_blocking) and not args.save_dir:
         ap.error("--keep / --save-blocking need --save-dir")
     for name in ("steps", "batch_size", "seq_len", "grad_accum"):
@@ -578,13 +586,15 @@ class Checkpoints:
             os.close(fd)
         t0 = time.perf_counter()
         if args.save_blocking:
-            report = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source)
+            report = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source,
+                                  base=args.save_base)
             stall = time.perf_counter() - t0
             self.stalls.append(stall)
             self.log0(f"save: step {step} -> {ckpt}, blocking: stall {stall:.3f} s")
             self._committed(step, report)
         else:
-            handle = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source, blocking=False)
+            handle = reshard.save(model, ckpt, optimizer=opt, step=step, source=self.source, blocking=False,
+                                  base=args.save_base)
             stall = time.perf_counter() - t0
             self.stalls.append(stall)
             where = {"device": "GPU memory", "host": "host memory"}.get(handle.snapshot)
