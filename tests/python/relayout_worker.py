@@ -6,7 +6,8 @@ Modes (--mode):
 * save: build from --out (a conversion), load it, --steps AdamW steps on a fixed batch, then
   reshard.save(model, --save, optimizer, step). Rank 0 writes RESULT/ref.pt: every parameter's
   and every optimizer state tensor's full tensor, gathered by torch itself (full_tensor() of
-  the DTensors; FSDP1: summon_full_params and FSDP.optim_state_dict), then --more steps of the
+  the DTensors; FSDP1: summon_full_params and FSDP.optim_state_dict, under use_orig_params the
+  ranks' local state gathered), then --more steps of the
   uninterrupted run, whose losses go to RESULT/rank-0.json.
 * resume: build from --save at this job's world size (a layout `reshard relayout` wrote),
   reshard.load + reshard.load_optimizer, gather the full tensors the same way and check them
@@ -80,6 +81,27 @@ def main():
             with FSDP.summon_full_params(model, writeback=False):
                 for n, p in model.named_parameters():
                     out[clean_name(n)] = p.detach().cpu().clone()
+            if args.orig:
+                # Each rank's state of an original parameter is the parameter's elements in
+                # its shard, in order: gathered and concatenated in rank order. (Not
+                # FSDP.optim_state_dict: under use_orig_params, torch 2.11 returns exp_avg
+                # aliasing exp_avg_sq's gathered buffer.)
+                local = {}
+                for n, p in model.named_parameters():
+                    for k, v in opt.state.get(p, {}).items():
+                        if isinstance(v, torch.Tensor):
+                            local[f"{clean_name(n)}#{k}"] = v.detach().cpu().clone()
+                every = [None] * world
+                dist.all_gather_object(every, local)
+                names = sorted({k for d in every for k in d})
+                for name in names:
+                    parts = [d[name] for d in every if name in d]
+                    if parts[0].dim() == 0:
+                        out[name] = parts[0]
+                    else:
+                        full_shape = out[name.rsplit("#", 1)[0]].shape
+                        out[name] = torch.cat([t.reshape(-1) for t in parts]).reshape(full_shape)
+                return out
             osd = FSDP.optim_state_dict(model, opt)
             for n, st in osd["state"].items():
                 for k, v in st.items():
@@ -98,14 +120,21 @@ def main():
 
     with open(os.path.join(args.out, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(1234))
+    # One global batch of 12 sequences, the same at every world size, each rank taking its
+    # 12 / world rows: the gradient is the same mean at every world size, summed in another
+    # order (per-rank means, then the reduce-scatter over the ranks).
+    batch = torch.randint(0, vocab, (12, 16), generator=torch.Generator().manual_seed(1234))
+    assert 12 % world == 0, world
+    ids = batch[rank * 12 // world:(rank + 1) * 12 // world]
 
     def step(m, o):
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         o.step()
         o.zero_grad(set_to_none=True)
-        return loss.item()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        return total.item() / world
 
     torch.manual_seed(0)
     result = {"rank": rank}
