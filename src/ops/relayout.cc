@@ -426,12 +426,14 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
     fo.done_bytes = &done;
     if (o.progress) fo.progress = [&] { o.progress(done.load(), total); };
     // One reader per thread; every chunk read is checked (verify = true).
-    const RankFillStats a = WriteRankFiles(mjobs, model_lookup, [&]() -> SourceRead {
-      auto reader = std::make_shared<LayoutByteReader>(src.bytes, true);
-      return [reader](size_t, uint64_t at, size_t n, void* d) { reader->Read(at, n, d); };
-    }, fo);
+    // Optimizer files first: a run killed in between leaves model rank files missing, so that
+    // not even `reshard verify OUT/NEWKEY` passes on a layout whose state is not all there.
     const RankFillStats b = WriteRankFiles(ojobs, optim_lookup, [&]() -> SourceRead {
       auto reader = std::make_shared<LayoutByteReader>(so.bytes, true);
+      return [reader](size_t, uint64_t at, size_t n, void* d) { reader->Read(at, n, d); };
+    }, fo);
+    const RankFillStats a = WriteRankFiles(mjobs, model_lookup, [&]() -> SourceRead {
+      auto reader = std::make_shared<LayoutByteReader>(src.bytes, true);
       return [reader](size_t, uint64_t at, size_t n, void* d) { reader->Read(at, n, d); };
     }, fo);
     result.bytes_read += a.bytes_read + b.bytes_read;

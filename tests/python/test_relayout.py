@@ -269,7 +269,7 @@ def test_relayout_refusals_and_damage(cli, tmp_path, saved_fsdp2):
     assert str(f) in v.out, v.out
 
 
-def test_relayout_killed_and_split(cli, reshard_bin, tmp_path, saved_fsdp2):
+def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -311,3 +311,15 @@ def test_relayout_killed_and_split(cli, reshard_bin, tmp_path, saved_fsdp2):
     r = subprocess.run([reshard_bin, "relayout", str(saved), "--world-size", "2", "--split-from-env"],
                        capture_output=True, text=True, env=e)
     assert r.returncode == 2 and "RANK/WORLD_SIZE" in r.stderr, r.stderr
+
+    # reshard convert splits the same way: two torchrun-like processes, one shared OUT.
+    src = checkpoint("llama", "bf16")
+    conv = tmp_path / "conv"
+    procs = [subprocess.Popen([reshard_bin, "convert", src, "-o", str(conv), "--world-size", "3", "--no-capture",
+                               "--split-from-env", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(env, RANK=str(i), WORLD_SIZE="2")) for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    written = sorted(r for o, _ in outs for r in json.loads(o)["ranks_written"])
+    assert written == [0, 1, 2], outs
+    assert rf.read_manifest(str(conv))["layouts"]["fsdp2-ws3"]["complete"]
+    cli("verify", conv, "--source", src, rc=0)

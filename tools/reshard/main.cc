@@ -347,6 +347,13 @@ int RunCli(int argc, char** argv) {
   convert->add_option("--ranks", ranks,
                       "write only ranks A-B (inclusive), e.g. 0-3 on one machine and 4-7 on "
                       "another, into one shared OUT");
+  bool convert_split = false;
+  convert->add_flag("--split-from-env", convert_split,
+                    "split the ranks among the processes of a launcher, from its environment: "
+                    "SLURM_ARRAY_TASK_ID/COUNT, else torchrun's RANK/WORLD_SIZE (the launcher's "
+                    "process count, not --world-size), else SLURM_PROCID/SLURM_NTASKS; each "
+                    "writes its block into the shared OUT, the manifest lists the layout complete "
+                    "once the last one ends");
   convert->add_option("--threads", co.threads, "worker threads (default: all cores)");
   convert->add_option("--compress", compress,
                       "store tensor data as independent zstd frames: zstd or zstd:LEVEL "
@@ -584,6 +591,17 @@ int RunCli(int argc, char** argv) {
         }
       } remove_captured{captured};
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
+      if (convert_split) {
+        if (!ranks.empty()) throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
+        std::string what;
+        const auto [index, count] = reshard::LauncherProcess([](const char* n) { return std::getenv(n); }, what);
+        const auto mine = reshard::SplitRanks(world_size, index, count);
+        if (!mine) {
+          std::printf("%s: no rank of %u left for this process; nothing to do\n", what.c_str(), world_size);
+          return 0;
+        }
+        co.ranks = *mine;
+      }
       ParseCompress(compress, co);
       Progress progress(convert_json);
       if (progress.on()) {
