@@ -152,8 +152,14 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
         if not os.path.exists(p):
             others = sorted(d for d in os.listdir(out)
                             if d != key and os.path.exists(os.path.join(out, d, OPTIM_DIR, OPTIM_JSON)))
+            cmd = f"reshard relayout {out} --world-size {world}"
+            if job is not None:
+                cmd += " --layout fsdp1 " + " ".join(f"--wrap {c}" for c in job.wrap)
+                if job.use_orig_params:
+                    cmd += " --use-orig-params" + (f" --param-dtype {job.param_dtype}" if job.param_dtype else "")
             has = (f"; {out} holds optimizer state for layout(s) {', '.join(others)} only, "
-                   f"another layout than this job's {key}" if others else "")
+                   f"another layout than this job's {key}: make this job's layout from it offline with "
+                   f"{cmd} (weights and optimizer state)" if others else "")
             raise NotFoundError(f"{p}: missing; was {out} saved with reshard.save(..., optimizer=...) "
                                f"by a job of this layout ({key}, world size {world})?{has}")
     try:

@@ -51,6 +51,7 @@ std::string SerializeManifest(const Manifest& m) {
       layouts[key]["use_orig_params"] = l.use_orig_params;
       layouts[key]["param_dtype"] = l.param_dtype;
     }
+    if (!l.from.empty()) layouts[key]["from"] = l.from;
   }
   j["layouts"] = layouts;
   return j.dump(2) + "\n";
@@ -110,6 +111,12 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     l.world_size = static_cast<uint32_t>(ws);
     l.dtype = GetString(Member(jl, "dtype", path, f), path, f + ".dtype");
     l.dir = GetString(Member(jl, "dir", path, f), path, f + ".dir");
+    if (jl.contains("from")) {
+      l.from = GetString(jl["from"], path, f + ".from");
+      if (!internal::ValidLayoutKey(l.from) || l.from == key) {
+        FailField(path, f + ".from", "\"" + Printable(l.from) + "\"", "the key of another layout of this manifest");
+      }
+    }
     if (l.dir != key) FailField(path, f + ".dir", "\"" + l.dir + "\"", "\"" + key + "\"");
     const json& ranks = GetArray(Member(jl, "ranks", path, f), path, f + ".ranks");
     for (size_t i = 0; i < ranks.size(); ++i) {

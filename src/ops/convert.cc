@@ -36,6 +36,7 @@
 #include "reshard/plan/conversion.h"
 #include "reshard/plan/fsdp1.h"
 #include "reshard/plan/rank_plan.h"
+#include "ops/rank_fill.h"
 
 namespace reshard {
 
@@ -45,61 +46,6 @@ namespace {
 
 // At most this many rank files are open for writing at once.
 constexpr size_t kMaxOpenRankFiles = 64;
-
-// One rank file of a group being written, and where each of its entries' bytes come from.
-struct RankWriter {
-  uint32_t rank = 0;
-  RankFileWriter file;
-  std::vector<EntryMap> maps;  // one per entry
-};
-
-// One chunk of one tensor of one rank file: `length` bytes of the rank file, filled by the
-// entry's byte map; (file_index, source_offset) is the first source byte it reads (for
-// ordering the reads).
-struct WorkItem {
-  uint32_t writer = 0;     // index into the group's writers
-  uint32_t tensor = 0;     // index into the writer's entries
-  uint64_t chunk = 0;
-  uint64_t source_offset = 0;
-  uint64_t length = 0;
-  size_t file_index = 0;
-};
-
-bool UpToDate(const fs::path& path, const ConvertOptions& o, const SourceFingerprint& source,
-              const RankPlan& plan) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return false;
-  try {
-    RankFileReader r = RankFileReader::Open(path);
-    const RankFileHeader& h = r.header();
-    if (!(h.source == source) || h.layout_key != o.layout.Key() ||
-        h.world_size != o.layout.world_size || h.dtype_policy != o.layout.dtype ||
-        h.chunk_size != o.chunk_size) {
-      return false;
-    }
-    for (const auto& t : h.tensors) {
-      if (t.nbytes > 0 && t.codec != o.codec) return false;
-    }
-    if (h.kind != o.layout.kind || h.wrap != o.layout.wrap ||
-        h.use_orig_params != o.layout.use_orig_params || h.param_dtype != o.layout.param_dtype ||
-        h.tensors.size() != plan.tensors.size()) {
-      return false;
-    }
-    for (size_t i = 0; i < plan.tensors.size(); ++i) {
-      const auto& want = plan.tensors[i];
-      const auto& have = h.tensors[i];
-      if (have.name != want.name || have.dtype != want.dtype || have.sharded != want.sharded ||
-          have.global_shape != want.global_shape || have.local_shape != want.local_shape ||
-          (want.flat == nullptr) != (have.flat == nullptr) ||
-          (want.flat && !(*want.flat == *have.flat))) {
-        return false;
-      }
-    }
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
-}
 
 void CopyAuxFiles(const Checkpoint& ckpt, const fs::path& out) {
   for (const auto& name : ckpt.aux_files) {
@@ -132,6 +78,18 @@ class Converter {
                   : PlanRank(view_, o_.layout, rank, whole_);
   }
 
+  // The planned header of `rank` (what a writer lays out and a re-run compares with).
+  RankFileHeader Header(uint32_t rank, const RankPlan& plan) const {
+    RankFileHeader h;
+    h.writer = std::string(WriterString());
+    h.SetLayout(o_.layout);
+    h.rank = rank;
+    h.source = ckpt_.fingerprint;
+    h.chunk_size = o_.chunk_size;
+    for (const PlannedTensor& p : plan.tensors) h.tensors.push_back(PlannedEntry(p));
+    return h;
+  }
+
   void Run(std::vector<uint32_t> ranks, ConvertResult& result) {
     for (size_t g = 0; g < ranks.size(); g += kMaxOpenRankFiles) {
       std::vector<uint32_t> group(ranks.begin() + g,
@@ -145,140 +103,43 @@ class Converter {
 
  private:
   void RunGroup(const std::vector<uint32_t>& ranks, ConvertResult& result) {
-    std::vector<RankWriter> writers;  // destroyed uncommitted, each removes its temporary
-    writers.reserve(ranks.size());
-    std::vector<WorkItem> items;
     const SourceLookup lookup = [this](std::string_view name) { return ckpt_.Find(name); };
     const fs::path dir = o_.out / o_.layout.Key();
-    RankFileWriterOptions wo;
-    wo.codec = o_.codec;
-    wo.sync_directory = false;  // once for the group, below
-    for (size_t w = 0; w < ranks.size(); ++w) {
-      const uint32_t rank = ranks[w];
+    std::vector<RankFileJob> jobs;
+    for (const uint32_t rank : ranks) {
       const RankPlan plan = Plan(rank);
-      const fs::path final_path = dir / RankFileName(rank, o_.layout.world_size);
-      RankFileHeader h;
-      h.writer = std::string(WriterString());
-      h.SetLayout(o_.layout);
-      h.rank = rank;
-      h.source = ckpt_.fingerprint;
-      h.chunk_size = o_.chunk_size;
-      for (const PlannedTensor& p : plan.tensors) {
-        h.tensors.push_back(PlannedEntry(p));
-      }
-      writers.push_back({rank, RankFileWriter::Create(final_path, std::move(h), wo), {}});
-      RankWriter& rw = writers.back();
-      const std::vector<TensorEntry>& entries = rw.file.header().tensors;  // sizes laid out
-      for (uint32_t ti = 0; ti < entries.size(); ++ti) {
-        const TensorEntry& e = entries[ti];
-        rw.maps.push_back(MapEntry(e, o_.layout.kind, o_.layout.world_size, rank,
-                                   final_path.string()));
-        if (conversion_) ExpandConversion(rw.maps.back(), *conversion_);
-        const EntryMap& map = rw.maps.back();
+      RankFileJob job;
+      job.rank = rank;
+      job.path = dir / RankFileName(rank, o_.layout.world_size);
+      job.header = Header(rank, plan);
+      for (size_t i = 0; i < plan.tensors.size(); ++i) {
+        TensorEntry e = job.header.tensors[i];
+        e.nbytes = plan.tensors[i].nbytes;  // what the writer lays out
+        EntryMap map = MapEntry(e, o_.layout.kind, o_.layout.world_size, rank, job.path.string());
+        if (conversion_) ExpandConversion(map, *conversion_);
         if (const std::string why = CheckSources(map, lookup); !why.empty()) {
-          Fail(ErrorCode::kMismatch, final_path.string() + ": tensor \"" + e.name + "\": " + why);
+          Fail(ErrorCode::kMismatch, job.path.string() + ": tensor \"" + e.name + "\": " + why);
         }
-        for (uint64_t c = 0; c < e.ChunkCount(o_.chunk_size); ++c) {
-          const uint64_t begin = c * o_.chunk_size;  // a multiple of 4096: whole elements
-          WorkItem it{static_cast<uint32_t>(w), ti, c, 0, std::min(o_.chunk_size, e.nbytes - begin), 0};
-          std::tie(it.file_index, it.source_offset) = FirstSourceByte(map, lookup, begin);
-          items.push_back(it);
-        }
+        job.maps.push_back(std::move(map));
       }
+      jobs.push_back(std::move(job));
     }
-    const bool zstd = o_.codec == Codec::kZstd;
-    if (!zstd) {
-      // Raw chunks go to fixed places: read the source in order.
-      std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
-        return a.file_index != b.file_index ? a.file_index < b.file_index
-                                            : a.source_offset < b.source_offset;
-      });
-    } else {
-      // zstd frames are appended, and a rank file's tensors must lie in header order (formats/
-      // rank-file.md): items go tensor by tensor, chunk by chunk, the ranks' pieces of one
-      // chunk side by side (so the source is still read roughly in order). Source order is not
-      // header order under FSDP1 (flat parameters gather pieces of many source tensors) or a
-      // conversion (renamed, stacked keys).
-      std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
-        return a.tensor != b.tensor ? a.tensor < b.tensor : a.chunk < b.chunk;
-      });
-    }
-
-    // Workers take items in that order from one counter: no barrier between chunks. Each
-    // chunk is filled, hashed and encoded (zstd: compressed) in parallel; raw chunks go
-    // straight to their places. zstd frames are appended to their rank file in item order: a
-    // worker whose frame is not next for that file waits (blocking, not spinning) until it
-    // is; the smallest unwritten item is always held by a running worker, so this cannot
-    // deadlock.
-    std::vector<uint64_t> seq(items.size());
-    {
-      std::vector<uint64_t> per_writer(writers.size(), 0);
-      for (size_t i = 0; i < items.size(); ++i) seq[i] = per_writer[items[i].writer]++;
-    }
-    std::vector<uint64_t> next_seq(writers.size(), 0);
-    std::mutex write_mu;
-    std::condition_variable write_cv;
-    std::atomic<bool> failed{false};  // an item failed: wakes the workers waiting to write
-    std::atomic<uint64_t> stored{0}, read{0};
-    const SourceRead read_source = [this](size_t file, uint64_t at, size_t n, void* dst) {
-      sources_[file].PReadExact(dst, n, at);
-    };
-    ParallelForOptions po;
-    po.threads = threads_;
-    if (o_.progress) po.progress = [&](uint64_t) { o_.progress(done_bytes_.load(), total_bytes); };
-    // Each thread's buffers are sized by the longest chunk of these ranks, not chunk_size: a
-    // large --chunk-size over small tensors costs no memory.
-    uint64_t longest = 1;
-    for (const WorkItem& it : items) longest = std::max(longest, it.length);
-    ParallelFor(items.size(), po, [&] {
-      return [&, buf = std::unique_ptr<char[]>(new char[longest]),
-              scratch = std::vector<char>(),  // source elements of a converting chunk
-              encoder = ChunkEncoder(o_.codec, longest, o_.zstd_level)](
-                 size_t i) mutable -> uint64_t {
-        if (failed.load()) return 0;  // the loop is ending
-        try {
-          const WorkItem& it = items[i];
-          RankWriter& rw = writers[it.writer];
-          const uint64_t source_bytes = FillEntry(rw.maps[it.tensor], lookup, read_source,
-                                                  it.chunk * o_.chunk_size, it.length, buf.get(),
-                                                  scratch);
-          const std::span<const char> data =
-              rw.file.EncodeChunk(it.tensor, it.chunk, buf.get(), encoder);
-          if (!zstd) {
-            rw.file.WriteChunk(it.tensor, it.chunk, data);
-          } else {
-            std::unique_lock<std::mutex> lock(write_mu);
-            write_cv.wait(lock, [&] { return next_seq[it.writer] == seq[i] || failed.load(); });
-            if (failed.load()) return 0;
-            // Written under the lock: file order is the order of `seq`.
-            rw.file.WriteChunk(it.tensor, it.chunk, data);
-            ++next_seq[it.writer];
-            lock.unlock();
-            write_cv.notify_all();
-          }
-          stored += data.size();
-          read += source_bytes;
-          done_bytes_ += it.length;
-          return it.length;
-        } catch (...) {
-          {
-            std::lock_guard<std::mutex> g(write_mu);
-            failed = true;
-          }
-          write_cv.notify_all();
-          throw;  // the loop's first error
-        }
-      };
-    });
-    result.bytes_read += read.load();
-    result.bytes_stored += stored.load();
-
-    for (RankWriter& rw : writers) {
-      for (const auto& e : rw.file.header().tensors) result.bytes_decoded += e.nbytes;
-      rw.file.Commit();
-      result.ranks_written.push_back(rw.rank);
-    }
-    SyncDirectory(dir);
+    RankFillOptions fo;
+    fo.codec = o_.codec;
+    fo.zstd_level = o_.zstd_level;
+    fo.threads = threads_;
+    fo.done_bytes = &done_bytes_;
+    if (o_.progress) fo.progress = [this] { o_.progress(done_bytes_.load(), total_bytes); };
+    const RankFillStats st = WriteRankFiles(
+        jobs, lookup,
+        [this]() -> SourceRead {
+          return [this](size_t file, uint64_t at, size_t n, void* dst) { sources_[file].PReadExact(dst, n, at); };
+        },
+        fo);
+    result.bytes_read += st.bytes_read;
+    result.bytes_stored += st.bytes_stored;
+    result.bytes_decoded += st.bytes_decoded;
+    for (const RankFileJob& j : jobs) result.ranks_written.push_back(j.rank);
   }
 
   const ConvertOptions& o_;
@@ -545,7 +406,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   Converter converter(o, ckpt, view, conversion, whole, threads, units ? &*units : nullptr);
   for (uint32_t r = first; r <= last; ++r) {
     const RankPlan plan = converter.Plan(r);
-    if (UpToDate(dir / RankFileName(r, o.layout.world_size), o, ckpt.fingerprint, plan)) {
+    if (RankFileUpToDate(dir / RankFileName(r, o.layout.world_size), converter.Header(r, plan), o.codec)) {
       result.ranks_up_to_date.push_back(r);
     } else {
       todo.push_back(r);

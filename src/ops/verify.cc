@@ -26,6 +26,7 @@
 #include "reshard/io/parallel_for.h"
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
+#include "reshard/ops/relayout.h"
 #include "reshard/plan/byte_map.h"
 #include "reshard/plan/conversion.h"
 
@@ -98,6 +99,18 @@ class Verifier {
       layouts.push_back(std::move(l));
     }
     for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/fs::is_directory(o_.path));
+    // A layout `reshard relayout` made from another layout of OUT: compared with that layout
+    // element for element (its optimizer state too), as --source compares a conversion.
+    if (manifest_) {
+      for (const auto& [key, ml] : manifest_->layouts) {
+        if (ml.from.empty()) continue;
+        uint64_t compared = 0;
+        for (RelayoutProblem& p : CheckRelayout(o_.path, key, threads_, compared)) {
+          Problem(std::move(p.file), std::move(p.tensor), std::move(p.message));
+        }
+        report_.source_bytes_compared += compared;
+      }
+    }
     report_.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return std::move(report_);

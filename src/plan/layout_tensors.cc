@@ -83,8 +83,10 @@ void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
   }
 }
 
+}  // namespace
+
 // Whatever the layout kind: the pieces tile [0, nbytes) and stay inside their entries.
-void CheckPieces(TensorLocation& loc, const std::vector<const RankFileHeader*>& headers,
+void CheckTensorPieces(TensorLocation& loc, const std::vector<const RankFileHeader*>& headers,
                  const std::vector<std::string>& paths) {
   std::sort(loc.pieces.begin(), loc.pieces.end(),
             [](const TensorPiece& a, const TensorPiece& b) { return a.dst_offset < b.dst_offset; });
@@ -114,8 +116,6 @@ void CheckPieces(TensorLocation& loc, const std::vector<const RankFileHeader*>& 
                                    " bytes");
   }
 }
-
-}  // namespace
 
 std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFileHeader*>& headers,
                                                   const std::vector<std::string>& paths) {
@@ -158,7 +158,7 @@ std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFi
   std::vector<TensorLocation> out;
   out.reserve(h0.tensors.size());
   DescribeByMaps(headers, paths, out);
-  for (TensorLocation& loc : out) CheckPieces(loc, headers, paths);
+  for (TensorLocation& loc : out) CheckTensorPieces(loc, headers, paths);
   return out;
 }
 

@@ -26,6 +26,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/parallel_for.h"
 #include "reshard/io/rank_file.h"
+#include "reshard/ops/layout_reader.h"
 #include "reshard/plan/byte_map.h"
 #include "reshard/plan/conversion.h"
 #include "reshard/plan/fsdp1.h"
@@ -386,143 +387,27 @@ class CheckpointView final : public PlannedView {
 
 // ---- another layout's rank files ---------------------------------------------------------------
 
-// The tensors of a layout laid end to end in one virtual file (file index 0): tensor i's
-// bytes are [starts[i], starts[i] + nbytes). A read of virtual bytes is cut into the pieces
-// that hold them, each read from its rank file a whole chunk at a time.
-struct LayoutBytes {
-  std::vector<RankFileReader> readers;
-  std::vector<TensorLocation> tensors;
-  std::vector<uint64_t> starts;
-
-  // Where virtual byte `offset` lies: the piece holding it, the byte's position in the
-  // piece's entry (decoded bytes), and how many bytes of the piece follow from it; false
-  // when `offset` is outside every tensor.
-  struct Spot {
-    const TensorPiece* piece = nullptr;
-    uint64_t pos = 0;   // in the entry's decoded bytes
-    uint64_t left = 0;  // bytes of the piece from `pos` on
-  };
-  bool Locate(uint64_t offset, Spot& spot) const {
-    const auto it = std::upper_bound(starts.begin(), starts.end(), offset);
-    if (it == starts.begin()) return false;
-    const size_t ti = static_cast<size_t>(it - starts.begin()) - 1;
-    const TensorLocation& t = tensors[ti];
-    const uint64_t at = offset - starts[ti];
-    if (at >= t.nbytes) return false;
-    const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
-                                      [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
-    spot.piece = &*(pit - 1);
-    spot.pos = spot.piece->src_offset + (at - spot.piece->dst_offset);
-    spot.left = spot.piece->length - (at - spot.piece->dst_offset);
-    return true;
-  }
-};
-
+// Another layout's rank files through the shared virtual-file reader (reshard/ops/layout_reader.h).
 class LayoutSource final : public ThreadSource {
  public:
-  LayoutSource(const LayoutBytes& bytes, bool verify, uint64_t hash_piece)
-      : b_(bytes), verify_(verify), hash_piece_(hash_piece) {}
-
-  void Read(size_t, uint64_t offset, size_t size, void* dst) override {
-    auto* out = static_cast<char*>(dst);
-    while (size > 0) {
-      LayoutBytes::Spot at;
-      if (!b_.Locate(offset, at)) Fail(ErrorCode::kDataLoss, "read outside the layout's tensors");
-      const uint64_t n = std::min<uint64_t>(size, at.left);
-      ReadEntry(at.piece->rank, at.piece->entry, at.pos, n, out);
-      out += n;
-      offset += n;
-      size -= n;
-    }
-  }
+  LayoutSource(const LayoutBytes& bytes, bool verify, uint64_t hash_piece) : r_(bytes, verify, hash_piece) {}
+  void Read(size_t, uint64_t offset, size_t size, void* dst) override { r_.Read(offset, size, dst); }
 
  private:
-  // Decoded bytes [pos, pos + n) of entry `entry` of rank file `rank`, chunk by chunk.
-  void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out) {
-    const RankFileReader& r = b_.readers[rank];
-    const TensorEntry& e = r.header().tensors[entry];
-    const uint64_t cs = r.header().chunk_size;
-    while (n > 0) {
-      const uint64_t chunk = pos / cs;
-      const uint64_t c0 = chunk * cs;
-      const uint64_t clen = ChunkLength(e, cs, chunk);
-      const uint64_t take = std::min(n, c0 + clen - pos);
-      if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
-        r.ReadChunk(e, chunk, out, frame_, hash_piece_);  // a whole chunk: straight to its destination
-      } else if (!verify_ && e.codec == Codec::kRaw) {
-        const RankFileReader& rr = r;
-        rr.file().PReadExact(out, take, rr.preamble().data_offset + e.offset + pos);
-      } else {
-        if (!(have_ && rank == c_rank_ && entry == c_entry_ && chunk == c_chunk_)) {
-          have_ = false;
-          buf_.resize(clen);
-          r.ReadChunk(e, chunk, buf_.data(), frame_, hash_piece_);
-          have_ = true;
-          c_rank_ = rank, c_entry_ = entry, c_chunk_ = chunk;
-        }
-        std::memcpy(out, buf_.data() + (pos - c0), take);
-      }
-      out += take;
-      pos += take;
-      n -= take;
-    }
-  }
-
-  const LayoutBytes& b_;
-  bool verify_;
-  uint64_t hash_piece_;  // warm: hash each piece of a chunk as it is read (0: the chunk whole)
-  std::vector<char> buf_;  // the last chunk read in part, decoded and checked
-  std::string frame_;
-  bool have_ = false;
-  uint32_t c_rank_ = 0;
-  size_t c_entry_ = 0;
-  uint64_t c_chunk_ = 0;
+  LayoutByteReader r_;
 };
 
 class LayoutView final : public PlannedView {
  public:
   LayoutView(const fs::path& out, const std::string& key, const LayoutSpec& layout, uint32_t rank,
              const std::set<std::string>& whole, const std::string& manifest_json) {
-    description_ = "layout " + key + " of " + out.string();
     const std::optional<Manifest> manifest = ReadManifest(out);
-    const std::string mpath = (out / kManifestName).string();
-    if (!manifest) Fail(ErrorCode::kNotFound, mpath + ": no such file");
-    const auto lit = manifest->layouts.find(key);
-    if (lit == manifest->layouts.end()) Fail(ErrorCode::kNotFound, mpath + ": no layout \"" + key + "\"");
-    const ManifestLayout& ml = lit->second;
-    if (!ml.complete || ml.ranks.size() != ml.world_size) {
-      Fail(ErrorCode::kMismatch, description_ + " is incomplete: " + std::to_string(ml.ranks.size()) +
-                                     " of " + std::to_string(ml.world_size) + " rank files");
-    }
-    const fs::path dir = out / (ml.dir.empty() ? key : ml.dir);
-    std::vector<const RankFileHeader*> headers;
-    std::vector<std::string> paths;
-    for (const ManifestRank& mr : ml.ranks) {
-      bytes_.readers.push_back(RankFileReader::Open(dir / mr.file));
-      CheckListed(bytes_.readers.back(), *manifest, key, mr.rank, mpath);
-    }
-    for (const RankFileReader& r : bytes_.readers) {
-      headers.push_back(&r.header());
-      paths.push_back(r.path());
-    }
-    bytes_.tensors = DescribeLayoutTensors(headers, paths);
-    uint64_t at = 0;
-    for (const TensorLocation& t : bytes_.tensors) {
-      SourceTensor s;
-      s.name = t.name;
-      s.dtype = t.dtype;
-      s.shape = t.shape;
-      s.file_index = 0;
-      s.offset = at;
-      s.nbytes = t.nbytes;
-      bytes_.starts.push_back(at);
-      at += t.nbytes;
-      virt_.tensors.push_back(std::move(s));
-    }
-    std::sort(virt_.tensors.begin(), virt_.tensors.end(),
-              [](const SourceTensor& a, const SourceTensor& b) { return a.name < b.name; });
-    virt_.dir = out;
-    virt_.fingerprint = manifest->source;
+    if (!manifest) Fail(ErrorCode::kNotFound, (out / kManifestName).string() + ": no such file");
+    OpenedLayout opened;
+    OpenLayout(out, *manifest, key, opened);
+    description_ = opened.description;
+    bytes_ = std::move(opened.bytes);
+    virt_ = std::move(opened.view);
     std::optional<ModelManifest> model;
     if (!manifest_json.empty()) model = ParseModelManifest(manifest_json, description_ + " (model manifest)");
     Plan(virt_, layout, rank, whole, model ? model->base_model_prefix : "", nullptr, manifest->source,

@@ -35,6 +35,7 @@
 #include "reshard/ops/convert.h"
 #include "reshard/ops/export.h"
 #include "reshard/ops/inspect.h"
+#include "reshard/ops/relayout.h"
 #include "reshard/ops/verify.h"
 
 namespace {
@@ -346,6 +347,13 @@ int RunCli(int argc, char** argv) {
   convert->add_option("--ranks", ranks,
                       "write only ranks A-B (inclusive), e.g. 0-3 on one machine and 4-7 on "
                       "another, into one shared OUT");
+  bool convert_split = false;
+  convert->add_flag("--split-from-env", convert_split,
+                    "split the ranks among the processes of a launcher, from its environment: "
+                    "SLURM_ARRAY_TASK_ID/COUNT, else torchrun's RANK/WORLD_SIZE (the launcher's "
+                    "process count, not --world-size), else SLURM_PROCID/SLURM_NTASKS; each "
+                    "writes its block into the shared OUT, the manifest lists the layout complete "
+                    "once the last one ends");
   convert->add_option("--threads", co.threads, "worker threads (default: all cores)");
   convert->add_option("--compress", compress,
                       "store tensor data as independent zstd frames: zstd or zstd:LEVEL "
@@ -379,6 +387,66 @@ int RunCli(int argc, char** argv) {
       "The world size is the number of processes of the training job (for HSDP: the shard\n"
       "group size). Re-running on a complete output does nothing; a partial one is completed.\n"
       "Then: reshard verify OUT --source SRC; in the job: reshard.load(model, OUT).");
+
+  // relayout (alias: reshard): another world size of a saved checkpoint, optimizer included
+  reshard::RelayoutOptions ro;
+  std::string relayout_out, relayout_layout, relayout_ranks, relayout_compress, relayout_from, relayout_manifest;
+  std::vector<std::string> relayout_wrap;
+  bool relayout_orig = false, relayout_json = false, relayout_split = false;
+  std::string relayout_param_dtype;
+  auto* relayout = app.add_subcommand(
+      "relayout",
+      "Add another layout (world size, FSDP kind) to a saved checkpoint or a conversion, made "
+      "from one of its layouts: weights and optimizer state (KEY/optim/), offline.");
+  relayout->alias("reshard");
+  relayout->add_option("OUT", relayout_out,
+                       "the checkpoint directory: a reshard.save output (weights, optimizer "
+                       "state) or a reshard convert output")
+      ->required();
+  relayout->add_option("--world-size", ro.world_size, "number of shards of the new layout")
+      ->required()
+      ->check(CLI::Range(1u, 99999u));
+  relayout->add_option("--layout", relayout_layout,
+                       "fsdp2 or fsdp1 (default: the source layout's kind)")
+      ->check(CLI::IsMember({"fsdp2", "fsdp1"}));
+  relayout->add_option("--wrap", relayout_wrap, "fsdp1: wrapped module classes (default: the source's, "
+                                                "else the model's _no_split_modules)");
+  relayout->add_flag("--use-orig-params", relayout_orig,
+                     "fsdp1: the new job uses use_orig_params=True (default: as the source)");
+  relayout->add_option("--param-dtype", relayout_param_dtype,
+                       "fsdp1 with --use-orig-params: MixedPrecision param_dtype (default: the source's)")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  relayout->add_option("--from", relayout_from,
+                       "the layout to read, e.g. fsdp2-ws4 (default: the only complete layout, "
+                       "preferring the one with optimizer state)");
+  relayout->add_option("--model-manifest", relayout_manifest,
+                       "fsdp1 targets: the model manifest (default OUT/reshard-model.json)");
+  relayout->add_option("--ranks", relayout_ranks, "write only ranks A-B of the new layout");
+  relayout->add_flag("--split-from-env", relayout_split,
+                     "split the new layout's ranks among the processes of a launcher, from its "
+                     "environment: SLURM_ARRAY_TASK_ID/COUNT, else torchrun's RANK/WORLD_SIZE "
+                     "(the launcher's process count, not --world-size), else "
+                     "SLURM_PROCID/SLURM_NTASKS; whichever finishes last commits");
+  bool relayout_commit_only = false;
+  relayout->add_flag("--commit-only", relayout_commit_only,
+                     "write no rank file: only commit the new layout if all of its rank files "
+                     "are there (an explicit final step after split runs)");
+  relayout->add_option("--threads", ro.threads, "worker threads (default: all cores)");
+  relayout->add_option("--compress", relayout_compress, "zstd or zstd:LEVEL; raw by default");
+  relayout->add_option("--chunk-size", ro.chunk_size, "bytes per checksum chunk of the new files")
+      ->capture_default_str();
+  relayout->add_option("--lock-wait", ro.lock_wait_seconds, "seconds to wait for OUT's lock")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  relayout->add_flag("--json", relayout_json, "print a machine-readable summary on stdout");
+  relayout->footer(
+      "Examples:\n"
+      "  reshard relayout ./ckpt/step-00001000 --world-size 48      # saved at 64, resume at 48\n"
+      "  reshard relayout ./ckpt/step-00001000 --world-size 6 --from fsdp1-ws4-LlamaDecoderLayer\n"
+      "  torchrun --nproc-per-node 8 --no-python reshard relayout ./ckpt --world-size 64 --split-from-env\n"
+      "The new layout's rank files (and optim/, with optimizer.json) are written beside the\n"
+      "source's; reshard.json lists the layout only once every one of them is there. Then:\n"
+      "reshard verify OUT; in the job: reshard.load(model, OUT), reshard.load_optimizer(opt, model, OUT).");
 
   // verify
   reshard::VerifyOptions vo;
@@ -537,6 +605,17 @@ int RunCli(int argc, char** argv) {
         }
       } remove_captured{captured};
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
+      if (convert_split) {
+        if (!ranks.empty()) throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
+        std::string what;
+        const auto [index, count] = reshard::LauncherProcess([](const char* n) { return std::getenv(n); }, what);
+        const auto mine = reshard::SplitRanks(world_size, index, count);
+        if (!mine) {
+          std::printf("%s: no rank of %u left for this process; nothing to do\n", what.c_str(), world_size);
+          return 0;
+        }
+        co.ranks = *mine;
+      }
       ParseCompress(compress, co);
       Progress progress(convert_json);
       if (progress.on()) {
@@ -597,6 +676,66 @@ int RunCli(int argc, char** argv) {
         if (!r.layout_complete) {
           std::printf("layout %s is not complete yet: convert the remaining ranks into the same "
                       "directory\n", r.layout_key.c_str());
+        }
+      }
+      return 0;
+    }
+    if (*relayout) {
+      ro.out = relayout_out;
+      if (!relayout_layout.empty()) ro.kind = *reshard::ParseLayoutKind(relayout_layout);
+      if (!relayout_wrap.empty()) ro.wrap = relayout_wrap;
+      if (relayout_orig) ro.use_orig_params = true;
+      if (!relayout_param_dtype.empty()) ro.param_dtype = relayout_param_dtype;
+      if (!relayout_from.empty()) ro.from = relayout_from;
+      if (!relayout_manifest.empty()) ro.model_manifest = relayout_manifest;
+      if (!relayout_ranks.empty() && relayout_split) {
+        throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
+      }
+      if (!relayout_ranks.empty()) ro.ranks = ParseRankRange(relayout_ranks);
+      std::string split_what;
+      if (relayout_split) {
+        const auto [index, count] = reshard::LauncherProcess([](const char* n) { return std::getenv(n); }, split_what);
+        const auto mine = reshard::SplitRanks(ro.world_size, index, count);
+        if (mine) ro.ranks = *mine; else ro.commit_only = true;
+      }
+      if (relayout_commit_only) ro.commit_only = true;
+      reshard::ConvertOptions codec;
+      ParseCompress(relayout_compress, codec);
+      ro.codec = codec.codec;
+      ro.zstd_level = codec.zstd_level;
+      Progress progress(relayout_json);
+      if (progress.on()) {
+        ro.progress = [&progress](uint64_t done, uint64_t total) { progress("", done, total); };
+      }
+      reshard::RelayoutResult r = reshard::Relayout(ro);
+      progress.Done();
+      if (relayout_json) {
+        nlohmann::json j = {{"from", r.from_key},
+                            {"layout", r.layout_key},
+                            {"layout_dir", r.layout_dir.string()},
+                            {"world_size", r.world_size},
+                            {"optimizer", r.optimizer},
+                            {"ranks_written", r.ranks_written},
+                            {"ranks_up_to_date", r.ranks_up_to_date},
+                            {"ranks_missing", r.ranks_missing},
+                            {"bytes_read", r.bytes_read},
+                            {"bytes_stored", r.bytes_stored},
+                            {"bytes_decoded", r.bytes_decoded},
+                            {"seconds", r.seconds},
+                            {"committed", r.committed}};
+        if (!split_what.empty()) j["split"] = split_what;
+        std::cout << j.dump(2) << "\n";
+      } else {
+        std::printf("%s -> %s%s: wrote %zu rank file(s) (%zu up to date), %s read in %.2f s (%s)\n",
+                    r.from_key.c_str(), r.layout_key.c_str(), r.optimizer ? " with optimizer state" : "",
+                    r.ranks_written.size(), r.ranks_up_to_date.size(), Bytes(r.bytes_read).c_str(), r.seconds,
+                    Rate(r.bytes_read, r.seconds).c_str());
+        if (r.committed) {
+          std::printf("layout %s is complete and listed in %s/reshard.json\n", r.layout_key.c_str(),
+                      relayout_out.c_str());
+        } else {
+          std::printf("layout %s is not complete yet (%zu rank file(s) missing): run the remaining ranks "
+                      "into the same directory\n", r.layout_key.c_str(), r.ranks_missing.size());
         }
       }
       return 0;
@@ -723,8 +862,11 @@ int RunCli(int argc, char** argv) {
           std::printf("OK: %llu files, %llu tensors, %s checked%s in %.2f s\n",
                       static_cast<unsigned long long>(r.files),
                       static_cast<unsigned long long>(r.tensors), Bytes(r.bytes).c_str(),
-                      vo.source ? (", " + Bytes(r.source_bytes_compared) + " compared with the source").c_str()
-                                : "",
+                      vo.source || r.source_bytes_compared
+                          ? (", " + Bytes(r.source_bytes_compared) +
+                             (vo.source ? " compared with the source" : " compared with the layouts they were made from"))
+                                .c_str()
+                          : "",
                       r.seconds);
         } else {
           std::printf("FAILED: %zu problem(s)\n", r.problems.size());

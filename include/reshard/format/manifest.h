@@ -46,6 +46,9 @@ struct ManifestLayout {
   std::string dir;
   std::vector<ManifestRank> ranks;
   bool complete = false;
+  /// The layout of the same OUT this one was made from by `reshard relayout` ("" otherwise):
+  /// `reshard verify OUT` compares the two element for element.
+  std::string from;
 
   LayoutSpec Layout() const;
 };

@@ -49,4 +49,10 @@ struct TensorLocation {
 std::vector<TensorLocation> DescribeLayoutTensors(const std::vector<const RankFileHeader*>& headers,
                                                   const std::vector<std::string>& paths);
 
+/// Sorts `loc.pieces` by dst_offset and checks that they tile [0, loc.nbytes) exactly and lie
+/// inside their entries (`headers[piece.rank]->tensors[piece.entry]`). Throws kDataLoss naming
+/// the file and the tensor.
+void CheckTensorPieces(TensorLocation& loc, const std::vector<const RankFileHeader*>& headers,
+                       const std::vector<std::string>& paths);
+
 }  // namespace reshard

@@ -1,0 +1,86 @@
+// Reading a layout's rank files as one virtual checkpoint: every tensor the layout describes
+// (DescribeLayoutTensors, reshard/plan/layout_tensors.h: the inverse of the byte map, or
+// DescribeOptimizerTensors for optimizer state) laid end to end in one virtual file, whose
+// bytes are read from the rank files that hold them, a whole checksum chunk at a time, each
+// chunk checked against its chunk_xxh3 (and decoded when zstd) before any of its bytes is
+// used. `reshard.load` from another layout (reshard/runtime/source_load.h) and the offline
+// `reshard reshard` (reshard/ops/reshard.h) plan over the virtual checkpoint exactly as convert
+// plans over a Hugging Face checkpoint, and fill entries through this reader.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "reshard/format/checkpoint.h"
+#include "reshard/format/manifest.h"
+#include "reshard/io/rank_file.h"
+#include "reshard/plan/layout_tensors.h"
+
+namespace reshard {
+
+/// The tensors of a layout laid end to end in one virtual file (file index 0): tensor i's
+/// bytes are [starts[i], starts[i] + nbytes).
+struct LayoutBytes {
+  std::vector<RankFileReader> readers;  // readers[r]: the rank file pieces' `rank` r names
+  std::vector<TensorLocation> tensors;
+  std::vector<uint64_t> starts;
+
+  /// Where virtual byte `offset` lies: the piece holding it, the byte's position in the
+  /// piece's entry (decoded bytes), and how many bytes of the piece follow from it.
+  struct Spot {
+    const TensorPiece* piece = nullptr;
+    uint64_t pos = 0;   // in the entry's decoded bytes
+    uint64_t left = 0;  // bytes of the piece from `pos` on
+  };
+  /// False when `offset` is outside every tensor.
+  bool Locate(uint64_t offset, Spot& spot) const;
+
+  /// Lays `tensors` end to end (sets `starts`) and returns the virtual checkpoint: one
+  /// SourceTensor per tensor (file index 0 at its start), sorted by name, with `source` as
+  /// its fingerprint and `dir` as its directory.
+  Checkpoint Index(const std::filesystem::path& dir, const SourceFingerprint& source);
+};
+
+/// One thread's reader of the virtual file (not thread-safe; one per thread). `verify`: check
+/// every chunk read against its chunk_xxh3 (chunks that are only partly needed are always
+/// read whole and checked when verify is set); `hash_piece`: hash each piece of a chunk as it
+/// is read (0: the chunk whole).
+class LayoutByteReader {
+ public:
+  LayoutByteReader(const LayoutBytes& bytes, bool verify, uint64_t hash_piece = 0)
+      : b_(bytes), verify_(verify), hash_piece_(hash_piece) {}
+
+  /// Reads virtual bytes [offset, offset + size) into `dst`. Throws reshard::Error naming the
+  /// rank file on a checksum mismatch, a short read, a bad frame.
+  void Read(uint64_t offset, size_t size, void* dst);
+
+ private:
+  void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out);
+
+  const LayoutBytes& b_;
+  bool verify_;
+  uint64_t hash_piece_;
+  std::vector<char> buf_;  // the last chunk read in part, decoded and checked
+  std::string frame_;
+  bool have_ = false;
+  uint32_t c_rank_ = 0;
+  size_t c_entry_ = 0;
+  uint64_t c_chunk_ = 0;
+};
+
+/// Layout `key` of the reshard output `out`, complete, every rank file the one OUT's manifest
+/// lists (CheckListed), described (DescribeLayoutTensors) and indexed. `manifest`: OUT's,
+/// read by the caller. Throws kNotFound (no such layout, a missing rank file), kMismatch (an
+/// incomplete layout, a file that is not the listed one), kDataLoss (a corrupt header).
+struct OpenedLayout {
+  LayoutBytes bytes;
+  Checkpoint view;          // the virtual checkpoint (LayoutBytes::Index)
+  std::filesystem::path dir;  // OUT/<the layout's directory>
+  std::string description;  // "layout KEY of OUT"
+};
+void OpenLayout(const std::filesystem::path& out, const Manifest& manifest, const std::string& key,
+                OpenedLayout& opened);
+
+}  // namespace reshard

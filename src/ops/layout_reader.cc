@@ -1,0 +1,121 @@
+#include "reshard/ops/layout_reader.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "reshard/base/error.h"
+#include "reshard/io/manifest.h"
+
+namespace reshard {
+
+namespace fs = std::filesystem;
+
+bool LayoutBytes::Locate(uint64_t offset, Spot& spot) const {
+  const auto it = std::upper_bound(starts.begin(), starts.end(), offset);
+  if (it == starts.begin()) return false;
+  const size_t ti = static_cast<size_t>(it - starts.begin()) - 1;
+  const TensorLocation& t = tensors[ti];
+  const uint64_t at = offset - starts[ti];
+  if (at >= t.nbytes) return false;
+  const auto pit = std::upper_bound(t.pieces.begin(), t.pieces.end(), at,
+                                    [](uint64_t v, const TensorPiece& p) { return v < p.dst_offset; });
+  spot.piece = &*(pit - 1);
+  spot.pos = spot.piece->src_offset + (at - spot.piece->dst_offset);
+  spot.left = spot.piece->length - (at - spot.piece->dst_offset);
+  return true;
+}
+
+Checkpoint LayoutBytes::Index(const fs::path& dir, const SourceFingerprint& source) {
+  Checkpoint view;
+  starts.clear();
+  uint64_t at = 0;
+  for (const TensorLocation& t : tensors) {
+    SourceTensor s;
+    s.name = t.name;
+    s.dtype = t.dtype;
+    s.shape = t.shape;
+    s.file_index = 0;
+    s.offset = at;
+    s.nbytes = t.nbytes;
+    starts.push_back(at);
+    at += t.nbytes;
+    view.tensors.push_back(std::move(s));
+  }
+  std::sort(view.tensors.begin(), view.tensors.end(),
+            [](const SourceTensor& a, const SourceTensor& b) { return a.name < b.name; });
+  view.dir = dir;
+  view.fingerprint = source;
+  return view;
+}
+
+void LayoutByteReader::Read(uint64_t offset, size_t size, void* dst) {
+  auto* out = static_cast<char*>(dst);
+  while (size > 0) {
+    LayoutBytes::Spot at;
+    if (!b_.Locate(offset, at)) Fail(ErrorCode::kDataLoss, "read outside the layout's tensors");
+    const uint64_t n = std::min<uint64_t>(size, at.left);
+    ReadEntry(at.piece->rank, at.piece->entry, at.pos, n, out);
+    out += n;
+    offset += n;
+    size -= n;
+  }
+}
+
+// Decoded bytes [pos, pos + n) of entry `entry` of rank file `rank`, chunk by chunk.
+void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out) {
+  const RankFileReader& r = b_.readers[rank];
+  const TensorEntry& e = r.header().tensors[entry];
+  const uint64_t cs = r.header().chunk_size;
+  while (n > 0) {
+    const uint64_t chunk = pos / cs;
+    const uint64_t c0 = chunk * cs;
+    const uint64_t clen = ChunkLength(e, cs, chunk);
+    const uint64_t take = std::min(n, c0 + clen - pos);
+    if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
+      r.ReadChunk(e, chunk, out, frame_, hash_piece_);  // a whole chunk: straight to its destination
+    } else if (!verify_ && e.codec == Codec::kRaw) {
+      r.file().PReadExact(out, take, r.preamble().data_offset + e.offset + pos);
+    } else {
+      if (!(have_ && rank == c_rank_ && entry == c_entry_ && chunk == c_chunk_)) {
+        have_ = false;
+        buf_.resize(clen);
+        r.ReadChunk(e, chunk, buf_.data(), frame_, hash_piece_);
+        have_ = true;
+        c_rank_ = rank, c_entry_ = entry, c_chunk_ = chunk;
+      }
+      std::memcpy(out, buf_.data() + (pos - c0), take);
+    }
+    out += take;
+    pos += take;
+    n -= take;
+  }
+}
+
+void OpenLayout(const fs::path& out, const Manifest& manifest, const std::string& key,
+                OpenedLayout& opened) {
+  opened.description = "layout " + key + " of " + out.string();
+  const std::string mpath = (out / kManifestName).string();
+  const auto lit = manifest.layouts.find(key);
+  if (lit == manifest.layouts.end()) Fail(ErrorCode::kNotFound, mpath + ": no layout \"" + key + "\"");
+  const ManifestLayout& ml = lit->second;
+  if (!ml.complete || ml.ranks.size() != ml.world_size) {
+    Fail(ErrorCode::kMismatch, opened.description + " is incomplete: " + std::to_string(ml.ranks.size()) +
+                                   " of " + std::to_string(ml.world_size) + " rank files");
+  }
+  opened.dir = out / (ml.dir.empty() ? key : ml.dir);
+  LayoutBytes& bytes = opened.bytes;
+  for (const ManifestRank& mr : ml.ranks) {
+    bytes.readers.push_back(RankFileReader::Open(opened.dir / mr.file));
+    CheckListed(bytes.readers.back(), manifest, key, mr.rank, mpath);
+  }
+  std::vector<const RankFileHeader*> headers;
+  std::vector<std::string> paths;
+  for (const RankFileReader& r : bytes.readers) {
+    headers.push_back(&r.header());
+    paths.push_back(r.path());
+  }
+  bytes.tensors = DescribeLayoutTensors(headers, paths);
+  opened.view = bytes.Index(out, manifest.source);
+}
+
+}  // namespace reshard

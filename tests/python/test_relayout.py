@@ -1,0 +1,328 @@
+"""`reshard relayout` (alias `reshard reshard`): a training checkpoint saved at world size 4
+(weights and AdamW state after 10 steps) turned offline into the layouts of world sizes 2, 3
+and 6, then resumed (CPU, gloo).
+
+* FSDP2, FSDP1, FSDP1 with use_orig_params: the resumed job's full tensors (every parameter
+  and every optimizer state tensor, gathered by torch: full_tensor(), summon_full_params,
+  FSDP.optim_state_dict) equal the saved job's bit for bit (relayout_worker.py checks);
+  world size 6 is not run: its rank files are reassembled here by the reference reader and
+  compared with the same tensors. `reshard verify OUT` compares every new layout with the
+  saved one.
+* The loss continues: the next steps' losses of the resumed job are those of the uninterrupted
+  job within 1e-5 (relative). They cannot be bit-identical across world sizes: every world size
+  sees the same global batch (12 sequences split evenly over the ranks), but the gradient mean
+  is summed in another order (per-rank means over 12 / W sequences, then the reduce-scatter's
+  sum over W ranks), so fp32 rounding differs in the last bits, and AdamW carries that on.
+* Refusals, killed runs, a flipped byte in a source chunk, the launcher split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import reference_reader as rf
+from dist_util import dist_env, torchrun
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "relayout_worker.py")
+KINDS = {  # id: (convert flags, worker flags)
+    "fsdp2": ([], ["--kind", "fsdp2"]),
+    "fsdp1": (["--layout", "fsdp1"], ["--kind", "fsdp1"]),
+    "fsdp1-orig": (["--layout", "fsdp1", "--use-orig-params", "--dtype", "fp32"], ["--kind", "fsdp1", "--orig"]),
+}
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
+
+
+def _saved(checkpoint, cli, tmp_path, kind):
+    """A conversion for world size 4, trained 10 steps and saved with the optimizer state:
+    (conversion, saved checkpoint, results with ref.pt)."""
+    src = checkpoint("llama", "bf16")
+    out, saved, res = tmp_path / "out", tmp_path / "saved", tmp_path / "res"
+    out.mkdir()
+    res.mkdir()
+    if kind != "fsdp2":
+        p = subprocess.run([sys.executable, "-m", "reshard.manifest", src, "-o", str(out / "reshard-model.json")],
+                           capture_output=True, text=True, env=dist_env())
+        assert p.returncode == 0, p.stderr
+    cli("convert", src, "-o", out, "--world-size", 4, *KINDS[kind][0], rc=0)
+    torchrun(4, WORKER, "--out", out, "--save", saved, "--result", res, *KINDS[kind][1])
+    return out, saved, res
+
+
+@pytest.fixture(scope="module")
+def saved_fsdp2(checkpoint, cli, tmp_path_factory):
+    """The FSDP2 save, made once for this module's tests; each test copies the checkpoint."""
+    return _saved(checkpoint, cli, tmp_path_factory.mktemp("fsdp2"), "fsdp2")
+
+
+def _copy(saved_dir, tmp_path, name="saved"):
+    dst = tmp_path / name
+    shutil.copytree(saved_dir, dst)
+    return dst
+
+
+def _relayout(cli, saved, world, *flags, rc=0):
+    r = cli("relayout", saved, "--world-size", world, "--json", *flags, rc=rc)
+    return json.loads(r.out) if rc == 0 else r
+
+
+def _tensor(raw: bytes, dtype: str, shape):
+    t = torch.frombuffer(bytearray(raw), dtype=DTYPES[dtype]) if raw else torch.empty(0, dtype=DTYPES[dtype])
+    return t.reshape(shape)
+
+
+class _Raw:
+    """A raw-codec rank file of any kind: its header as the C++ reader checks it (the reference
+    reader reads FSDP2 files only), its bytes sliced from the file here."""
+
+    def __init__(self, path):
+        import reshard
+
+        self.header = json.loads(reshard._C._testing.read_header(str(path)))
+        self._data = open(path, "rb").read()
+        self._by = {t["name"]: t for t in self.header["tensors"]}
+
+    def read_bytes(self, name):
+        t = self._by[name]
+        assert t["codec"] == "raw"
+        return self._data[4096 + t["offset"]:4096 + t["offset"] + t["nbytes"]]
+
+
+def _open(path):
+    h = _Raw(path)
+    return rf.RankFile.open(path) if h.header["layout"]["kind"] == "fsdp2" else h
+
+
+def _reassemble(saved, key, world):
+    """name -> full tensor of every parameter and "<param>#<key>" of every state tensor, from
+    the rank files of layout `key` (model and optim/), read here (FSDP2: by the reference
+    reader alone): FSDP2
+    rows concatenated; FSDP1 flat shards concatenated and cut by their flat objects; FSDP1
+    local state likewise (flat-shard state), or concatenated in rank order (use_orig_params)."""
+    model = [_open(os.path.join(saved, key, rf.rank_file_name(r, world))) for r in range(world)]
+    optim = [_open(os.path.join(saved, key, "optim", rf.rank_file_name(r, world))) for r in range(world)]
+    out = {}
+    flats = {}
+    for t in model[0].header["tensors"]:
+        if t.get("flat"):
+            flats[t["name"]] = t["flat"]
+            flat = b"".join(m.read_bytes(t["name"]) for m in model)
+            isz = len(flat) // (world * t["local_shape"][0])
+            for p in t["flat"]["params"]:
+                n = 1
+                for d in p["shape"]:
+                    n *= d
+                out[p["key"]] = _tensor(flat[p["offset"] * isz:(p["offset"] + n) * isz], t["dtype"], p["shape"])
+        elif t["shard"] is not None:
+            out[t["name"]] = _tensor(b"".join(m.read_bytes(t["name"]) for m in model), t["dtype"], t["global_shape"])
+    meta = json.load(open(os.path.join(saved, key, "optim", "optimizer.json")))
+    assert meta["layout"] == key
+    if "rank_state" not in meta:  # FSDP2: state sharded like its parameter, or whole
+        for t in optim[0].header["tensors"]:
+            parts = [o.read_bytes(t["name"]) for o in (optim if t["shard"] is not None else optim[:1])]
+            out[t["name"]] = _tensor(b"".join(parts), t["dtype"], t["global_shape"])
+        return out
+    pieces = {}
+    for r, o in enumerate(optim):
+        listed = {f"{p}#{k}" for p, d in meta["rank_state"][r].items() for k in d["tensors"]}
+        assert listed == {t["name"] for t in o.header["tensors"]}, (r, listed)
+        for t in o.header["tensors"]:
+            pieces.setdefault(t["name"], []).append((t, o.read_bytes(t["name"])))
+    for name, parts in pieces.items():
+        param, k = name.rsplit("#", 1)
+        t0 = parts[0][0]
+        if t0["global_shape"] == []:
+            out[name] = _tensor(parts[0][1], t0["dtype"], [])
+        elif param in flats:  # the flat shard's state: cut like the flat parameter
+            flat = b"".join(raw for _, raw in parts)
+            isz = len(flat) // (world * t0["local_shape"][0])
+            for p in flats[param]["params"]:
+                n = 1
+                for d in p["shape"]:
+                    n *= d
+                out[f"{p['key']}#{k}"] = _tensor(flat[p["offset"] * isz:(p["offset"] + n) * isz], t0["dtype"],
+                                                p["shape"])
+        else:  # use_orig_params: the parameter's elements, rank after rank
+            shape = next(p["shape"] for f in flats.values() for p in f["params"]
+                         if (f["unit"] + "." if f["unit"] else "") + p["fqn"] == param)
+            out[name] = _tensor(b"".join(raw for _, raw in parts), t0["dtype"], shape)
+    return out
+
+
+def _check_against_ref(got, ref, kind):
+    for name, want in ref.items():
+        if kind == "fsdp1" and name.endswith("#step"):
+            # FSDP.optim_state_dict gives each original parameter its flat parameter's step.
+            continue
+        assert name in got, (name, sorted(got)[:5])
+        g = got[name]
+        assert g.dtype == want.dtype and list(g.shape) == list(want.shape), (name, g.dtype, g.shape, want.shape)
+        assert torch.equal(g.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8)), name
+    if kind == "fsdp1":
+        steps = {n: v for n, v in got.items() if n.endswith("#step")}
+        assert steps and all(v.item() == 10 for v in steps.values()), steps
+
+
+@pytest.mark.parametrize("kind,resume", [("fsdp2", (2,)), ("fsdp1", (3,)), ("fsdp1-orig", (2,))])
+def test_relayout_resume(checkpoint, cli, tmp_path, request, kind, resume):
+    if kind == "fsdp2":
+        out, saved, res = request.getfixturevalue("saved_fsdp2")
+        saved = _copy(saved, tmp_path)
+    else:
+        out, saved, res = _saved(checkpoint, cli, tmp_path, kind)
+    m = rf.read_manifest(str(saved))
+    (key4,) = m["layouts"]
+    keys = {}
+    for w in (2, 3, 6):
+        r = _relayout(cli, saved, w)
+        assert r["from"] == key4 and r["optimizer"] and r["committed"] and r["ranks_written"] == list(range(w))
+        keys[w] = r["layout"]
+        assert os.path.exists(saved / keys[w] / "optim" / "optimizer.json")
+    m = rf.read_manifest(str(saved))
+    assert all(m["layouts"][keys[w]]["from"] == key4 and m["layouts"][keys[w]]["complete"] for w in keys)
+    v = cli("verify", saved, rc=0)
+    assert "compared with the layouts they were made from" in v.out, v.out
+    # A re-run finds everything up to date.
+    assert _relayout(cli, saved, 3)["ranks_up_to_date"] == [0, 1, 2]
+
+    ref = torch.load(res / "ref.pt")
+    # World size 6 (no 6-process run): the files themselves, by the reference reader.
+    _check_against_ref(_reassemble(str(saved), keys[6], 6), ref, kind)
+    # And the saved layout itself reads back as the reference (the reassembly can fail).
+    _check_against_ref(_reassemble(str(saved), key4, 4), ref, kind)
+
+    uninterrupted = json.load(open(res / "save-4-rank-0.json"))["more"]
+    for w in resume:
+        mine = tmp_path / f"resume-{w}"
+        mine.mkdir()
+        shutil.copy(res / "ref.pt", mine / "ref.pt")
+        torchrun(w, WORKER, "--out", out, "--save", saved, "--result", mine, "--mode", "resume", *KINDS[kind][1])
+        r0 = json.load(open(mine / f"resume-{w}-rank-0.json"))
+        assert r0["layout"] == keys[w] and r0["checked"] == len(ref)
+        assert len(r0["more"]) == len(uninterrupted)
+        for a, b in zip(r0["more"], uninterrupted):
+            assert abs(a - b) <= 1e-5 * abs(b), (w, r0["more"], uninterrupted)
+
+
+def test_relayout_refusals_and_damage(cli, tmp_path, saved_fsdp2):
+    out, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    # The target is the source.
+    r = _relayout(cli, saved, 4, rc=2)
+    assert "fsdp2-ws4 is the source layout" in r.err, r.err
+    # load_optimizer at a world size OUT holds no layout for names the command that makes it.
+    res = tmp_path / "refused"
+    res.mkdir()
+    torchrun(1, WORKER, "--out", out, "--save", saved, "--result", res, "--mode", "refused",
+             "--expect", f"reshard relayout {saved} --world-size 1")
+
+    # A flipped byte in a source chunk: refused naming the file, nothing committed.
+    bad = tmp_path / "bad"
+    shutil.copytree(saved, bad)
+    f = bad / "fsdp2-ws4" / "optim" / rf.rank_file_name(1, 4)
+    rank = rf.RankFile.open(str(f))
+    t = next(t for t in rank.header["tensors"] if t["nbytes"] > 64)
+    data = bytearray(f.read_bytes())
+    data[4096 + t["offset"] + 17] ^= 0x10
+    f.write_bytes(bytes(data))
+    r = _relayout(cli, bad, 2, rc=3)
+    assert str(f) in r.err and "checksum" in r.err.lower(), r.err
+    assert "fsdp2-ws2" not in rf.read_manifest(str(bad))["layouts"]
+
+    # A missing optimizer rank file: named, nothing written.
+    missing = tmp_path / "missing"
+    shutil.copytree(saved, missing)
+    gone = missing / "fsdp2-ws4" / "optim" / rf.rank_file_name(2, 4)
+    gone.unlink()
+    r = _relayout(cli, missing, 2, rc=3)
+    assert str(gone) in r.err and "missing" in r.err, r.err
+    assert not (missing / "fsdp2-ws2").exists()
+
+    # An incomplete source layout (a rank the manifest does not list).
+    inc = tmp_path / "incomplete"
+    shutil.copytree(saved, inc)
+    mj = json.loads((inc / "reshard.json").read_text())
+    mj["layouts"]["fsdp2-ws4"]["ranks"].pop()
+    mj["layouts"]["fsdp2-ws4"]["complete"] = False
+    (inc / "reshard.json").write_text(json.dumps(mj))
+    r = _relayout(cli, inc, 2, "--from", "fsdp2-ws4", rc=3)
+    assert "incomplete" in r.err and "3 of 4" in r.err, r.err
+
+    # A flipped byte in a written layout: verify names it.
+    _relayout(cli, saved, 2)
+    f = saved / "fsdp2-ws2" / rf.rank_file_name(0, 2)
+    data = bytearray(f.read_bytes())
+    t = rf.RankFile.open(str(f)).header["tensors"][0]
+    data[4096 + t["offset"] + 3] ^= 0x01
+    f.write_bytes(bytes(data))
+    v = cli("verify", saved, rc=1)
+    assert str(f) in v.out, v.out
+
+
+def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
+    saved = _copy(saved_fsdp2[1], tmp_path)
+    rng = random.Random(7)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # SIGKILL at random points: the new layout is listed only when complete (and then
+    # verifies); a re-run completes it.
+    unlisted = 0
+    for i in range(8):
+        p = subprocess.Popen([reshard_bin, "relayout", str(saved), "--world-size", "3", "--threads", "1",
+                              "--chunk-size", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        time.sleep(rng.uniform(0.0, 0.25))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        listed = "fsdp2-ws3" in rf.read_manifest(str(saved))["layouts"]
+        if listed:
+            cli("verify", saved, rc=0)
+            break
+        cli("verify", saved, rc=0)  # the save itself is untouched
+        assert not (saved / "fsdp2-ws3" / "optim" / "optimizer.json").exists()
+        unlisted += 1
+    assert unlisted >= 1, "every kill came after the commit: the test proved nothing"
+    r = _relayout(cli, saved, 3, "--chunk-size", 4096)
+    assert r["committed"]
+    cli("verify", saved, rc=0)
+
+    # The launcher split: 3 processes (Slurm array ids 1-3), each its ranks of 6 into one OUT;
+    # whichever finishes last commits. torchrun's WORLD_SIZE is the launcher's process count.
+    procs = []
+    for task in (1, 2, 3):
+        e = dict(env, SLURM_ARRAY_TASK_ID=str(task), SLURM_ARRAY_TASK_COUNT="3", SLURM_ARRAY_TASK_MIN="1")
+        procs.append(subprocess.Popen([reshard_bin, "relayout", str(saved), "--world-size", "6", "--split-from-env",
+                                       "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e))
+    outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert [o["ranks_written"] for o in outs] == [[0, 1], [2, 3], [4, 5]], outs
+    assert any(o["committed"] for o in outs), outs
+    cli("verify", saved, rc=0)
+    e = dict(env, RANK="1", WORLD_SIZE="4")
+    r = subprocess.run([reshard_bin, "relayout", str(saved), "--world-size", "2", "--split-from-env", "--json"],
+                       capture_output=True, text=True, env=e)
+    j = json.loads(r.stdout)
+    assert j["ranks_written"] == [1] and not j["committed"] and j["ranks_missing"] == [0], j
+    e = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("SLURM_")}
+    r = subprocess.run([reshard_bin, "relayout", str(saved), "--world-size", "2", "--split-from-env"],
+                       capture_output=True, text=True, env=e)
+    assert r.returncode == 2 and "RANK/WORLD_SIZE" in r.stderr, r.stderr
+
+    # reshard convert splits the same way: two torchrun-like processes, one shared OUT.
+    src = checkpoint("llama", "bf16")
+    conv = tmp_path / "conv"
+    procs = [subprocess.Popen([reshard_bin, "convert", src, "-o", str(conv), "--world-size", "3", "--no-capture",
+                               "--split-from-env", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(env, RANK=str(i), WORLD_SIZE="2")) for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    written = sorted(r for o, _ in outs for r in json.loads(o)["ranks_written"])
+    assert written == [0, 1, 2], outs
+    assert rf.read_manifest(str(conv))["layouts"]["fsdp2-ws3"]["complete"]
+    cli("verify", conv, "--source", src, rc=0)
