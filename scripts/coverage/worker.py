@@ -1,6 +1,9 @@
 """One rank of a coverage job (torchrun, gloo, CPU): every architecture of the plan, one after
 the other, in the same order on every rank, so that process start-up is paid once.
 
+Causal LMs, masked-LM encoders and encoder-decoders alike (an encoder-decoder's forward gets
+decoder_input_ids, and its logits are the decoder's).
+
 For each entry and case (fsdp2: fully_shard on the _no_split_modules classes and the root;
 fsdp1: FullyShardedDataParallel with ModuleWrapPolicy of those classes and
 reshard.fsdp1_param_init_fn) every rank builds reshard.empty_model(OUT), shards it,
@@ -263,14 +266,18 @@ def compare_tensors(what: str, got: Dict[str, torch.Tensor], want: Dict[str, tor
 
 
 def forward_kwargs(model, ids) -> Dict[str, Any]:
-    """The call both models get: no cache (some configs lack what a cache needs), a default
-    language for X-MOD's adapters."""
+    """The call both models get: no cache (some configs lack what a cache needs), and for an
+    encoder-decoder decoder_input_ids."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
     kw: Dict[str, Any] = {"input_ids": ids}
     if "use_cache" in params:
         kw["use_cache"] = False
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        # An encoder-decoder: the encoder reads the batch, the decoder (self- and
+        # cross-attention) reads the first half of each row; the logits are the decoder's.
+        kw["decoder_input_ids"] = ids[:, : ids.shape[1] // 2].clone()
     return kw
 
 
