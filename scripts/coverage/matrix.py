@@ -445,7 +445,9 @@ def cell(r: Dict[str, Any]) -> str:
         return f"FSDP refuses the model ({r.get('stage')}): {msg[:110]}"
     if s == "crash":
         fallback = r.get("root_only")
-        return f"**crash** ({r.get('stage')}): {r.get('error_class', '')}: {msg[:100]}" + \
+        equal = "; parameters and buffers equal before it" if r.get("stage") == "forward" and \
+            r.get("params_checked") else ""
+        return f"**crash** ({r.get('stage')}{equal}): {r.get('error_class', '')}: {msg[:100]}" + \
             (f"; root-only unit: {cell(fallback)}" if fallback else "")
     return f"skipped: {msg[:100]}"
 
