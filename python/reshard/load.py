@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -375,8 +375,19 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
     # Parameters the model ties but the sharding split in two (fully_shard of units that hold
     # one name each): the copy takes the values of its tie partner's entry after the load.
     untied: List[Tuple[str, str]] = []
+    # Every name of each parameter: a tie the sharding kept is one parameter with two names, and
+    # named_parameters gives the first in module order, which need not be the one save_pretrained
+    # kept (LUKE ties lm_head.bias to lm_head.decoder.bias: the file holds only the latter).
+    names_of: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        base = rename(clean_name(n))
+        if base is not None:
+            names_of.setdefault(id(p), []).append(base)
     for name, p in params.items():
         key_in_file = file_key(name, entries, prefix)
+        if key_in_file is None:
+            key_in_file = next((k for k in (file_key(a, entries, prefix) for a in names_of.get(id(p), [])
+                                            if a != name) if k is not None), None)
         if key_in_file is None:
             partner = tie_partner(hf_model, name, params, entries, prefix)
             if partner is None:

@@ -64,7 +64,8 @@ _SIZE_RULES = [
                 "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "linear_key_head_dim",
                 "linear_value_head_dim", "mamba_d_head", "mamba_head_dim", "rwkv_head_size", "index_head_dim",
                 "ssm_state_size", "state_size", "mamba_d_state", "index_topk")),
-    (VOCAB, ("vocab_size", "n_vocab", "text_vocab_size", "encoder_hash_byte_group_vocab")),
+    (VOCAB, ("vocab_size", "n_vocab", "text_vocab_size", "encoder_hash_byte_group_vocab", "entity_vocab_size",
+             "pronunciation_vocab_size", "shape_vocab_size", "src_vocab_size", "tgt_vocab_size")),
     (EXPERTS, ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
                "n_experts", "num_experts_total")),
     (ACTIVE, ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "n_activated_experts",
@@ -239,6 +240,31 @@ OVERRIDES: Dict[str, Any] = {
                         "attention_window_size": 64},
 }
 
+
+def _encoder_decoder(d):
+    """EncoderDecoderModel has no defaults of its own: a tiny BERT encoder and a tiny BERT
+    decoder with cross-attention (the bert2bert recipe)."""
+    from transformers import BertConfig
+
+    bert = _clean(shrink(BertConfig().to_dict()))
+    d["encoder"] = dict(bert)
+    d["decoder"] = dict(bert, is_decoder=True, add_cross_attention=True)
+    d.update(decoder_start_token_id=bert["pad_token_id"], pad_token_id=bert["pad_token_id"])
+    return d
+
+
+# Per task, per model type: overrides that replace OVERRIDES' for that task (the same type
+# built as another head class needs other values).
+TASK_OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "masked-lm": {
+        # ReformerForMaskedLM is bi-directional: no causal LSH / local attention.
+        "reformer": dict(OVERRIDES["reformer"], is_decoder=False),
+        # EsmConfig's vocabulary is None by default (the ESM-2 alphabet has 33 tokens).
+        "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},
+    },
+    "seq2seq-lm": {"encoder-decoder": _encoder_decoder},
+}
+
 # Variants beyond the bf16 safetensors checkpoint every architecture gets: families whose hub
 # checkpoints ship fp16 weights, and families whose hub checkpoints are pytorch_model.bin (in
 # the dtype they were published in). "arch@fp16" / "arch@bin-fp32" / "arch@bin-fp16" entries.
@@ -247,21 +273,53 @@ BIN_FAMILIES = {"gpt2": "fp32", "gpt_neo": "fp32", "openai-gpt": "fp32", "opt": 
                 "gpt_neox": "fp16", "llama": "fp16"}
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 
-TASKS = ("causal-lm",)
+TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
+# The auto mapping each task covers, and its family's name in docs/coverage.md.
+MAPPINGS = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+FAMILIES = {"causal-lm": "Causal LM (decoder-only)", "masked-lm": "Encoders (masked LM)",
+            "seq2seq-lm": "Encoder-decoders (sequence-to-sequence LM)"}
+
+
+def mapping(task: str = "causal-lm") -> Dict[str, str]:
+    """model type -> model class name of the task's auto mapping."""
+    from transformers.models.auto import modeling_auto
+
+    if task not in MAPPINGS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    return dict(getattr(modeling_auto, MAPPINGS[task]))
+
+
+def excluded(task: str = "causal-lm") -> Dict[str, str]:
+    """The mapping's types the task's matrix leaves out, with the reason. The rule (for the
+    encoder and encoder-decoder tasks; the causal-LM matrix takes every type): a model class
+    whose `input_modalities` are more than text (images, audio: the batch of token ids is not
+    its input) is left out; so is a masked-LM entry whose class is the type's
+    sequence-to-sequence class (BART-style denoising), which the encoder-decoder matrix covers."""
+    import transformers
+
+    if task == "causal-lm":
+        return {}
+    out = {}
+    seq2seq = mapping("seq2seq-lm")
+    for t, name in mapping(task).items():
+        modalities = getattr(getattr(transformers, name, None), "input_modalities", "text")
+        modalities = (modalities,) if isinstance(modalities, str) else tuple(modalities)
+        if modalities != ("text",):
+            out[t] = f"multimodal / speech: {name} takes {' + '.join(modalities)} inputs"
+        elif task == "masked-lm" and seq2seq.get(t) == name:
+            out[t] = f"{name} is the type's sequence-to-sequence class: in the encoder-decoder matrix"
+    return out
 
 
 def model_types(task: str = "causal-lm") -> List[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if task != "causal-lm":
-        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    skip = excluded(task)
+    return [t for t in mapping(task) if t not in skip]
 
 
 def model_class_name(model_type: str, task: str = "causal-lm") -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return mapping(task)[model_type]
 
 
 def entries_for(types: List[str], variants: bool = True) -> List[Dict[str, str]]:
@@ -311,8 +369,14 @@ def _with_sub_configs(cls, d: Dict[str, Any]) -> Dict[str, Any]:
 
 def tiny_config(model_type: str, task: str = "causal-lm"):
     cls = config_class(model_type, task)
-    d = shrink(_with_sub_configs(cls, cls().to_dict()))
-    override = OVERRIDES.get(model_type)
+    override = TASK_OVERRIDES.get(task, {}).get(model_type, OVERRIDES.get(model_type))
+    try:
+        defaults = cls().to_dict()
+    except ValueError:
+        if not callable(override):
+            raise
+        defaults = {}  # a composite config without defaults: the override makes it
+    d = shrink(_with_sub_configs(cls, defaults))
     if callable(override):
         d = override(d)
     elif override:

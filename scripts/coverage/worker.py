@@ -1,6 +1,9 @@
 """One rank of a coverage job (torchrun, gloo, CPU): every architecture of the plan, one after
 the other, in the same order on every rank, so that process start-up is paid once.
 
+Causal LMs, masked-LM encoders and encoder-decoders alike (an encoder-decoder's forward gets
+decoder_input_ids, and its logits are the decoder's).
+
 For each entry and case (fsdp2: fully_shard on the _no_split_modules classes and the root;
 fsdp1: FullyShardedDataParallel with ModuleWrapPolicy of those classes and
 reshard.fsdp1_param_init_fn) every rank builds reshard.empty_model(OUT), shards it,
@@ -142,7 +145,14 @@ def error_record(e: BaseException, stage: str) -> Dict[str, Any]:
         # part, or at FSDP's lazy init in the first forward): no wrapping fixes it.
         return {"status": "fsdp-refuses", "stage": stage, "error_class": type(e).__name__,
                 "message": str(e)[:600]}
-    return {"status": "crash", "stage": stage, "error_class": type(e).__name__, "message": str(e)[:2000],
+    message = str(e)
+    if not message.strip():  # StopIteration, a bare assert: where it was raised
+        frames = traceback.extract_tb(e.__traceback__)
+        if frames:
+            f = frames[-1]
+            message = f"raised at {os.path.basename(os.path.dirname(f.filename))}/{os.path.basename(f.filename)}:" \
+                      f"{f.lineno} in {f.name}: {(f.line or '').strip()}"
+    return {"status": "crash", "stage": stage, "error_class": type(e).__name__, "message": message[:2000],
             "traceback": traceback.format_exc()[-2500:]}
 
 
@@ -263,14 +273,18 @@ def compare_tensors(what: str, got: Dict[str, torch.Tensor], want: Dict[str, tor
 
 
 def forward_kwargs(model, ids) -> Dict[str, Any]:
-    """The call both models get: no cache (some configs lack what a cache needs), a default
-    language for X-MOD's adapters."""
+    """The call both models get: no cache (some configs lack what a cache needs), and for an
+    encoder-decoder decoder_input_ids."""
     import inspect
 
     params = inspect.signature(model.forward).parameters
     kw: Dict[str, Any] = {"input_ids": ids}
     if "use_cache" in params:
         kw["use_cache"] = False
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        # An encoder-decoder: the encoder reads the batch, the decoder (self- and
+        # cross-attention) reads the first half of each row; the logits are the decoder's.
+        kw["decoder_input_ids"] = ids[:, : ids.shape[1] // 2].clone()
     return kw
 
 
@@ -390,12 +404,18 @@ def run_case(entry: Dict[str, Any], case: str, mesh, wrap: str = "no_split") -> 
                 differ.append(f"logits: {why}")
             rec["logits"] = "equal" + ("" if bool(torch.isfinite(ref_logits.float()).all()) else " (not all finite)")
         except Exception as e:
-            rec = error_record(e, "forward")
+            # What was compared before the forward stays in the record: a crash in the forward
+            # does not hide a parameter or buffer that differs (that is a mismatch still).
+            checked = {k: rec[k] for k in ("params_checked", "buffers_checked", "check_weights", "load")
+                       if k in rec}
+            rec = dict(error_record(e, "forward"), **checked)
             if rec["status"] == "refused":  # a ReshardError in a forward is reshard's fault
                 rec["status"] = "crash"
+            if differ:
+                rec["status"] = "mismatch"
     elif "logits" not in rec:
         rec["logits"] = "not compared: from_pretrained's own model fails on the batch on another rank"
-    if differ and rec["status"] == "pass":
+    if differ and rec["status"] in ("pass", "mismatch"):
         rec["status"] = "mismatch"
         rec["differ"] = differ[:40]
         rec["n_differ"] = len(differ)
