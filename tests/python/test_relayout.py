@@ -275,11 +275,17 @@ def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # SIGKILL at random points: the new layout is listed only when complete (and then
     # verifies); a re-run completes it.
+    # Kill times within a whole run's duration on this machine (measured on a copy), the first
+    # in its first third: a fixed range would let a fast machine finish before every kill.
+    flags = ["--world-size", "3", "--threads", "1", "--chunk-size", "4096"]
+    probe = _copy(saved_fsdp2[1], tmp_path, "probe")
+    t0 = time.monotonic()
+    subprocess.run([reshard_bin, "relayout", str(probe), *flags], check=True, capture_output=True, env=env)
+    whole = time.monotonic() - t0
     unlisted = 0
     for i in range(8):
-        p = subprocess.Popen([reshard_bin, "relayout", str(saved), "--world-size", "3", "--threads", "1",
-                              "--chunk-size", "4096"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        time.sleep(rng.uniform(0.0, 0.25))
+        p = subprocess.Popen([reshard_bin, "relayout", str(saved), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        time.sleep(rng.uniform(0.0, whole * (0.3 if i == 0 else 0.9)))
         p.send_signal(signal.SIGKILL)
         p.wait()
         listed = "fsdp2-ws3" in rf.read_manifest(str(saved))["layouts"]
