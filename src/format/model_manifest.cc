@@ -41,6 +41,21 @@ ConversionExpr ParseExpr(const json& v, const std::string& path, const std::stri
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
 
+// A dequantization's two operands, both checkpoint keys (transformers dequantizes each stored
+// tensor first), appended to x.of.
+void ParseQuantizedOperands(const json& v, const std::string& path, const std::string& f, int depth,
+                            const char* expected, ConversionExpr& x) {
+  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
+  if (of.size() != 2) FailField(path, f + ".of", std::to_string(of.size()) + " operands", expected);
+  for (size_t i = 0; i < 2; ++i) {
+    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
+    if (x.of[i].op != ConversionExpr::Op::kKey) {
+      FailField(path, f + ".of[" + std::to_string(i) + "]", "an expression",
+                "a checkpoint key (transformers dequantizes each stored tensor first)");
+    }
+  }
+}
+
 // {"op": "dequant_fp8", "block": [bm, bn], "dtype": D, "of": [weight key, scale key]}: the
 // weight (F8_E4M3, ≥ 2 dims [..., R, C]) times its scale (F32 [..., ceil(R/bm), ceil(C/bn)]).
 ConversionExpr ParseDequantFp8(const json& v, const std::string& path, const std::string& f,
@@ -56,17 +71,7 @@ ConversionExpr ParseDequantFp8(const json& v, const std::string& path, const std
     FailField(path, f + ".block", ShapeText(block), "[rows, cols], both positive");
   }
   x.block_rows = block[0], x.block_cols = block[1];
-  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
-  if (of.size() != 2) {
-    FailField(path, f + ".of", std::to_string(of.size()) + " operands", "two: [weight, scale]");
-  }
-  for (size_t i = 0; i < 2; ++i) {
-    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
-    if (x.of[i].op != ConversionExpr::Op::kKey) {
-      FailField(path, f + ".of[" + std::to_string(i) + "]", "an expression",
-                "a checkpoint key (transformers dequantizes each stored tensor first)");
-    }
-  }
+  ParseQuantizedOperands(v, path, f, depth, "two: [weight, scale]", x);
   const ConversionExpr& w = x.of[0];
   const ConversionExpr& s = x.of[1];
   if (w.dtype != "F8_E4M3") FailField(path, f + ".of[0].dtype", "\"" + w.dtype + "\"", "\"F8_E4M3\"");
@@ -95,17 +100,7 @@ ConversionExpr ParseDequantMxfp4(const json& v, const std::string& path, const s
   x.op = ConversionExpr::Op::kDequantMxfp4;
   x.dtype = GetString(Member(v, "dtype", path, f), path, f + ".dtype");
   if (x.dtype != "BF16") FailField(path, f + ".dtype", "\"" + x.dtype + "\"", "\"BF16\"");
-  const json& of = GetArray(Member(v, "of", path, f), path, f + ".of");
-  if (of.size() != 2) {
-    FailField(path, f + ".of", std::to_string(of.size()) + " operands", "two: [blocks, scales]");
-  }
-  for (size_t i = 0; i < 2; ++i) {
-    x.of.push_back(ParseExpr(of[i], path, f + ".of[" + std::to_string(i) + "]", depth + 1));
-    if (x.of[i].op != ConversionExpr::Op::kKey) {
-      FailField(path, f + ".of[" + std::to_string(i) + "]", "an expression",
-                "a checkpoint key (transformers dequantizes each stored tensor first)");
-    }
-  }
+  ParseQuantizedOperands(v, path, f, depth, "two: [blocks, scales]", x);
   const ConversionExpr& b = x.of[0];
   const ConversionExpr& s = x.of[1];
   if (b.dtype != "U8") FailField(path, f + ".of[0].dtype", "\"" + b.dtype + "\"", "\"U8\"");

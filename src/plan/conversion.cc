@@ -178,21 +178,25 @@ void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint6
       case Op::kKey:
         Push(out, x.key, x.shape, begin, count, entry_element);
         return;
-      case Op::kDequantFp8: {
-        // Element for element the weight's (children are keys: ParseModelManifest).
+      case Op::kDequantFp8:
+      case Op::kDequantMxfp4: {
+        // One segment over the quantized tensor and its scale (children are keys:
+        // ParseModelManifest): FP8, element for element the weight's; MXFP4, element e of the
+        // [E, G·32, N] result.
+        const auto kind = x.op == Op::kDequantFp8 ? EntrySegment::Kind::kDequantFp8
+                                                  : EntrySegment::Kind::kDequantMxfp4;
         const ConversionExpr& w = x.of[0];
         const ConversionExpr& sc = x.of[1];
         if (!out.empty()) {
           EntrySegment& last = out.back();
-          if (last.kind == EntrySegment::Kind::kDequantFp8 && last.source == w.key &&
-              last.element + last.count == entry_element &&
+          if (last.kind == kind && last.source == w.key && last.element + last.count == entry_element &&
               last.source_element + last.count == begin) {
             last.count += count;
             return;
           }
         }
         EntrySegment seg;
-        seg.kind = EntrySegment::Kind::kDequantFp8;
+        seg.kind = kind;
         seg.element = entry_element;
         seg.count = count;
         seg.source = w.key;
@@ -200,33 +204,8 @@ void ExprSegments(const ConversionExpr& x, uint64_t begin, uint64_t count, uint6
         seg.source_element = begin;
         seg.scale = sc.key;
         seg.scale_shape = sc.shape;
-        seg.block_rows = x.block_rows;
+        seg.block_rows = x.block_rows;  // FP8 only (0 for MXFP4)
         seg.block_cols = x.block_cols;
-        out.push_back(std::move(seg));
-        return;
-      }
-      case Op::kDequantMxfp4: {
-        // Element e of the [E, G·32, N] result (children are keys: ParseModelManifest).
-        const ConversionExpr& b = x.of[0];
-        const ConversionExpr& sc = x.of[1];
-        if (!out.empty()) {
-          EntrySegment& last = out.back();
-          if (last.kind == EntrySegment::Kind::kDequantMxfp4 && last.source == b.key &&
-              last.element + last.count == entry_element &&
-              last.source_element + last.count == begin) {
-            last.count += count;
-            return;
-          }
-        }
-        EntrySegment seg;
-        seg.kind = EntrySegment::Kind::kDequantMxfp4;
-        seg.element = entry_element;
-        seg.count = count;
-        seg.source = b.key;
-        seg.source_shape = b.shape;
-        seg.source_element = begin;
-        seg.scale = sc.key;
-        seg.scale_shape = sc.shape;
         out.push_back(std::move(seg));
         return;
       }
