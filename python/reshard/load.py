@@ -15,7 +15,7 @@ from .engine import (LoadReport, ProgressLine, default_threads, load_tensors, lo
                      target_device)
 from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
 from .layout import POLICY_NAMES, layout_key, layout_rank_file, require_manifest, torch_dtype
-from .model import clean_name, fresh_buffers, persistent_buffer_names
+from .model import clean_name, fresh_buffers, persistent_buffer_names, unsaved_names, unsaved_values
 from .sources import open_job_source
 
 
@@ -372,6 +372,10 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
     used = set()
     device_index = None
     missing = []
+    # Parameters the model never saves (Marian's sinusoidal positions): from_pretrained
+    # computes them, and so does fill_unsaved after the load when the source lacks them.
+    unsaved = unsaved_names(hf_model)
+    computed: List[Tuple[str, torch.Tensor]] = []
     # Parameters the model ties but the sharding split in two (fully_shard of units that hold
     # one name each): the copy takes the values of its tie partner's entry after the load.
     untied: List[Tuple[str, str]] = []
@@ -390,7 +394,9 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
                                             if a != name) if k is not None), None)
         if key_in_file is None:
             partner = tie_partner(hf_model, name, params, entries, prefix)
-            if partner is None:
+            if partner is None and name in unsaved:
+                computed.append((name, p))
+            elif partner is None:
                 missing.append(name)
             else:
                 untied.append((name, partner))
@@ -439,6 +445,8 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
                          strict_buffers=strict_buffers, rename=rename, buffers_of=hf_model,
                          source=job.source)
+    if computed:
+        fill_unsaved(hf_model, computed)
     if names is not None:
         report.adapters = load_adapters(model, names, adapter_params, adapter, world_size, coord,
                                         threads=threads, verify=verify, io=io)
@@ -455,6 +463,30 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
             "tied, shard the modules holding both names in one unit (e.g. do not fully_shard the "
             "embeddings module on its own)", stacklevel=2)
     return report
+
+
+def fill_unsaved(model: nn.Module, computed: List[Tuple[str, torch.Tensor]]) -> None:
+    """Writes each parameter the model never saves (reshard.model.unsaved_names) with the
+    values from_pretrained computes for it: a DTensor its local part (the global offset and
+    local shape of its placements), a plain parameter all of it."""
+    from torch.distributed.tensor import DTensor
+
+    values = unsaved_values(model)
+    with torch.no_grad():
+        for name, p in computed:
+            v = values.get(name)
+            if v is None or tuple(v.shape) != tuple(p.shape):
+                raise LayoutMismatchError(
+                    f"parameter {name}: the model never saves it (_keys_to_ignore_on_save) and its "
+                    f"values could not be computed as from_pretrained computes them"
+                    f"{'' if v is None else f' (shape {list(v.shape)}, the model has {list(p.shape)})'}")
+            local = local_tensor(p)
+            if isinstance(p, DTensor):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                v = v[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            local.copy_(v.to(local.dtype))
 
 
 def tie_partner(model: nn.Module, name: str, params, entries, prefix: str) -> Optional[str]:

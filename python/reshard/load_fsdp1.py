@@ -18,7 +18,7 @@ from .layout import (POLICY_NAMES, flat_entry_name, layout_key, layout_rank_file
                      require_manifest, torch_dtype)
 from .sources import fsdp1_view, is_hf_source
 from .load import finish_load, plan_buffers
-from .model import clean_name
+from .model import clean_name, unsaved_values
 
 
 def fsdp1_units(model: nn.Module):
@@ -185,12 +185,15 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
                          strict_buffers=strict_buffers, source=source)
+    fill_unsaved_flat(model, lives, entries, coord)
     # A tied parameter in two units (without use_orig_params each unit has its own copy, filled
     # from the one checkpoint tensor: formats/model-manifest.md).
     first: Dict[str, str] = {}
     untied = []
     for u, *_ in lives:
         for p in entries[flat_entry_name(u)].flat.params:
+            if not p.key:
+                continue  # computed by the model (fill_unsaved_flat)
             full = f"{u}.{p.fqn}" if u else p.fqn
             if p.key in first:
                 untied.append((full, first[p.key]))
@@ -205,6 +208,31 @@ def load_fsdp1(model: nn.Module, out: str, units, *, threads, verify, io, strict
             "with the checkpoint's values, but training updates them separately; to keep them tied, "
             "wrap the modules holding both names in one unit, or use use_orig_params=True", stacklevel=3)
     return report
+
+
+def fill_unsaved_flat(model: nn.Module, lives, entries, coord: int) -> None:
+    """Writes the parameters the model never saves (flat params whose key is "": the rank file
+    holds zeros there, formats/rank-file.md) into this rank's part of their flat shards, with
+    the values from_pretrained computes for them (reshard.model.unsaved_values)."""
+    todo = [(u, h, lv, p) for u, _m, h, lv in lives
+            for p in entries[flat_entry_name(u)].flat.params if not p.key]
+    if not todo:
+        return
+    values = unsaved_values(model)
+    with torch.no_grad():
+        for u, h, lv, p in todo:
+            name = clean_name(f"{u}.{p.fqn}" if u else p.fqn)
+            v = values.get(name)
+            if v is None or list(v.shape) != list(p.shape):
+                raise LayoutMismatchError(
+                    f"unit {u or '(root)'}: parameter {name} is not in the checkpoint, and the model does "
+                    "not compute it as from_pretrained would (it is not one of its _keys_to_ignore_on_save)")
+            c = lv["local_numel"]
+            shard = flat_local_shard(h.flat_param, c)
+            lo = coord * c
+            a, b = max(lo, p.offset), min(lo + c, p.offset + p.numel)
+            if a < b:
+                shard[a - lo:b - lo].copy_(v.reshape(-1)[a - p.offset:b - p.offset].to(shard.dtype))
 
 
 def fsdp1_param_init_fn(device):

@@ -36,14 +36,68 @@ def fresh_buffers(model: nn.Module) -> Optional[Dict[str, torch.Tensor]]:
                 if issubclass(c, PreTrainedModel) and not c.__name__.startswith("FSDP")), None)
     if cls is None or not hasattr(model, "config"):
         return None
+    fresh = _fresh_meta_model(model, cls)
+    init_buffers_as_from_pretrained(fresh)
+    return buffer_values(fresh)
+
+
+def _fresh_meta_model(model: nn.Module, cls) -> nn.Module:
+    """A new `cls` of `model`'s config, parameters on meta, built in the dtype `model` was
+    built in (reshard.empty_model records it) or that of its floating-point parameters."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtype = getattr(model, "_reshard_build_dtype", None) or (dtypes.pop() if len(dtypes) == 1 else None)
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        fresh = cls._from_config(model.config, dtype=dtype) if dtype is not None else cls(model.config)
-    init_buffers_as_from_pretrained(fresh)
-    return buffer_values(fresh)
+        return cls._from_config(model.config, dtype=dtype) if dtype is not None else cls(model.config)
+
+
+def unsaved_names(model: nn.Module) -> set:
+    """The parameters `model` never saves (transformers' `_keys_to_ignore_on_save`, exact
+    names such as Marian's `model.encoder.embed_positions.weight`): a checkpoint lacks them
+    and from_pretrained computes them."""
+    model = getattr(model, "_fsdp_wrapped_module", model)
+    return set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+
+
+def compute_unsaved_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The values from_pretrained gives the parameters `model` never saves (unsaved_names):
+    each computed on the CPU by the model's own `_init_weights` on its module, in the
+    parameter's dtype, as from_pretrained initialises a key the checkpoint lacks. The
+    parameters themselves are left as they are (meta); torch's random state is restored
+    (`_init_weights` may draw before it overwrites)."""
+    names = unsaved_names(model)
+    init = getattr(model, "_init_weights", None)
+    out: Dict[str, torch.Tensor] = {}
+    if not names or init is None:
+        return out
+    for name, p in list(model.named_parameters()):
+        if name not in names:
+            continue
+        mname, _, pname = name.rpartition(".")
+        module = model.get_submodule(mname) if mname else model
+        real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        module._parameters[pname] = real
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                init(module)
+        finally:
+            module._parameters[pname] = p
+        out[name] = real.detach().clone()
+    return out
+
+
+def unsaved_values(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """compute_unsaved_params as from_pretrained has them for this model: the stash
+    reshard.empty_model made, else computed on a fresh meta copy of the model."""
+    for m in (model, getattr(model, "_fsdp_wrapped_module", model)):
+        stash = getattr(m, "_reshard_unsaved", None)
+        if stash is not None:
+            return stash
+    if not unsaved_names(model):
+        return {}
+    model = getattr(model, "_fsdp_wrapped_module", model)
+    return compute_unsaved_params(_fresh_meta_model(model, reference_class(model)))
 
 
 def init_buffers_as_from_pretrained(model: nn.Module) -> None:
@@ -196,6 +250,7 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_co
         model.tie_weights()
     init_buffers_as_from_pretrained(model)
     model._reshard_buffers = buffer_values(model)
+    model._reshard_unsaved = compute_unsaved_params(model)
     model._reshard_build_dtype = dtype
     if peft_config is not None:
         from .adapters import wrap

@@ -67,6 +67,12 @@ def model_manifest(model: nn.Module, checkpoint: Optional[str] = None,
                 params[idx]["names"].append(fqn)
             entries.append([pname, idx])
         modules.append({"name": mname, "class": type(module).__name__, "params": entries})
+    # Parameters the model never saves (transformers' _keys_to_ignore_on_save, exact names:
+    # Marian's sinusoidal positions): from_pretrained computes them, and so does reshard.load.
+    unsaved = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    for p in params:
+        if unsaved.intersection(p["names"]):
+            p["unsaved"] = True
     persistent = set(model.state_dict().keys())
     buffers = [{"name": n, "shape": list(b.shape), "persistent": n in persistent}
                for n, b in model.named_buffers()]

@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -193,7 +193,7 @@ def shard_fsdp2(model, mesh, wrap: str):
     return model
 
 
-def shard_fsdp1(model, wrap: str, needs: Dict[str, Any]):
+def shard_fsdp1(model, wrap: str, needs: Dict[str, Any], meta: bool = True):
     """FSDP1 units: the _no_split_modules classes, or the classes the build found the model
     needs (tiny.fsdp1_needs: keep-in-fp32 modules in units of their own), with
     use_orig_params where frozen and trainable parameters would share a unit; the same
@@ -207,9 +207,33 @@ def shard_fsdp1(model, wrap: str, needs: Dict[str, Any]):
         classes = {type(m) for m in no_split_modules(model, wrap)}
     else:
         classes = {type(m) for m in model.modules() if type(m).__name__ in names and m is not model}
-    return FSDP(model, param_init_fn=reshard.fsdp1_param_init_fn(torch.device("cpu")),
-                device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(classes),
-                use_orig_params=bool(needs.get("use_orig_params")))
+    init = {"param_init_fn": reshard.fsdp1_param_init_fn(torch.device("cpu"))} if meta else {}
+    return FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy(classes),
+                use_orig_params=bool(needs.get("use_orig_params")), **init)
+
+
+def plain_fsdp1_failure(ref, entry: Dict[str, Any], wrap: str, kwargs: Dict[str, Any],
+                        error: Dict[str, Any]) -> Tuple[Optional[str], str]:
+    """After the FSDP1 forward of the loaded model failed on every rank: a new from_pretrained
+    model of the checkpoint (`ref` gives its config) under the same FSDP1 units and the same batch, no
+    reshard involved. (the message when it fails the same way: FSDP1's own limit, else None;
+    what it did). Collective: every rank calls it."""
+    import transformers
+
+    try:
+        # A fresh one: a forward may change the model (Switch's router casts its classifier).
+        fresh = getattr(transformers, entry["model_class"]).from_pretrained(entry["src"])
+        plain = shard_fsdp1(fresh, wrap, entry.get("fsdp1") or {}, meta=False)
+        plain.eval()
+        set_language(plain, ref.config)
+        with torch.no_grad():
+            plain(**kwargs)
+    except Exception as e:
+        mine = error_record(e, "forward")
+        if type(e).__name__ == error.get("error_class") and mine.get("message") == error.get("message"):
+            return mine["message"], "fails the same way"
+        return None, f"fails otherwise: {type(e).__name__}: {mine.get('message')}"[:400]
+    return None, "runs"
 
 
 def full_parameters(model, case: str):
@@ -394,6 +418,7 @@ def run_case(entry: Dict[str, Any], case: str, mesh, wrap: str = "no_split") -> 
         rec["logits"] = f"not compared: from_pretrained's own model fails on the batch: {type(e).__name__}: {e}"[:400]
     ok = agree({"ref": ref_logits is not None})
     if all(o["ref"] for o in ok):
+        crashed = False
         try:
             model.eval()
             set_language(model, ref.config)
@@ -413,6 +438,15 @@ def run_case(entry: Dict[str, Any], case: str, mesh, wrap: str = "no_split") -> 
                 rec["status"] = "crash"
             if differ:
                 rec["status"] = "mismatch"
+            crashed = rec["status"] == "crash"
+        # An FSDP1 forward that fails on every rank after every parameter and buffer compared
+        # equal: is it FSDP1's own limit? from_pretrained's model under the same units tells.
+        if case == "fsdp1" and all(o["crashed"] for o in agree({"crashed": crashed})):
+            same_failure, rec["plain_fsdp1_forward"] = plain_fsdp1_failure(ref, entry, wrap, kwargs, rec)
+            if same_failure is not None:
+                rec["status"] = "fsdp-refuses"
+                rec["message"] = ("FSDP1 fails the same way on from_pretrained's own model under the same "
+                                  f"units, without reshard: {rec['message']}")[:2000]
     elif "logits" not in rec:
         rec["logits"] = "not compared: from_pretrained's own model fails on the batch on another rank"
     if differ and rec["status"] in ("pass", "mismatch"):
@@ -439,7 +473,7 @@ def combine(entry: Dict[str, Any], case: str, world: int, per_rank: List[Dict[st
     out = {"id": entry["id"], "case": f"{case}-ws{world}", "status": worst["status"]}
     for k in ("stage", "error_class", "message", "traceback", "logits", "load", "params_checked",
               "buffers_checked", "warnings", "built_dtypes", "reference_dtypes", "ties_split_by_sharding",
-              "check_weights"):
+              "check_weights", "plain_fsdp1_forward"):
         if k in worst:
             out[k] = worst[k]
     bad = [i for i, r in enumerate(per_rank) if r["status"] == worst["status"]]

@@ -300,6 +300,7 @@ ModelManifest ParseModelManifest(std::string_view text, const std::string& path)
     }
     p.shape = ShapeOf(Member(params[i], "shape", path, f), path, f + ".shape");
     NumelOf(p.shape, path + ": " + f + ".shape");
+    if (params[i].contains("unsaved")) p.unsaved = GetBool(params[i]["unsaved"], path, f + ".unsaved");
     m.params.push_back(std::move(p));
   }
   const json& modules = GetArray(Member(j, "modules", path, "model manifest"), path, "modules");

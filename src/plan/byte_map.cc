@@ -73,7 +73,11 @@ void MapFlat(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std
       Fail(ErrorCode::kDataLoss, what + ": parameter " + p.fqn + " overlaps the one before it");
     }
     pad(a);
-    m.segments.push_back(Segment(EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset));
+    if (p.key.empty()) {  // a parameter the model computes at load: zeros, named for messages
+      m.segments.push_back(Segment(EntrySegment::Kind::kZero, a - lo, b - a, p.fqn, {}, 0));
+    } else {
+      m.segments.push_back(Segment(EntrySegment::Kind::kSource, a - lo, b - a, p.key, p.shape, a - p.offset));
+    }
     at = b;
   }
   pad(hi);
@@ -355,7 +359,9 @@ std::string DescribeEntryByte(const EntryMap& map, uint64_t at) {
   for (const EntrySegment& s : map.segments) {
     if (e < s.element || e >= s.element + s.count) continue;
     switch (s.kind) {
-      case EntrySegment::Kind::kZero: return "zero padding past the flat parameter";
+      case EntrySegment::Kind::kZero:
+        return s.source.empty() ? "zero padding past the flat parameter"
+                                : "parameter " + s.source + ", which the model computes at load (zeros here)";
       case EntrySegment::Kind::kPadding: return "padding (42)";
       case EntrySegment::Kind::kSource:
         return "element " + std::to_string(s.source_element + (e - s.element)) + " of source tensor " +

@@ -78,6 +78,7 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
     for (const auto& n : p.names) {
       if ((source[i] = FindSourceTensor(ckpt, n, model.base_model_prefix))) break;
     }
+    if (!source[i] && p.unsaved) continue;  // the model computes it at load (zeros here)
     if (!source[i]) {
       Fail(ErrorCode::kMismatch, ckpt.dir.string() + ": parameter " + p.names.front() +
                                      " of the model (" + model.model_class +
@@ -134,6 +135,19 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
     std::optional<DType> unit_dtype;
     std::string first_param;
     uint64_t total = 0;
+    // The unit's dtype is its checkpoint parameters' (a parameter the model computes at load
+    // has no source: it takes the unit's dtype, whichever place it has in the unit).
+    std::optional<DType> sourced_dtype;
+    for (size_t m = u; m < model.modules.size() && !sourced_dtype; ++m) {
+      const ModelModule& mod = model.modules[m];
+      if (!InSubtree(unit_name, mod.name)) break;
+      if (owner[m] != u) continue;
+      for (const auto& [local, pi] : mod.params) {
+        if (taken[pi] || !source[pi]) continue;
+        sourced_dtype = StoredDType(source[pi]->dtype, *policy);
+        break;
+      }
+    }
     for (size_t m = u; m < model.modules.size(); ++m) {
       const ModelModule& mod = model.modules[m];
       // Pre-order: the unit's subtree is the run of modules starting at the unit's module.
@@ -156,7 +170,14 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
           continue;
         }
         const SourceTensor* s = source[pi];
-        const DType stored = StoredDType(s->dtype, *policy);
+        if (!s && !sourced_dtype) {
+          Fail(ErrorCode::kUnsupported,
+               "unit \"" + unit_name + "\" holds only parameters the model computes at load (" +
+                   model.params[pi].names.front() +
+                   ", not in the checkpoint), so its dtype is unknown; wrap its module "
+                   "together with others");
+        }
+        const DType stored = s ? StoredDType(s->dtype, *policy) : *sourced_dtype;
         if (!unit_dtype) {
           unit_dtype = stored;
           first_param = fqn;
@@ -189,9 +210,9 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
         }
         FlatParamInfo info;
         info.fqn = fqn;
-        info.key = s->name;
-        info.shape = s->shape;
-        info.numel = NumelOf(s->shape, "parameter " + fqn);
+        info.key = s ? s->name : std::string();  // "": computed by the model at load
+        info.shape = s ? s->shape : model.params[pi].shape;
+        info.numel = NumelOf(info.shape, "parameter " + fqn);
         info.offset = total;
         total = CheckedAdd(total, info.numel, "unit \"" + unit_name + "\" numel");
         flat->params.push_back(std::move(info));
@@ -208,7 +229,9 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
   }
 
   std::set<std::string> used;
-  for (const auto* s : source) used.insert(s->name);
+  for (const auto* s : source) {
+    if (s) used.insert(s->name);
+  }
   for (const auto& b : model.buffers) {
     if (!b.persistent) continue;
     const SourceTensor* s = FindSourceTensor(ckpt, b.name, model.base_model_prefix);

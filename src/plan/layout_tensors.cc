@@ -46,6 +46,7 @@ void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
   for (const TensorEntry& e : headers[0]->tensors) {
     if (e.flat && headers[0]->kind == LayoutKind::kFsdp1) {
       for (const FlatParamInfo& p : e.flat->params) {
+        if (p.key.empty()) continue;  // computed by the model at load: not a checkpoint tensor
         auto [it, first] = flat_owner.emplace(p.key, e.name);
         if (!first && it->second != e.name) {
           copies.emplace(e.name, p.key);

@@ -48,7 +48,19 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
   plan.rank = rank;
   uint64_t offset = 0;
   for (const auto& flat : units.units) {
-    const SourceTensor& first = *ckpt.Find(flat->params.front().key);
+    // The first parameter from the checkpoint (one the model computes at load has no source;
+    // fsdp1.cc refuses a unit of only such parameters).
+    const FlatParamInfo* sourced = nullptr;
+    for (const FlatParamInfo& p : flat->params) {
+      if (!p.key.empty()) {
+        sourced = &p;
+        break;
+      }
+    }
+    if (!sourced) {
+      Fail(ErrorCode::kUnsupported, "unit \"" + flat->unit + "\" holds no parameter of the checkpoint");
+    }
+    const SourceTensor& first = *ckpt.Find(sourced->key);
     PlannedTensor t;
     t.source_index = &first - ckpt.tensors.data();
     t.name = FlatEntryName(flat->unit);

@@ -26,6 +26,9 @@ struct ModelModule {
 struct ModelParam {
   std::vector<std::string> names;  // every FQN of this parameter (tied weights: several)
   std::vector<uint64_t> shape;
+  // A parameter the model never saves (transformers' _keys_to_ignore_on_save: Marian's
+  // sinusoidal positions) and from_pretrained computes: it may be absent from the checkpoint.
+  bool unsaved = false;
 };
 
 struct ModelBuffer {

@@ -23,7 +23,8 @@ namespace reshard {
 
 /// A run of consecutive elements of an entry: `count` elements from entry element `element`
 /// on, holding source tensor `source`'s elements [source_element, source_element + count)
-/// (row-major), or padding: FSDP1's 42 inside a flat parameter, zeros past its end.
+/// (row-major), or padding: FSDP1's 42 inside a flat parameter, zeros past its end, and zeros
+/// where a flat parameter holds a parameter the model computes at load (`source`: its FQN).
 /// kDequantFp8: the same elements of F8_E4M3 `source` ([..., R, C]) dequantized as
 /// transformers' Fp8Dequantize: float32(weight) × float32 scale of its block (F32 `scale`,
 /// [..., ceil(R/block_rows), ceil(C/block_cols)]), rounded once to the entry's dtype.

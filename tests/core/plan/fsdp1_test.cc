@@ -15,6 +15,7 @@
 #include "reshard/io/manifest.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/convert.h"
+#include "reshard/ops/export.h"
 #include "reshard/ops/verify.h"
 #include "reshard/plan/fsdp1.h"
 
@@ -277,6 +278,84 @@ TEST(Fsdp1Plan, TiedParameterAcrossUnits) {
   vo.path = o.out;
   vo.source = o.source;
   EXPECT_TRUE(Verify(vo).problems.empty());
+}
+
+// A parameter the model never saves (transformers' _keys_to_ignore_on_save, Marian's
+// sinusoidal positions: `unsaved` in the model manifest) and the checkpoint lacks: its place in
+// the flat parameter holds zeros (reshard.load writes the model's values there), verify
+// accepts it, export leaves it out; a unit of only such parameters is refused by name.
+TEST(Fsdp1Convert, UnsavedParameterIsZerosVerifiesAndIsNotExported) {
+  R17 t;
+  ojson unsaved = Param({"pos"}, {5});
+  unsaved["unsaved"] = true;
+  // Registration order p0, p1, pos, p2, p3: pos at flat 33, p2 at 38, p3 at 42; 66 elements.
+  test::WriteBytes(t.manifest,
+                   Manifest(ojson::array({Module("", "Toy", {{"p0", 0}, {"p1", 1}, {"pos", 4},
+                                                             {"p2", 2}, {"p3", 3}})}),
+                            ojson::array({Param({"p0"}, {3, 7}), Param({"p1"}, {12}), Param({"p2"}, {4}),
+                                          Param({"p3"}, {4, 6}), unsaved}))
+                       .dump());
+  const uint32_t ws = 3;
+  ConvertOptions o;
+  o.source = t.src;
+  o.out = t.dir / "out";
+  o.model_manifest = t.manifest;
+  o.layout.kind = LayoutKind::kFsdp1;
+  o.layout.world_size = ws;
+  o.chunk_size = 4096;
+  ConvertResult r = Convert(o);
+  ASSERT_TRUE(r.layout_complete);
+  std::string flat;
+  for (int i : {0, 1}) flat += t.tensors[i].data;
+  flat.append(5 * 4, '\0');
+  for (int i : {2, 3}) flat += t.tensors[i].data;
+  ASSERT_EQ(flat.size(), 66u * 4);
+  const uint64_t c = 22;
+  for (uint32_t rank = 0; rank < ws; ++rank) {
+    auto f = test::RawRankFile::Read(r.layout_dir / RankFileName(rank, ws));
+    EXPECT_TRUE(test::SameBytes(test::RawTensorBytes(f, "_flat_param"), flat.substr(rank * c * 4, c * 4)))
+        << "rank " << rank;
+    const ojson& params = f.header["tensors"][0]["flat"]["params"];
+    ASSERT_EQ(params.size(), 5u);
+    EXPECT_EQ(params[2]["fqn"], "pos");
+    EXPECT_EQ(params[2]["key"], "");
+    EXPECT_EQ(params[2]["offset"], 33);
+  }
+  VerifyOptions vo;
+  vo.path = o.out;
+  vo.source = t.src;
+  VerifyReport v = Verify(vo);
+  EXPECT_TRUE(v.problems.empty()) << v.problems.front().message;
+
+  ExportOptions eo;
+  eo.out = o.out;
+  eo.hf_dir = t.dir / "hf";
+  ExportResult x = Export(eo);
+  EXPECT_EQ(x.tensors, 4u);  // p0..p3, not pos
+  Checkpoint back = OpenCheckpoint(eo.hf_dir);
+  EXPECT_EQ(back.Find("pos"), nullptr);
+  ASSERT_NE(back.Find("p2"), nullptr);
+
+  // Without the flag it is a parameter the checkpoint should have had.
+  ModelManifest m = ReadModelManifest(t.manifest);
+  m.params[4].unsaved = false;
+  Checkpoint ckpt = OpenCheckpoint(t.src);
+  EXPECT_TRUE(ThrowsError([&] { PlanFsdp1(ckpt, m, o.layout); }, ErrorCode::kMismatch,
+                          {"pos", "not in the checkpoint"}));
+  // A unit holding nothing but such a parameter has no dtype to take.
+  ojson emb = Param({"emb.weight"}, {5});
+  emb["unsaved"] = true;
+  ModelManifest lone = ParseModelManifest(
+      Manifest(ojson::array({Module("", "Toy", {{"p0", 0}, {"p1", 1}, {"p2", 2}, {"p3", 3}}),
+                             Module("emb", "Positions", {{"weight", 4}})}),
+               ojson::array({Param({"p0"}, {3, 7}), Param({"p1"}, {12}), Param({"p2"}, {4}),
+                             Param({"p3"}, {4, 6}), emb}))
+          .dump(),
+      "m.json");
+  LayoutSpec spec = o.layout;
+  spec.wrap = {"Positions"};
+  EXPECT_TRUE(ThrowsError([&] { PlanFsdp1(ckpt, lone, spec); }, ErrorCode::kUnsupported,
+                          {"unit \"emb\"", "computes at load", "emb.weight"}));
 }
 
 TEST(Fsdp1Plan, Refusals) {
