@@ -326,17 +326,23 @@ class ReshardView:
         return self._C.SourceRankView.of_layout(s["out"], s["view"], s["ws"], s["rank"])
 
     def run(self):
+        t0 = time.perf_counter()
         view = self._open()
+        t1 = time.perf_counter()
         targets = [self._C.LoadTarget(n, t.data_ptr(), t.numel() * t.element_size(), self.device.type == "cuda")
                    for n, t in self.tensors.items() if t.numel()]
-        self.report = view.load(targets, device=self.spec.get("cuda_device", 0), threads=self.spec["threads"])
+        self.report = view.load(targets, device=self.spec.get("cuda_device", 0), threads=self.spec["threads"],
+                                verify=self.spec.get("verify", True))
+        # Phases of the user's call (diagnostics): opening and planning the view, then its load.
+        self.phases = {"open_s": t1 - t0, "load_s": time.perf_counter() - t1}
         return self.tensors
 
     def extra(self):
         r = self.report
         out = {"loader_report": {"bytes": r.bytes, "stored_bytes": r.stored_bytes, "seconds": r.seconds,
                                  "threads": r.threads, "staging_bytes": r.staging_bytes},
-               "pinned_bytes": r.staging_bytes, "staging_alloc_seconds": r.staging_alloc_seconds}
+               "pinned_bytes": r.staging_bytes, "staging_alloc_seconds": r.staging_alloc_seconds,
+               "view_phases": dict(getattr(self, "phases", {}))}
         if self.spec.get("second_load"):
             t0 = time.perf_counter()
             self.run()
@@ -344,6 +350,7 @@ class ReshardView:
                 self.torch.cuda.synchronize()
             out["second_load_seconds"] = time.perf_counter() - t0
             out["more_loads"] = [{"seconds": out["second_load_seconds"], "report": dict(out["loader_report"])}]
+            out["view_phases_second"] = dict(self.phases, loader_seconds=self.report.seconds)
         return out
 
 
@@ -1047,6 +1054,16 @@ def run_bench(b: Bench, args, threads) -> int:
                 child(case, f"reshard-ws{args.view_ws}-t{top}-prepared", "view", ["cold", "warm"],
                       threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",
                       out=str(out))
+                # Diagnostics (only when --only names them): the same view without checksums,
+                # and with the knobs of each --diag-env (-env, -env2, ...).
+                child(case, f"reshard-ws{args.view_ws}-t{top}-prepared-noverify", "view", ["warm"],
+                      threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",
+                      out=str(out), verify=False, diagnostic=True)
+                for n, group in enumerate(args.diag_env, start=1):
+                    knobs = dict(kv.split("=", 1) for kv in group.split(",") if kv)
+                    child(case, f"reshard-ws{args.view_ws}-t{top}-prepared-env{n if n > 1 else ''}", "view",
+                          ["warm"], threads=top, prepare=gpu, second_load=True,
+                          view=f"fsdp2-ws{args.view_ws}", out=str(out), diagnostic=True, env=knobs)
             child(case, "safe_open-slices", "slices", ["cold", "warm"])
         else:
             child(case, "load_file", "load_file", ["cold", "warm"])

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "reshard/base/error.h"
 #include "reshard/io/manifest.h"
+#include "reshard/io/parallel_for.h"
 
 namespace reshard {
 
@@ -92,7 +94,7 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
 }
 
 void OpenLayout(const fs::path& out, const Manifest& manifest, const std::string& key,
-                OpenedLayout& opened) {
+                OpenedLayout& opened, HeaderCache* cache) {
   opened.description = "layout " + key + " of " + out.string();
   const std::string mpath = (out / kManifestName).string();
   const auto lit = manifest.layouts.find(key);
@@ -104,10 +106,18 @@ void OpenLayout(const fs::path& out, const Manifest& manifest, const std::string
   }
   opened.dir = out / (ml.dir.empty() ? key : ml.dir);
   LayoutBytes& bytes = opened.bytes;
-  for (const ManifestRank& mr : ml.ranks) {
-    bytes.readers.push_back(RankFileReader::Open(opened.dir / mr.file));
-    CheckListed(bytes.readers.back(), manifest, key, mr.rank, mpath);
-  }
+  std::vector<std::optional<RankFileReader>> readers(ml.ranks.size());
+  ParallelForOptions po;
+  po.threads = static_cast<unsigned>(std::min<size_t>(ml.ranks.size(), 64));
+  ParallelFor(ml.ranks.size(), po, [&] {
+    return [&](size_t i) -> uint64_t {
+      const ManifestRank& mr = ml.ranks[i];
+      readers[i].emplace(RankFileReader::Open(opened.dir / mr.file, cache));
+      CheckListed(*readers[i], manifest, key, mr.rank, mpath);
+      return 0;
+    };
+  });
+  for (auto& r : readers) bytes.readers.push_back(std::move(*r));
   std::vector<const RankFileHeader*> headers;
   std::vector<std::string> paths;
   for (const RankFileReader& r : bytes.readers) {

@@ -502,7 +502,7 @@ PYBIND11_MODULE(_C, m) {
             const reshard::LayoutSpec layout = JobLayout(world_size, fsdp1, dtype);
             py::gil_scoped_release release;
             return SourceViewHandle{
-                reshard::SourceRankView::OfLayout(out, key, layout, rank, whole, manifest_json)};
+                reshard::SourceRankView::OfLayout(out, key, layout, rank, whole, manifest_json, &Headers())};
           },
           py::arg("out"), py::arg("key"), py::arg("world_size"), py::arg("rank"),
           py::arg("dtype") = "keep", py::arg("whole") = std::set<std::string>{},

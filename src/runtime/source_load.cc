@@ -254,7 +254,6 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
     stats.staging_bytes = piece * lanes * static_cast<uint64_t>(slots);
   }
   std::atomic<uint64_t> read_bytes{0};
-  std::atomic<int> next_lane{0};
   std::atomic<size_t> taken{0};  // pieces the readers have started (for the read-ahead)
   std::atomic<bool> finished{false};
   std::thread ahead;
@@ -283,37 +282,52 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
       if (t.joinable()) t.join();
     }
   } joiner{finished, ahead};
-  ParallelForOptions po;
-  po.threads = lanes;
-  RunParallelFor(pieces.size(), po, [&](ParallelForThread& thread) {
-    const int lane = next_lane.fetch_add(1);
-    if (any_device) copier->BindThread(lane);
-    std::unique_ptr<ThreadSource> src =
-        MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes);
-    const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
-    std::vector<char> scratch;
-    int slot = 0;
-    uint64_t mine = 0;
-    for (size_t i = 0; thread.Next(i);) {
-      for (size_t t = taken.load(); t < i + 1 && !taken.compare_exchange_weak(t, i + 1);) {
+  // Each lane takes the next piece in source order. On the copy engine's pool when the
+  // caller has one (reshard.prepare started its threads and bound each to its lane), else on
+  // threads started for this load.
+  std::atomic<size_t> next_piece{0};
+  std::atomic<bool> failed{false};
+  auto lane_main = [&](unsigned lane) {
+    try {
+      if (any_device) copier->BindThread(static_cast<int>(lane));
+      std::unique_ptr<ThreadSource> src =
+          MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes);
+      const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
+      std::vector<char> scratch;
+      int slot = 0;
+      uint64_t mine = 0;
+      for (size_t i; !failed.load(std::memory_order_relaxed) && (i = next_piece.fetch_add(1)) < pieces.size();) {
+        for (size_t t = taken.load(); t < i + 1 && !taken.compare_exchange_weak(t, i + 1);) {
+        }
+        const Piece& p = pieces[i];
+        const Job& job = jobs[p.job];
+        char* dst = static_cast<char*>(job.target->ptr) + p.begin;
+        if (job.target->on_device) {
+          copier->WaitSlot(static_cast<int>(lane), slot);
+          char* staging = static_cast<char*>(copier->Staging(static_cast<int>(lane), slot, piece));
+          mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, staging, scratch);
+          copier->CopyAsync(static_cast<int>(lane), slot, dst, staging, p.length);
+          slot = (slot + 1) % slots;
+        } else {
+          mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, dst, scratch);
+        }
+        if (options.progress != nullptr) options.progress->fetch_add(p.length, std::memory_order_relaxed);
       }
-      const Piece& p = pieces[i];
-      const Job& job = jobs[p.job];
-      char* dst = static_cast<char*>(job.target->ptr) + p.begin;
-      if (job.target->on_device) {
-        copier->WaitSlot(lane, slot);
-        char* staging = static_cast<char*>(copier->Staging(lane, slot, piece));
-        mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, staging, scratch);
-        copier->CopyAsync(lane, slot, dst, staging, p.length);
-        slot = (slot + 1) % slots;
-      } else {
-        mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, dst, scratch);
-      }
-      thread.Done(p.length);
-      if (options.progress != nullptr) options.progress->fetch_add(p.length, std::memory_order_relaxed);
+      read_bytes += mine;
+    } catch (...) {
+      failed = true;
+      throw;
     }
-    read_bytes += mine;
-  });
+  };
+  if (options.pool != nullptr && options.pool->size() >= lanes) {
+    options.pool->Run(lanes, lane_main);
+    stats.pooled = true;
+  } else {
+    std::atomic<unsigned> next_lane{0};
+    ParallelForOptions po;
+    po.threads = lanes;
+    RunParallelFor(lanes, po, [&](ParallelForThread&) { lane_main(next_lane.fetch_add(1)); });
+  }
   finished = true;
   if (any_device) copier->Synchronize();
   stats.cold = cold;
@@ -400,11 +414,11 @@ class LayoutSource final : public ThreadSource {
 class LayoutView final : public PlannedView {
  public:
   LayoutView(const fs::path& out, const std::string& key, const LayoutSpec& layout, uint32_t rank,
-             const std::set<std::string>& whole, const std::string& manifest_json) {
+             const std::set<std::string>& whole, const std::string& manifest_json, HeaderCache* headers) {
     const std::optional<Manifest> manifest = ReadManifest(out);
     if (!manifest) Fail(ErrorCode::kNotFound, (out / kManifestName).string() + ": no such file");
     OpenedLayout opened;
-    OpenLayout(out, *manifest, key, opened);
+    OpenLayout(out, *manifest, key, opened, headers);
     description_ = opened.description;
     bytes_ = std::move(opened.bytes);
     virt_ = std::move(opened.view);
@@ -491,8 +505,9 @@ std::unique_ptr<SourceRankView> SourceRankView::OfCheckpoint(const fs::path& src
 std::unique_ptr<SourceRankView> SourceRankView::OfLayout(const fs::path& out, const std::string& key,
                                                          const LayoutSpec& layout, uint32_t rank,
                                                          const std::set<std::string>& whole,
-                                                         const std::string& model_manifest_json) {
-  return std::make_unique<LayoutView>(out, key, layout, rank, whole, model_manifest_json);
+                                                         const std::string& model_manifest_json,
+                                                         HeaderCache* headers) {
+  return std::make_unique<LayoutView>(out, key, layout, rank, whole, model_manifest_json, headers);
 }
 
 }  // namespace reshard

@@ -80,7 +80,11 @@ struct OpenedLayout {
   std::filesystem::path dir;  // OUT/<the layout's directory>
   std::string description;  // "layout KEY of OUT"
 };
+/// The rank files are opened (headers parsed and checked) in parallel, one thread per file up to
+/// the hardware's concurrency: the time to open a layout of many ranks is that of its largest
+/// header, not their sum. `headers`: a cache of parsed headers (a second open of an unchanged
+/// file parses nothing), or nullptr.
 void OpenLayout(const std::filesystem::path& out, const Manifest& manifest, const std::string& key,
-                OpenedLayout& opened);
+                OpenedLayout& opened, HeaderCache* headers = nullptr);
 
 }  // namespace reshard

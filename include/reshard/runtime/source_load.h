@@ -32,6 +32,8 @@
 
 namespace reshard {
 
+class HeaderCache;  // reshard/io/rank_file.h
+
 class SourceRankView {
  public:
   virtual ~SourceRankView() = default;
@@ -59,7 +61,8 @@ class SourceRankView {
   static std::unique_ptr<SourceRankView> OfLayout(const std::filesystem::path& out,
                                                   const std::string& key, const LayoutSpec& layout,
                                                   uint32_t rank, const std::set<std::string>& whole,
-                                                  const std::string& model_manifest_json = "");
+                                                  const std::string& model_manifest_json = "",
+                                                  HeaderCache* headers = nullptr);
 
   /// The planned rank file's header: tensors (name, dtype, shapes, rows, flat, nbytes), the
   /// layout fields; no offsets or checksums (nothing is stored).
