@@ -272,7 +272,14 @@ std::vector<IndexRuns> DTensorLocalIndices(const std::vector<uint64_t>& global_s
   for (size_t m = 0; m < nd; ++m) {
     if (static_cast<int>(m) != f) apply(m, false);
   }
-  if (f >= 0) apply(static_cast<size_t>(f), true);
+  if (f >= 0) {
+    apply(static_cast<size_t>(f), true);
+    // FSDPParam.sharded_size (_get_dim_chunked_size): a chunk of no elements has size 0 on the
+    // shard dim, even when another dim is what made it empty (an empty TP shard).
+    for (const IndexRuns& r : dims) {
+      if (r.empty()) dims[s.placements[f].dim].clear();
+    }
+  }
   return dims;
 }
 

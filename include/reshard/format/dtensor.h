@@ -15,10 +15,11 @@
 //    with torch.chunk on its shard dim (_fsdp_param.py, FSDPParam._init_sharded_param) and
 //    records _StridedShard(d, split_factor = shards of d by the TP placements) on its mesh dim.
 //    Its local tensor is therefore the TP placements applied first, FSDP's chunk last
-//    ("right-to-left"): `fsdp_mesh_dim` says so. This equals the left-to-right meaning of the
-//    recorded placements whenever the shards are even, and on a dp mesh dim of size 2 always,
-//    but not in general (e.g. 7 rows, dp 3 × tp 2: coordinate (2, 0) holds row 6 by
-//    _StridedShard and nothing under fully_shard).
+//    ("right-to-left"): `fsdp_mesh_dim` says so. This holds the same elements as the
+//    left-to-right meaning of the recorded placements whenever the shards are even, and on a
+//    dp mesh dim of size 2 always, but not in general (e.g. 7 rows, dp 3 × tp 2: coordinate
+//    (2, 0) holds row 6 by _StridedShard and nothing under fully_shard); and an FSDP2 local
+//    tensor of no elements has size 0 on the shard dim (FSDPParam.sharded_size).
 #pragma once
 
 #include <cstdint>
@@ -78,7 +79,8 @@ MeshSpec ParseMeshFlag(std::string_view text);
 struct DTensorSharding {
   std::vector<Placement> placements;  // one per mesh dim, as the DTensor reports them
   /// ≥ 0: the mesh dim of fully_shard over a TP/EP DTensor (its placement is Shard(d) or
-  /// _StridedShard(d, sf)): applied after all other mesh dims as torch.chunk of dim d. -1:
+  /// _StridedShard(d, sf)): applied after all other mesh dims as torch.chunk of dim d, and a
+  /// local tensor of no elements has size 0 on dim d (FSDPParam.sharded_size). -1:
   /// every placement in mesh-dim order (distribute_tensor).
   int32_t fsdp_mesh_dim = -1;
   /// The layout's mesh shape, kept with each entry in memory so that an entry alone maps

@@ -51,7 +51,12 @@ std::vector<Ids> Model(const std::vector<uint64_t>& shape, const DTensorSharding
   for (size_t m = 0; m < mesh.size(); ++m) {
     if (static_cast<int>(m) != s.fsdp_mesh_dim) apply(m, false);
   }
-  if (s.fsdp_mesh_dim >= 0) apply(s.fsdp_mesh_dim, true);
+  if (s.fsdp_mesh_dim >= 0) {
+    apply(s.fsdp_mesh_dim, true);
+    bool empty = false;
+    for (const Ids& x : dims) empty |= x.empty();
+    if (empty) dims[s.placements[s.fsdp_mesh_dim].dim].clear();  // _get_dim_chunked_size
+  }
   return dims;
 }
 
