@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "reshard/base/checksum.h"
 #include "reshard/format/dtensor.h"
+#include "reshard/format/rank_file_format.h"
 
 namespace reshard {
 namespace {
@@ -232,6 +234,93 @@ TEST(DTensorMap, PlacementAndMeshText) {
   for (const char* bad : {"", "dp", "dp=0", "dp=2,dp=2", "dp=2,", "1x=2", "dp=-1", "d p=2"}) {
     EXPECT_TRUE(ThrowsError([&] { ParseMeshFlag(bad); }, ErrorCode::kInvalidArgument, {"--mesh"})) << bad;
   }
+}
+
+// A DTensor rank file header: rank 2 of dp_shard=2,tp=2, coordinate (1, 0).
+RankFileHeader DTensorHeader() {
+  RankFileHeader h;
+  LayoutSpec l;
+  l.kind = LayoutKind::kDTensor;
+  l.mesh = ParseMeshFlag("dp_shard=2,tp=2");
+  l.plan_name = "llama_tp";
+  l.plan_xxh3 = 0x0123456789abcdefull;
+  l.Normalize();
+  h.SetLayout(l);
+  h.rank = 2;
+  h.source = SourceFingerprint::FromSaved({0x42, 7});
+  TensorEntry t;
+  t.name = "w";
+  t.dtype = DType::kF32;
+  t.global_shape = {7, 6};
+  t.dtensor = DTensorSharding{{Placement::StridedShard(0, 2), Placement::Shard(0)}, 0, {2, 2}};
+  t.local_shape = {2, 6};  // TP rows 0-3, FSDP's second half: rows 2-3
+  t.nbytes = t.stored_size = 48;
+  t.chunk_xxh3 = {Xxh3("x")};
+  t.xxh3 = CombineChunkChecksums(t.chunk_xxh3);
+  h.tensors.push_back(t);
+  return h;
+}
+
+TEST(DTensorHeader, RoundTripsAndRecordsMeshCoordinateAndPlacements) {
+  const RankFileHeader h = DTensorHeader();
+  EXPECT_EQ(h.layout_key, "dtensor-dp_shard2.tp2-llama_tp.01234567");
+  const std::string text = SerializeHeader(h);
+  for (const char* needle : {R"J("coordinate": [)J", R"J("placements": [)J", R"J("_S(0,2)")J", R"J("fsdp_mesh_dim": 0)J",
+                             R"J("names": [)J", R"J("xxh3": "0123456789abcdef")J", R"J("kind": "dtensor")J"}) {
+    EXPECT_NE(text.find(needle), std::string::npos) << needle << "\n" << text;
+  }
+  const RankFileHeader back = ParseHeader(text, 4096, "r.reshard");
+  EXPECT_EQ(back.mesh, h.mesh);
+  EXPECT_EQ(back.plan_name, "llama_tp");
+  EXPECT_EQ(back.plan_xxh3, h.plan_xxh3);
+  EXPECT_EQ(back.Layout().Key(), h.layout_key);
+  ASSERT_EQ(back.tensors.size(), 1u);
+  EXPECT_EQ(back.tensors[0].dtensor, h.tensors[0].dtensor);
+  EXPECT_EQ(SerializeHeader(back), text);
+}
+
+TEST(DTensorHeader, RefusesFieldsThatDisagree) {
+  const std::string text = SerializeHeader(DTensorHeader());
+  auto broken = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const size_t at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return t.replace(at, from.size(), to);
+  };
+  struct Case {
+    std::string from, to;
+    std::vector<std::string_view> needles;
+  };
+  const std::vector<Case> cases = {
+      {R"J("local_shape": [
+    2,)J", R"J("local_shape": [
+    3,)J", {"r.reshard", "local_shape", "[3, 6]", "[2, 6]", "coordinate [1, 0]"}},
+      {R"J("_S(0,2)")J", R"J("S(0)")J", {"r.reshard", "_S(0,2)"}},
+      {R"J("_S(0,2)")J", R"J("Shard(0)")J", {"placements[0]", "Shard(0)", "_S(d,k)"}},
+      {R"J("fsdp_mesh_dim": 0)J", R"J("fsdp_mesh_dim": 2)J", {"fsdp_mesh_dim", "2"}},
+      {R"J("shard": null)J", R"J("shard": {"dim": 0, "start": 0, "end": 2})J", {".shard", "null in a dtensor layout"}},
+      {R"J("world_size": 4)J", R"J("world_size": 6)J", {"layout.mesh", "world_size 6"}},
+  };
+  for (const Case& c : cases) {
+    const std::string t = broken(c.from, c.to);
+    std::vector<std::string_view> needles = c.needles;
+    std::string message;
+    try {
+      ParseHeader(t, 4096, "r.reshard");
+      ADD_FAILURE() << "accepted: " << c.to;
+    } catch (const Error& e) {
+      message = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kDataLoss) << message;
+      for (std::string_view n : needles) EXPECT_NE(message.find(n), std::string::npos) << n << " in " << message;
+    }
+  }
+  // The coordinate must be the rank's, row-major.
+  std::string t = text;
+  const size_t at = t.find(R"J("coordinate": [)J");
+  const size_t one = t.find('1', at);
+  t[one] = '0';
+  EXPECT_TRUE(ThrowsError([&] { ParseHeader(t, 4096, "r.reshard"); }, ErrorCode::kDataLoss,
+                          {"coordinate", "[1, 0]", "rank 2"}));
 }
 
 }  // namespace
