@@ -153,3 +153,77 @@ def test_shard1_of_a_big_tensor_is_one_segment():
     assert segments == 1
     runs = _C.dtensor_local_indices([128256, 4096], ["R", "S(1)"], [2, 8], [1, 3])
     assert runs == [[(0, 128256)], [(1536, 512)]]
+
+
+PLAN = {
+    "format": "reshard.parallel-plan", "format_version": 1, "name": "toy_tp", "fsdp": {"mesh_dim": "dp_shard"},
+    "rules": [
+        {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(1)"}},
+        {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
+        {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
+        {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
+    ],
+}
+TP = {"model.embed_tokens.weight": Shard(1), "model.layers.0.self_attn.o_proj.weight": Shard(1),
+      "model.layers.0.self_attn.q_proj.weight": Shard(0), "model.layers.1.self_attn.k_proj.weight": Shard(0),
+      "model.layers.0.mlp.down_proj.weight": Shard(1)}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)], ids=lambda m: "x".join(map(str, m)))
+def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape):
+    """`reshard convert --mesh dp_shard=D,tp=T --plan`: each rank file's entries are the local
+    tensors FSDP2 over TP holds (TP split by torch's Shard._split_tensor, then FSDP2's
+    _chunk_with_empty), read back through the C++ reader; verify --source and export agree."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    src = {"model.embed_tokens.weight": torch.randn(11, 6, generator=g).to(torch.bfloat16),
+           "model.layers.0.self_attn.q_proj.weight": torch.randn(7, 6, generator=g),
+           "model.layers.1.self_attn.k_proj.weight": torch.randn(3, 6, generator=g),
+           "model.layers.0.self_attn.o_proj.weight": torch.randn(6, 7, generator=g),
+           "model.layers.0.mlp.down_proj.weight": torch.randn(5, 10, generator=g).to(torch.float16),
+           "model.norm.weight": torch.randn(6, generator=g),
+           "scalar": torch.tensor(3.0)}
+    (tmp_path / "src").mkdir()
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    (tmp_path / "toy_tp.json").write_text(json.dumps(PLAN))
+    out = tmp_path / "out"
+    dp, tp = mesh_shape
+    cli("convert", tmp_path / "src", "-o", out, "--mesh", f"dp_shard={dp},tp={tp}", "--plan",
+        tmp_path / "toy_tp.json", "--json", rc=0, env={"RESHARD_MODEL_CAPTURE": "0"})
+    manifest = json.loads((out / "reshard.json").read_text())
+    (key, layout), = manifest["layouts"].items()
+    assert key.startswith(f"dtensor-dp_shard{dp}.tp{tp}-toy_tp.") and layout["kind"] == "dtensor"
+    for rank in range(dp * tp):
+        c = coordinate(mesh_shape, rank)
+        f = _C.RankFile.open(str(out / key / f"rank-{rank:05d}-of-{dp * tp:05d}.reshard"))
+        header = json.loads(f.header_json())
+        assert header["coordinate"] == c
+        entries = {e["name"]: e for e in header["tensors"]}
+        host, targets = {}, []
+        for name, e in entries.items():
+            host[name] = torch.empty(e["local_shape"], dtype=src[name].dtype)
+            targets.append(_C.LoadTarget(name, host[name].data_ptr(), e["nbytes"], False))
+        f.load(targets, device=0, threads=1)
+        for name, t in src.items():
+            if t.dim() == 0:
+                want, placements = t, ["R", "R"]
+            else:
+                tp_p = TP.get(name, Replicate())
+                local = split(tp_p, t, tp, c[1])
+                chunk = _chunk_with_empty(local, dp, dim=0)[c[0]]
+                want = chunk.reshape(_get_dim_chunked_size(chunk, local.size(), 0))
+                sf = tp if tp_p == Shard(0) else 1
+                placements = [placement_str(_StridedShard(0, split_factor=sf) if sf > 1 else Shard(0)),
+                              placement_str(tp_p)]
+            assert entries[name]["placements"] == placements, name
+            assert list(host[name].shape) == list(want.shape), (name, rank)
+            assert torch.equal(host[name], want), (name, rank)
+    cli("verify", out, "--source", tmp_path / "src", rc=0)
+    cli("export", out, "-o", tmp_path / "exp", rc=0)
+    back = {}
+    for p in (tmp_path / "exp").glob("*.safetensors"):
+        back.update(load_file(str(p)))
+    assert sorted(back) == sorted(src)
+    for name, t in src.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
