@@ -169,8 +169,9 @@ TP = {"model.embed_tokens.weight": Shard(1), "model.layers.0.self_attn.o_proj.we
       "model.layers.0.mlp.down_proj.weight": Shard(1)}
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2)], ids=lambda m: "x".join(map(str, m)))
-def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape):
+@pytest.mark.parametrize("mesh_shape,extra", [((2, 2), ()), ((3, 2), ()), ((3, 2), ("--dtype", "fp32", "--compress", "zstd"))],
+                         ids=["2x2", "3x2", "3x2-fp32-zstd"])
+def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape, extra):
     """`reshard convert --mesh dp_shard=D,tp=T --plan`: each rank file's entries are the local
     tensors FSDP2 over TP holds (TP split by torch's Shard._split_tensor, then FSDP2's
     _chunk_with_empty), read back through the C++ reader; verify --source and export agree."""
@@ -190,7 +191,8 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
     out = tmp_path / "out"
     dp, tp = mesh_shape
     cli("convert", tmp_path / "src", "-o", out, "--mesh", f"dp_shard={dp},tp={tp}", "--plan",
-        tmp_path / "toy_tp.json", "--json", rc=0, env={"RESHARD_MODEL_CAPTURE": "0"})
+        tmp_path / "toy_tp.json", "--json", *extra, rc=0, env={"RESHARD_MODEL_CAPTURE": "0"})
+    dtype = torch.float32 if "fp32" in extra else None
     manifest = json.loads((out / "reshard.json").read_text())
     (key, layout), = manifest["layouts"].items()
     assert key.startswith(f"dtensor-dp_shard{dp}.tp{tp}-toy_tp.") and layout["kind"] == "dtensor"
@@ -202,7 +204,7 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
         entries = {e["name"]: e for e in header["tensors"]}
         host, targets = {}, []
         for name, e in entries.items():
-            host[name] = torch.empty(e["local_shape"], dtype=src[name].dtype)
+            host[name] = torch.empty(e["local_shape"], dtype=dtype or src[name].dtype)
             targets.append(_C.LoadTarget(name, host[name].data_ptr(), e["nbytes"], False))
         f.load(targets, device=0, threads=1)
         for name, t in src.items():
@@ -217,6 +219,7 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
                 placements = [placement_str(_StridedShard(0, split_factor=sf) if sf > 1 else Shard(0)),
                               placement_str(tp_p)]
             assert entries[name]["placements"] == placements, name
+            want = want.to(dtype or want.dtype)
             assert list(host[name].shape) == list(want.shape), (name, rank)
             assert torch.equal(host[name], want), (name, rank)
     cli("verify", out, "--source", tmp_path / "src", rc=0)
@@ -226,4 +229,5 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
         back.update(load_file(str(p)))
     assert sorted(back) == sorted(src)
     for name, t in src.items():
+        t = t.to(dtype or t.dtype)
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
