@@ -558,6 +558,28 @@ int RunCli(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    if (*convert) {  // --world-size, or --mesh (and --plan) for a DTensor layout
+      if (!convert_mesh.empty()) {
+        if (convert->count("--layout")) {
+          throw CLI::ValidationError("--mesh", "gives a DTensor layout; --layout does not apply");
+        }
+        try {
+          co.layout.mesh = reshard::ParseMeshFlag(convert_mesh);
+        } catch (const reshard::Error& e) {
+          throw CLI::ValidationError("--mesh", e.what());
+        }
+        if (world_size && world_size != co.layout.mesh.Size()) {
+          throw CLI::ValidationError("--world-size", std::to_string(world_size) + " is not the mesh's " +
+                                                         std::to_string(co.layout.mesh.Size()) + " ranks");
+        }
+        if (convert_plan.empty()) throw CLI::ValidationError("--mesh", "needs --plan FILE (formats/parallel-plan.md)");
+        world_size = static_cast<uint32_t>(co.layout.mesh.Size());
+      } else if (world_size == 0) {
+        throw CLI::RequiredError("--world-size");
+      } else if (!convert_plan.empty()) {
+        throw CLI::ValidationError("--plan", "needs --mesh (a DTensor layout)");
+      }
+    }
   } catch (const CLI::ParseError& e) {
     int rc = app.exit(e);
     return rc == 0 ? 0 : kExitUsage;
@@ -569,20 +591,7 @@ int RunCli(int argc, char** argv) {
       co.source = resolved.path;
       co.out = out;
       co.layout.kind = *reshard::ParseLayoutKind(layout);
-      if (!convert_mesh.empty()) {
-        if (convert->count("--layout")) {
-          throw CLI::ValidationError("--mesh", "gives a DTensor layout; --layout does not apply");
-        }
-        co.layout.kind = reshard::LayoutKind::kDTensor;
-        co.layout.mesh = reshard::ParseMeshFlag(convert_mesh);
-        if (world_size && world_size != co.layout.mesh.Size()) {
-          throw CLI::ValidationError("--world-size", std::to_string(world_size) + " is not the mesh's " +
-                                                         std::to_string(co.layout.mesh.Size()) + " ranks");
-        }
-        world_size = static_cast<uint32_t>(co.layout.mesh.Size());
-      } else if (world_size == 0) {
-        throw CLI::RequiredError("--world-size");
-      }
+      if (!convert_mesh.empty()) co.layout.kind = reshard::LayoutKind::kDTensor;  // checked above
       if (!convert_plan.empty()) co.plan_file = convert_plan;
       co.layout.world_size = world_size;
       co.layout.dtype = dtype;
