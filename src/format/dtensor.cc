@@ -60,7 +60,7 @@ std::optional<Placement> ParsePlacement(std::string_view t) {
     if (!sf.empty() && sf[0] == ' ') sf.remove_prefix(1);
     auto d = Decimal(in->substr(0, comma));
     auto k = Decimal(sf);
-    if (!d || *d > 64 || !k || *k == 0) return std::nullopt;
+    if (!d || *d > 64 || !k || *k == 0 || *k > (1u << 20)) return std::nullopt;
     return Placement::StridedShard(static_cast<uint32_t>(*d), *k);
   }
   return std::nullopt;
@@ -175,10 +175,15 @@ void AppendSlice(const IndexRuns& runs, uint64_t lo, uint64_t hi, IndexRuns& out
   }
 }
 
-// torch.chunk's piece i of k over n positions: [min(i·c, n), min((i+1)·c, n)), c = ceil(n/k).
+// torch.chunk's piece i of k over n positions: [min(i·c, n), min((i+1)·c, n)), c = ceil(n/k)
+// (saturating: (i+1)·c may pass 2^64 when n is near it).
 std::pair<uint64_t, uint64_t> ChunkOf(uint64_t n, uint64_t k, uint64_t i) {
   const uint64_t c = CeilDiv(n, k);
-  return {std::min(i * c, n), std::min((i + 1) * c, n)};
+  auto at = [&](uint64_t j) {
+    uint64_t v;
+    return __builtin_mul_overflow(j, c, &v) ? n : std::min(v, n);
+  };
+  return {at(i), at(i + 1)};
 }
 
 // Shard(d) with k pieces, piece i: Shard._split_tensor (torch.chunk, empty pieces filled).
@@ -196,6 +201,7 @@ IndexRuns StridedRuns(const IndexRuns& runs, uint64_t sf, uint64_t k, uint64_t i
   IndexRuns out;
   for (uint64_t j = 0; j < sf; ++j) {
     const auto [plo, phi] = ChunkOf(n, sf, j);
+    if (plo >= n) break;  // the rest are empty: at most min(sf, n) pieces
     const auto [lo, hi] = ChunkOf(phi - plo, k, i);
     AppendSlice(runs, plo + lo, plo + hi, out);
   }
@@ -204,11 +210,12 @@ IndexRuns StridedRuns(const IndexRuns& runs, uint64_t sf, uint64_t k, uint64_t i
 
 }  // namespace
 
-std::vector<IndexRuns> DTensorLocalIndices(const std::vector<uint64_t>& global_shape,
-                                           const DTensorSharding& s,
-                                           const std::vector<uint32_t>& mesh_shape,
-                                           const std::vector<uint32_t>& coordinate,
-                                           const std::string& what) {
+namespace {
+
+// The checks DTensorLocalIndices and DTensorLocalShape share.
+void CheckSharding(const std::vector<uint64_t>& global_shape, const DTensorSharding& s,
+                   const std::vector<uint32_t>& mesh_shape, const std::vector<uint32_t>& coordinate,
+                   const std::string& what) {
   const size_t nd = mesh_shape.size();
   if (s.placements.size() != nd || coordinate.size() != nd) {
     Fail(ErrorCode::kInvalidArgument, what + ": " + std::to_string(s.placements.size()) +
@@ -255,6 +262,59 @@ std::vector<IndexRuns> DTensorLocalIndices(const std::vector<uint64_t>& global_s
                ")");
     }
   }
+}
+
+// How many of n positions piece i of _StridedShard(sf) over k keeps (only n matters).
+uint64_t StridedCount(uint64_t n, uint64_t sf, uint64_t k, uint64_t i) {
+  if (n == 0) return 0;
+  const uint64_t c1 = CeilDiv(n, sf);  // sizes of the first split: full pieces of c1, one rest
+  const uint64_t full = n / c1, rest = n % c1;
+  auto piece = [&](uint64_t m) {
+    const auto [lo, hi] = ChunkOf(m, k, i);
+    return hi - lo;
+  };
+  return full * piece(c1) + piece(rest);
+}
+
+}  // namespace
+
+std::vector<uint64_t> DTensorLocalShape(const std::vector<uint64_t>& global_shape,
+                                        const DTensorSharding& s,
+                                        const std::vector<uint32_t>& mesh_shape,
+                                        const std::vector<uint32_t>& coordinate,
+                                        const std::string& what) {
+  CheckSharding(global_shape, s, mesh_shape, coordinate, what);
+  std::vector<uint64_t> n = global_shape;
+  const int f = s.fsdp_mesh_dim;
+  auto apply = [&](size_t m, bool as_shard) {
+    const Placement& p = s.placements[m];
+    if (!p.IsShard()) return;
+    uint64_t& x = n[p.dim];
+    if (as_shard || p.kind == Placement::Kind::kShard) {
+      const auto [lo, hi] = ChunkOf(x, mesh_shape[m], coordinate[m]);
+      x = hi - lo;
+    } else {
+      x = StridedCount(x, p.split_factor, mesh_shape[m], coordinate[m]);
+    }
+  };
+  for (size_t m = 0; m < mesh_shape.size(); ++m) {
+    if (static_cast<int>(m) != f) apply(m, false);
+  }
+  if (f >= 0) {
+    apply(static_cast<size_t>(f), true);
+    if (std::find(n.begin(), n.end(), 0u) != n.end()) n[s.placements[f].dim] = 0;
+  }
+  return n;
+}
+
+std::vector<IndexRuns> DTensorLocalIndices(const std::vector<uint64_t>& global_shape,
+                                           const DTensorSharding& s,
+                                           const std::vector<uint32_t>& mesh_shape,
+                                           const std::vector<uint32_t>& coordinate,
+                                           const std::string& what) {
+  CheckSharding(global_shape, s, mesh_shape, coordinate, what);
+  const size_t nd = mesh_shape.size();
+  const int f = s.fsdp_mesh_dim;
   std::vector<IndexRuns> dims(global_shape.size());
   for (size_t d = 0; d < dims.size(); ++d) {
     if (global_shape[d]) dims[d].push_back({0, global_shape[d]});

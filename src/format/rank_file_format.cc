@@ -316,10 +316,7 @@ DTensorSharding ParseDTensorEntry(const json& e, const TensorEntry& t, const Ran
   }
   std::vector<uint64_t> local;
   try {
-    for (const IndexRuns& runs :
-         DTensorLocalIndices(t.global_shape, s, h.mesh.shape, h.mesh.Coordinate(h.rank), path + ": " + f)) {
-      local.push_back(CountOf(runs));
-    }
+    local = DTensorLocalShape(t.global_shape, s, h.mesh.shape, h.mesh.Coordinate(h.rank), path + ": " + f);
   } catch (const Error& err) {
     Fail(ErrorCode::kDataLoss, err.what());
   }

@@ -138,12 +138,9 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Parall
     t.global_shape = src.shape;
     t.dtensor = PlanSharding(parallel, layout.mesh, src.name, src.shape.size(), whole.count(src.name) > 0,
                              plan_path);
+    t.local_shape = DTensorLocalShape(src.shape, *t.dtensor, layout.mesh.shape, coordinate, plan_path + ": " + what);
     uint64_t numel = 1;
-    for (const IndexRuns& runs : DTensorLocalIndices(src.shape, *t.dtensor, layout.mesh.shape, coordinate,
-                                                     plan_path + ": " + what)) {
-      t.local_shape.push_back(CountOf(runs));
-      numel = CheckedMul(numel, t.local_shape.back(), what);
-    }
+    for (uint64_t d : t.local_shape) numel = CheckedMul(numel, d, what);
     t.sharded = false;  // `dtensor` says what the rank holds
     t.nbytes = CheckedMul(numel, Info(t.dtype).bits / 8, what);
     t.source_nbytes = CheckedMul(numel, Info(src.dtype).bits / 8, what);

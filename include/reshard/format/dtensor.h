@@ -35,7 +35,7 @@ struct Placement {
   enum class Kind : uint8_t { kReplicate, kShard, kStridedShard };
   Kind kind = Kind::kReplicate;
   uint32_t dim = 0;           // kShard, kStridedShard: the tensor dim
-  uint64_t split_factor = 1;  // kStridedShard: torch's split_factor (≥ 1)
+  uint64_t split_factor = 1;  // kStridedShard: torch's split_factor (1 to 2^20, the mesh size limit)
 
   static Placement Replicate() { return {}; }
   static Placement Shard(uint32_t d) { return {Kind::kShard, d, 1}; }
@@ -112,6 +112,14 @@ std::vector<IndexRuns> DTensorLocalIndices(const std::vector<uint64_t>& global_s
                                            const std::vector<uint32_t>& mesh_shape,
                                            const std::vector<uint32_t>& coordinate,
                                            const std::string& what);
+
+/// The local tensor's shape alone (the counts of DTensorLocalIndices), in O(mesh dims): what
+/// a header parser checks local_shape against without building index lists.
+std::vector<uint64_t> DTensorLocalShape(const std::vector<uint64_t>& global_shape,
+                                        const DTensorSharding& sharding,
+                                        const std::vector<uint32_t>& mesh_shape,
+                                        const std::vector<uint32_t>& coordinate,
+                                        const std::string& what);
 
 /// Number of indices of `runs`.
 uint64_t CountOf(const IndexRuns& runs);

@@ -107,7 +107,9 @@ TEST(DTensorMap, EveryPlacementCombinationMatchesTheModel) {
           const auto got = DTensorLocalIndices(shape, s, mesh, coord, "t");
           const auto want = Model(shape, s, mesh, coord);
           ASSERT_EQ(got.size(), want.size());
+          const auto counts = DTensorLocalShape(shape, s, mesh, coord, "t");
           for (size_t d = 0; d < got.size(); ++d) {
+            ASSERT_EQ(counts[d], want[d].size()) << "DTensorLocalShape, dim " << d;
             ASSERT_EQ(Flatten(got[d]), want[d]) << "mesh dims " << mesh.size() << " rank " << r
                                                 << " dim " << d;
           }
@@ -191,6 +193,7 @@ TEST(DTensorMap, FullyShardAppliesItsChunkLast) {
       for (uint64_t r = 0; r < Size(m); ++r) {
         const auto coord = Coord(m, r);
         EXPECT_EQ(Flatten(DTensorLocalIndices({n, 3}, s, m, coord, "t")[0]), Model({n, 3}, s, m, coord)[0]);
+        EXPECT_EQ(DTensorLocalShape({n, 3}, s, m, coord, "t")[0], Model({n, 3}, s, m, coord)[0].size());
       }
     }
   }
@@ -202,6 +205,17 @@ TEST(DTensorMap, BigShardOneIsOneRunPerDim) {
   const auto got = DTensorLocalIndices({128256, 4096}, s, {2, 8}, {1, 3}, "t");
   EXPECT_EQ(got[0], (IndexRuns{{0, 128256}}));
   EXPECT_EQ(got[1], (IndexRuns{{1536, 512}}));
+}
+
+TEST(DTensorMap, HugeDimsAndSplitFactorsCostNoMoreThanTheirPieces) {
+  // _S(0, 2^20) of 3 rows: 3 pieces visited, not 2^20; a dim near 2^64 does not overflow.
+  DTensorSharding s{{Placement::StridedShard(0, 1u << 20)}, -1};
+  EXPECT_EQ(DTensorLocalIndices({3}, s, {2}, {0}, "t")[0], (IndexRuns{{0, 3}}));
+  DTensorSharding big{{Placement::Shard(0)}, -1};
+  const uint64_t n = ~uint64_t{0} - 1;
+  EXPECT_EQ(DTensorLocalIndices({n}, big, {3}, {2}, "t")[0], (IndexRuns{{2 * CeilDiv(n, 3), n - 2 * CeilDiv(n, 3)}}));
+  EXPECT_EQ(DTensorLocalShape({n}, big, {3}, {2}, "t")[0], n - 2 * CeilDiv(n, 3));
+  EXPECT_FALSE(ParsePlacement("_S(0,1048577)"));
 }
 
 TEST(DTensorMap, RefusesShardingsThatDoNotFit) {
