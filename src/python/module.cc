@@ -389,6 +389,22 @@ PYBIND11_MODULE(_C, m) {
         if (!e.flat) return py::none();
         return py::cast(std::const_pointer_cast<reshard::FlatInfo>(e.flat));
       })
+      .def_property_readonly(
+          "placements",
+          [](const reshard::TensorEntry& e) -> py::object {
+            if (!e.dtensor) return py::none();
+            py::list out;
+            for (const auto& p : e.dtensor->placements) out.append(p.ToString());
+            return std::move(out);
+          },
+          "DTensor layouts: one placement per mesh dim ('R', 'S(d)', '_S(d,k)'); None otherwise")
+      .def_property_readonly(
+          "fsdp_mesh_dim",
+          [](const reshard::TensorEntry& e) -> py::object {
+            if (!e.dtensor || e.dtensor->fsdp_mesh_dim < 0) return py::none();
+            return py::cast(e.dtensor->fsdp_mesh_dim);
+          },
+          "DTensor layouts: the mesh dim fully_shard applied last, or None")
       .def("__repr__", [](const reshard::TensorEntry& e) {
         return "TensorInfo(" + e.name + ", " + std::string(reshard::Name(e.dtype)) + ", " +
                std::to_string(e.nbytes) + " bytes)";
@@ -473,6 +489,22 @@ PYBIND11_MODULE(_C, m) {
             return out;
           },
           "The tensors in file order")
+      .def_property_readonly(
+          "mesh",
+          [](const RankFileHandle& f) -> py::object {
+            const reshard::RankFileHeader& h = f.header();
+            if (h.kind != reshard::LayoutKind::kDTensor) return py::none();
+            return py::make_tuple(h.mesh.names, h.mesh.shape);
+          },
+          "DTensor layouts: (dim names, dim sizes) of the device mesh; None otherwise")
+      .def_property_readonly(
+          "coordinate",
+          [](const RankFileHandle& f) -> py::object {
+            const reshard::RankFileHeader& h = f.header();
+            if (h.kind != reshard::LayoutKind::kDTensor) return py::none();
+            return py::cast(h.mesh.Coordinate(h.rank));
+          },
+          "DTensor layouts: this rank's mesh coordinate (row-major); None otherwise")
       .def("header_json", [](const RankFileHandle& f) { return reshard::SerializeHeader(f.header()); })
       .def(
           "load",

@@ -200,7 +200,9 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
         c = coordinate(mesh_shape, rank)
         f = _C.RankFile.open(str(out / key / f"rank-{rank:05d}-of-{dp * tp:05d}.reshard"))
         header = json.loads(f.header_json())
-        assert header["coordinate"] == c
+        assert header["coordinate"] == c == f.coordinate
+        assert f.mesh == (["dp_shard", "tp"], [dp, tp]) and f.kind == "dtensor"
+        assert {t.name: t.placements for t in f.tensors} == {e["name"]: e["placements"] for e in header["tensors"]}
         entries = {e["name"]: e for e in header["tensors"]}
         host, targets = {}, []
         for name, e in entries.items():
@@ -222,6 +224,11 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
             want = want.to(dtype or want.dtype)
             assert list(host[name].shape) == list(want.shape), (name, rank)
             assert torch.equal(host[name], want), (name, rank)
+    # A reader of FSDP2 files only (the pure-Python reference reader) refuses at the kind, as
+    # formats/rank-file.md says readers written before DTensor layouts do.
+    import reference_reader
+    with pytest.raises(reference_reader.FormatError, match="layout.kind"):
+        reference_reader.RankFile.open(str(out / key / f"rank-00000-of-{dp * tp:05d}.reshard"))
     cli("verify", out, "--source", tmp_path / "src", rc=0)
     cli("export", out, "-o", tmp_path / "exp", rc=0)
     back = {}
