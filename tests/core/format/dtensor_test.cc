@@ -199,6 +199,32 @@ TEST(DTensorMap, FullyShardAppliesItsChunkLast) {
   }
 }
 
+TEST(DTensorMap, HsdpAndExpertParallelFsdpDimsMatchTheModel) {
+  // HSDP over TP: (replicate, shard, tp), fully_shard's dim is mesh dim 1, Replicate on 0
+  // (FSDPParam: (Replicate(),) + dp_shard_tp_placement). EP + TP experts [E, H, I] on
+  // (dp_shard, ep, tp): EP Shard(0), TP Shard(2), fully_shard Shard(1) (shard_placement_fn).
+  struct Case {
+    std::vector<uint32_t> mesh;
+    DTensorSharding s;
+    std::vector<uint64_t> shape;
+  };
+  const std::vector<Case> cases = {
+      {{2, 3, 2}, {{Placement::Replicate(), Placement::StridedShard(0, 2), Placement::Shard(0)}, 1}, {11, 4}},
+      {{2, 3, 2}, {{Placement::Replicate(), Placement::Shard(0), Placement::Shard(1)}, 1}, {7, 5}},
+      {{3, 2, 2}, {{Placement::Shard(1), Placement::Shard(0), Placement::Shard(2)}, 0}, {5, 7, 6}},
+      {{2, 2, 3}, {{Placement::StridedShard(0, 6), Placement::Shard(0), Placement::Shard(0)}, 0}, {13, 3, 2}},
+  };
+  for (const Case& c : cases) {
+    for (uint64_t r = 0; r < Size(c.mesh); ++r) {
+      const auto coord = Coord(c.mesh, r);
+      const auto got = DTensorLocalIndices(c.shape, c.s, c.mesh, coord, "t");
+      const auto want = Model(c.shape, c.s, c.mesh, coord);
+      for (size_t d = 0; d < c.shape.size(); ++d) EXPECT_EQ(Flatten(got[d]), want[d]) << "rank " << r;
+      EXPECT_EQ(DTensorLocalShape(c.shape, c.s, c.mesh, coord, "t")[0], want[0].size());
+    }
+  }
+}
+
 TEST(DTensorMap, BigShardOneIsOneRunPerDim) {
   // [128256, 4096] Shard(1) over tp 8: no per-row anything.
   DTensorSharding s{{Placement::Replicate(), Placement::Shard(1)}, -1};
