@@ -3,7 +3,9 @@
 Records, for each case, what this rank's DTensor really holds: the global tensor is an arange
 (element i holds i), so to_local() flattened is the list of global elements the local tensor
 holds, in its order. Cases: distribute_tensor with every placement combination on meshes 2x2,
-(4,), 1x4 and 4x1, uneven and empty shards included; and FSDP2 fully_shard (over the
+(4,), 1x4 and 4x1, uneven and empty shards included (src_data_rank=None, a local split through
+the same _split_tensor, where a _StridedShard is involved: its scatter path asserts even
+pieces); and FSDP2 fully_shard (over the
 "dp_shard" dim) of parameters already sharded by tensor parallelism (distribute_tensor on the
 "tp" dim), which gives _StridedShard from torch itself. Writes rank-<r>.json into --result;
 the test compares it with reshard's map.
