@@ -31,11 +31,11 @@ REGRESSIONS=$ROOT/tests/fuzz/regressions
 
 # target -> seed subdirectory, dictionary, -max_len
 declare -A SEED_DIR=([safetensors_header]=safetensors [index_json]=index [rank_file]=rank
-                     [manifest]=manifest [torch_pickle]=pickle [zip_directory]=zip)
+                     [manifest]=manifest [torch_pickle]=pickle [zip_directory]=zip [parallel_plan]=plan)
 declare -A DICT=([safetensors_header]=safetensors [index_json]=index [rank_file]=rank
-                 [manifest]=manifest [torch_pickle]=pickle [zip_directory]=zip)
+                 [manifest]=manifest [torch_pickle]=pickle [zip_directory]=zip [parallel_plan]=plan)
 declare -A MAX_LEN=([safetensors_header]=16384 [index_json]=8192 [rank_file]=16384
-                    [manifest]=8192 [torch_pickle]=8192 [zip_directory]=65536)
+                    [manifest]=8192 [torch_pickle]=8192 [zip_directory]=65536 [parallel_plan]=4096)
 
 # 1. clang with libFuzzer (Debian/Ubuntu package "clang" ships the compiler-rt runtimes).
 if [ -z "${RESHARD_FUZZ_BIN_DIR:-}" ] && ! command -v clang++ >/dev/null; then

@@ -25,11 +25,27 @@ std::string LayoutSpec::KindName() const {
   switch (kind) {
     case LayoutKind::kFsdp2: return "fsdp2";
     case LayoutKind::kFsdp1: return "fsdp1";
+    case LayoutKind::kDTensor: return "dtensor";
   }
   return "unknown";
 }
 
+namespace {
+
+std::string Hex8(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08llx", static_cast<unsigned long long>(v & 0xffffffffu));
+  return buf;
+}
+
+}  // namespace
+
 std::string LayoutSpec::Key() const {
+  if (kind == LayoutKind::kDTensor) {
+    std::string key = "dtensor-" + mesh.KeyPart() + "-" + plan_name + "." + Hex8(plan_xxh3 >> 32);
+    if (dtype != "keep") key += "-" + dtype;
+    return key;
+  }
   std::string key = KindName() + "-ws" + std::to_string(world_size);
   if (kind == LayoutKind::kFsdp1) {
     std::string classes;
@@ -51,6 +67,11 @@ std::string LayoutSpec::Key() const {
 }
 
 std::string LayoutSpec::ConvertFlags() const {
+  if (kind == LayoutKind::kDTensor) {
+    std::string flags = "--mesh " + mesh.Flag() + " --plan " + plan_name + ".json";
+    if (dtype != "keep") flags += " --dtype " + dtype;
+    return flags;
+  }
   std::string flags = "--world-size " + std::to_string(world_size);
   if (kind == LayoutKind::kFsdp1) {
     flags += " --layout fsdp1";
@@ -63,6 +84,17 @@ std::string LayoutSpec::ConvertFlags() const {
 }
 
 void LayoutSpec::Normalize() {
+  if (kind == LayoutKind::kDTensor) {
+    mesh.Check("--mesh");
+    world_size = static_cast<uint32_t>(mesh.Size());
+    if (plan_name.empty() || plan_name.size() > 64 ||
+        plan_name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
+            std::string::npos) {
+      Fail(ErrorCode::kInvalidArgument, "plan name \"" + plan_name + "\" is not [A-Za-z0-9_]{1,64}");
+    }
+  } else if (!mesh.shape.empty() || !plan_name.empty()) {
+    Fail(ErrorCode::kInvalidArgument, "--mesh and --plan apply to DTensor layouts only");
+  }
   if (kind != LayoutKind::kFsdp1) {
     if (!wrap.empty() || use_orig_params || !param_dtype.empty()) {
       Fail(ErrorCode::kInvalidArgument,
@@ -91,6 +123,7 @@ void LayoutSpec::Normalize() {
 std::optional<LayoutKind> ParseLayoutKind(std::string_view name) {
   if (name == "fsdp2") return LayoutKind::kFsdp2;
   if (name == "fsdp1") return LayoutKind::kFsdp1;
+  if (name == "dtensor") return LayoutKind::kDTensor;
   return std::nullopt;
 }
 

@@ -24,6 +24,9 @@ LayoutSpec ManifestLayout::Layout() const {
   spec.wrap = wrap;
   spec.use_orig_params = use_orig_params;
   spec.param_dtype = param_dtype;
+  spec.mesh = mesh;
+  spec.plan_name = plan_name;
+  spec.plan_xxh3 = plan_xxh3;
   return spec;
 }
 
@@ -50,6 +53,10 @@ std::string SerializeManifest(const Manifest& m) {
       layouts[key]["wrap"] = l.wrap;
       layouts[key]["use_orig_params"] = l.use_orig_params;
       layouts[key]["param_dtype"] = l.param_dtype;
+    }
+    if (l.kind == LayoutKind::kDTensor) {
+      layouts[key]["mesh"] = {{"names", l.mesh.names}, {"shape", l.mesh.shape}};
+      layouts[key]["plan"] = {{"name", l.plan_name}, {"xxh3", Hex16(l.plan_xxh3)}};
     }
     if (!l.from.empty()) layouts[key]["from"] = l.from;
   }
@@ -95,8 +102,31 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
     l.key = key;
     std::string kind = GetString(Member(jl, "kind", path, f), path, f + ".kind");
     auto k = ParseLayoutKind(kind);
-    if (!k) FailField(path, f + ".kind", "\"" + kind + "\"", "\"fsdp2\" or \"fsdp1\"");
+    if (!k) FailField(path, f + ".kind", "\"" + kind + "\"", "\"fsdp2\", \"fsdp1\" or \"dtensor\"");
     l.kind = *k;
+    if (l.kind == LayoutKind::kDTensor) {
+      const json& mesh = internal::GetObject(Member(jl, "mesh", path, f), path, f + ".mesh");
+      const json& names = GetArray(Member(mesh, "names", path, f + ".mesh"), path, f + ".mesh.names");
+      const json& shape = GetArray(Member(mesh, "shape", path, f + ".mesh"), path, f + ".mesh.shape");
+      for (size_t i = 0; i < names.size(); ++i) {
+        l.mesh.names.push_back(GetString(names[i], path, f + ".mesh.names[" + std::to_string(i) + "]"));
+      }
+      for (size_t i = 0; i < shape.size(); ++i) {
+        const uint64_t v = GetU64(shape[i], path, f + ".mesh.shape[" + std::to_string(i) + "]");
+        if (v == 0 || v > (1u << 20)) {
+          FailField(path, f + ".mesh.shape[" + std::to_string(i) + "]", std::to_string(v), "1 to 2^20");
+        }
+        l.mesh.shape.push_back(static_cast<uint32_t>(v));
+      }
+      try {
+        l.mesh.Check(f + ".mesh");
+      } catch (const Error& e) {
+        Fail(ErrorCode::kDataLoss, path + ": " + e.what());
+      }
+      const json& plan = internal::GetObject(Member(jl, "plan", path, f), path, f + ".plan");
+      l.plan_name = GetString(Member(plan, "name", path, f + ".plan"), path, f + ".plan.name");
+      l.plan_xxh3 = internal::GetHex16(Member(plan, "xxh3", path, f + ".plan"), path, f + ".plan.xxh3");
+    }
     if (l.kind == LayoutKind::kFsdp1) {
       const json& wrap = GetArray(Member(jl, "wrap", path, f), path, f + ".wrap");
       for (size_t i = 0; i < wrap.size(); ++i) {

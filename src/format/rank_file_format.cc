@@ -191,6 +191,9 @@ LayoutSpec RankFileHeader::Layout() const {
   spec.wrap = wrap;
   spec.use_orig_params = use_orig_params;
   spec.param_dtype = param_dtype;
+  spec.mesh = mesh;
+  spec.plan_name = plan_name;
+  spec.plan_xxh3 = plan_xxh3;
   return spec;
 }
 
@@ -202,6 +205,9 @@ void RankFileHeader::SetLayout(const LayoutSpec& layout) {
   wrap = layout.wrap;
   use_orig_params = layout.use_orig_params;
   param_dtype = layout.param_dtype;
+  mesh = layout.mesh;
+  plan_name = layout.plan_name;
+  plan_xxh3 = layout.plan_xxh3;
 }
 
 std::string RankFileName(uint32_t rank, uint32_t world_size) {
@@ -225,7 +231,12 @@ std::string SerializeHeader(const RankFileHeader& h) {
     j["layout"]["use_orig_params"] = h.use_orig_params;
     j["layout"]["param_dtype"] = h.param_dtype;
   }
+  if (h.kind == LayoutKind::kDTensor) {
+    j["layout"]["mesh"] = {{"names", h.mesh.names}, {"shape", h.mesh.shape}};
+    j["layout"]["plan"] = {{"name", h.plan_name}, {"xxh3", Hex16(h.plan_xxh3)}};
+  }
   j["rank"] = h.rank;
+  if (h.kind == LayoutKind::kDTensor) j["coordinate"] = h.mesh.Coordinate(h.rank);
   j["source"] = internal::SourceToJson(h.source);
   j["chunk_size"] = h.chunk_size;
   json tensors = json::array();
@@ -234,10 +245,16 @@ std::string SerializeHeader(const RankFileHeader& h) {
     e["name"] = t.name;
     e["dtype"] = Name(t.dtype);
     e["global_shape"] = t.global_shape;
-    if (t.sharded) {
+    if (t.sharded && !t.dtensor) {
       e["shard"] = {{"dim", 0}, {"start", t.rows.start}, {"end", t.rows.end}};
     } else {
       e["shard"] = nullptr;
+    }
+    if (t.dtensor) {
+      json placements = json::array();
+      for (const Placement& p : t.dtensor->placements) placements.push_back(p.ToString());
+      e["placements"] = std::move(placements);
+      e["fsdp_mesh_dim"] = t.dtensor->fsdp_mesh_dim < 0 ? json(nullptr) : json(t.dtensor->fsdp_mesh_dim);
     }
     e["local_shape"] = t.local_shape;
     e["nbytes"] = t.nbytes;
@@ -270,6 +287,54 @@ std::string SerializeHeader(const RankFileHeader& h) {
   return j.dump(1);
 }
 
+namespace {
+
+// A DTensor entry's placements and fsdp_mesh_dim, checked against its shapes (invariant 6).
+DTensorSharding ParseDTensorEntry(const json& e, const TensorEntry& t, const RankFileHeader& h,
+                                  const std::string& path, const std::string& f) {
+  DTensorSharding s;
+  s.mesh_shape = h.mesh.shape;
+  const json& placements = GetArray(Member(e, "placements", path, f), path, f + ".placements");
+  if (placements.size() != h.mesh.ndim()) {
+    FailField(path, f + ".placements", std::to_string(placements.size()) + " placements",
+              std::to_string(h.mesh.ndim()) + " (one per mesh dim)");
+  }
+  for (size_t i = 0; i < placements.size(); ++i) {
+    const std::string field = f + ".placements[" + std::to_string(i) + "]";
+    const std::string text = GetString(placements[i], path, field);
+    const auto p = ParsePlacement(text);
+    if (!p) FailField(path, field, "\"" + Printable(text) + "\"", "\"R\", \"S(d)\" or \"_S(d,k)\"");
+    s.placements.push_back(*p);
+  }
+  const json& fsdp = Member(e, "fsdp_mesh_dim", path, f);
+  if (!fsdp.is_null()) {
+    const uint64_t d = GetU64(fsdp, path, f + ".fsdp_mesh_dim");
+    if (d >= h.mesh.ndim()) {
+      FailField(path, f + ".fsdp_mesh_dim", std::to_string(d), "null or a mesh dim");
+    }
+    s.fsdp_mesh_dim = static_cast<int32_t>(d);
+  }
+  std::vector<uint64_t> local;
+  try {
+    local = DTensorLocalShape(t.global_shape, s, h.mesh.shape, h.mesh.Coordinate(h.rank), path + ": " + f);
+  } catch (const Error& err) {
+    Fail(ErrorCode::kDataLoss, err.what());
+  }
+  if (local != t.local_shape) {
+    FailField(path, f + ".local_shape", ShapeText(t.local_shape),
+              ShapeText(local) + " (its placements on mesh coordinate " +
+                  ShapeText([&] {
+                    std::vector<uint64_t> c;
+                    for (uint32_t v : h.mesh.Coordinate(h.rank)) c.push_back(v);
+                    return c;
+                  }()) +
+                  ")");
+  }
+  return s;
+}
+
+}  // namespace
+
 RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std::string& path) {
   json j = internal::ParseStrictJson(text, path, "header");
   if (!j.is_object()) FailField(path, "header", Describe(j), "a JSON object");
@@ -291,7 +356,7 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
   }
   std::string kind = GetString(Member(layout, "kind", path, "layout"), path, "layout.kind");
   auto parsed_kind = ParseLayoutKind(kind);
-  if (!parsed_kind) FailField(path, "layout.kind", "\"" + kind + "\"", "\"fsdp2\"");
+  if (!parsed_kind) FailField(path, "layout.kind", "\"" + kind + "\"", "\"fsdp2\", \"fsdp1\" or \"dtensor\"");
   h.kind = *parsed_kind;
   uint64_t ws = GetU64(Member(layout, "world_size", path, "layout"), path, "layout.world_size");
   if (ws == 0 || ws > 1u << 24) {
@@ -309,11 +374,49 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     h.param_dtype =
         GetString(Member(layout, "param_dtype", path, "layout"), path, "layout.param_dtype");
   }
+  if (h.kind == LayoutKind::kDTensor) {
+    const json& mesh = internal::GetObject(Member(layout, "mesh", path, "layout"), path, "layout.mesh");
+    const json& names = GetArray(Member(mesh, "names", path, "layout.mesh"), path, "layout.mesh.names");
+    const json& shape = GetArray(Member(mesh, "shape", path, "layout.mesh"), path, "layout.mesh.shape");
+    for (size_t i = 0; i < names.size(); ++i) {
+      h.mesh.names.push_back(GetString(names[i], path, "layout.mesh.names[" + std::to_string(i) + "]"));
+    }
+    for (size_t i = 0; i < shape.size(); ++i) {
+      const uint64_t v = GetU64(shape[i], path, "layout.mesh.shape[" + std::to_string(i) + "]");
+      if (v == 0 || v > (1u << 20)) {
+        FailField(path, "layout.mesh.shape[" + std::to_string(i) + "]", std::to_string(v), "1 to 2^20");
+      }
+      h.mesh.shape.push_back(static_cast<uint32_t>(v));
+    }
+    try {
+      h.mesh.Check("layout.mesh");
+    } catch (const Error& e) {
+      Fail(ErrorCode::kDataLoss, path + ": " + e.what());
+    }
+    if (h.mesh.Size() != ws) {
+      FailField(path, "layout.mesh", "a mesh of " + std::to_string(h.mesh.Size()) + " ranks",
+                "world_size " + std::to_string(ws) + " ranks");
+    }
+    const json& plan = internal::GetObject(Member(layout, "plan", path, "layout"), path, "layout.plan");
+    h.plan_name = GetString(Member(plan, "name", path, "layout.plan"), path, "layout.plan.name");
+    h.plan_xxh3 = GetHex16(Member(plan, "xxh3", path, "layout.plan"), path, "layout.plan.xxh3");
+  }
   uint64_t rank = GetU64(Member(j, "rank", path, "header"), path, "rank");
   if (rank >= ws) {
     FailField(path, "rank", std::to_string(rank), "less than world_size " + std::to_string(ws));
   }
   h.rank = static_cast<uint32_t>(rank);
+  if (h.kind == LayoutKind::kDTensor) {
+    const json& c = GetArray(Member(j, "coordinate", path, "header"), path, "coordinate");
+    std::vector<uint64_t> coord;
+    for (size_t i = 0; i < c.size(); ++i) coord.push_back(GetU64(c[i], path, "coordinate[" + std::to_string(i) + "]"));
+    const std::vector<uint32_t> want = h.mesh.Coordinate(h.rank);
+    if (coord != std::vector<uint64_t>(want.begin(), want.end())) {
+      FailField(path, "coordinate", Describe(c),
+                ShapeText(std::vector<uint64_t>(want.begin(), want.end())) + " (rank " +
+                    std::to_string(h.rank) + " of the mesh, row-major)");
+    }
+  }
 
   h.source = internal::SourceFromJson(Member(j, "source", path, "header"), path);
 
@@ -345,7 +448,11 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
     if (is_flat && h.kind != LayoutKind::kFsdp1) {
       FailField(path, f + ".flat", "a flat parameter", "none in a " + h.Layout().KindName() + " layout");
     }
-    if (shard.is_null()) {
+    if (h.kind == LayoutKind::kDTensor) {
+      if (!shard.is_null()) FailField(path, f + ".shard", Describe(shard), "null in a dtensor layout");
+      t.dtensor = ParseDTensorEntry(e, t, h, path, f);
+      expected_local = t.local_shape;  // checked against the placements there
+    } else if (shard.is_null()) {
       t.sharded = false;
       // Stored whole on every rank: FSDP1's buffers, FSDP2's 0-dim tensors and persistent
       // buffers (FSDP2 does not shard buffers); never a flat parameter.

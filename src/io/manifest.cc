@@ -51,6 +51,9 @@ ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
   l.wrap = layout.wrap;
   l.use_orig_params = layout.use_orig_params;
   l.param_dtype = layout.param_dtype;
+  l.mesh = layout.mesh;
+  l.plan_name = layout.plan_name;
+  l.plan_xxh3 = layout.plan_xxh3;
   l.dir = l.key;
   const fs::path dir = out / l.key;
   std::error_code ec;
@@ -66,7 +69,8 @@ ManifestLayout ScanLayout(const fs::path& out, const LayoutSpec& layout,
       if (h.layout_key != l.key || h.world_size != layout.world_size ||
           h.dtype_policy != layout.dtype || h.rank != parsed->first || h.kind != layout.kind ||
           h.wrap != layout.wrap || h.use_orig_params != layout.use_orig_params ||
-          h.param_dtype != layout.param_dtype) {
+          h.param_dtype != layout.param_dtype || h.mesh != layout.mesh || h.plan_name != layout.plan_name ||
+          h.plan_xxh3 != layout.plan_xxh3) {
         Fail(ErrorCode::kMismatch, e.path().string() + ": holds layout " + h.layout_key +
                                        " rank " + std::to_string(h.rank) + ", expected " +
                                        l.key + " rank " + std::to_string(parsed->first));

@@ -26,6 +26,7 @@
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/model_manifest.h"
+#include "reshard/format/parallel_plan.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
@@ -67,13 +68,14 @@ class Converter {
   // itself, or ModelView(ckpt, *conversion)); bytes always come from `ckpt`.
   Converter(const ConvertOptions& o, const Checkpoint& ckpt, const Checkpoint& view,
             const Conversion* conversion, const std::set<std::string>& whole, unsigned threads,
-            const Fsdp1Plan* units)
+            const Fsdp1Plan* units, const ParallelPlan* parallel)
       : o_(o), ckpt_(ckpt), view_(view), conversion_(conversion), whole_(whole),
-        threads_(threads), units_(units) {
+        threads_(threads), units_(units), parallel_(parallel) {
     for (const auto& f : ckpt.files) sources_.push_back(File::OpenRead(f.path));
   }
 
   RankPlan Plan(uint32_t rank) const {
+    if (parallel_) return PlanRank(view_, o_.layout, *parallel_, rank, whole_, o_.plan_file->string());
     return units_ ? PlanRank(view_, o_.layout, *units_, rank)
                   : PlanRank(view_, o_.layout, rank, whole_);
   }
@@ -149,6 +151,7 @@ class Converter {
   const std::set<std::string>& whole_;
   unsigned threads_;
   const Fsdp1Plan* units_;
+  const ParallelPlan* parallel_;
   std::vector<File> sources_;
 };
 
@@ -253,6 +256,15 @@ ConvertResult Convert(const ConvertOptions& options) {
       if (have.count(c)) o.layout.wrap.push_back(c);
     }
   }
+  std::optional<ParallelPlan> parallel;
+  if (o.layout.kind == LayoutKind::kDTensor) {
+    if (!o.plan_file) Fail(ErrorCode::kInvalidArgument, "--mesh needs --plan FILE (formats/parallel-plan.md)");
+    parallel = ParseParallelPlan(ReadWholeFile(*o.plan_file, 64ull << 20), o.plan_file->string());
+    o.layout.plan_name = parallel->name;
+    o.layout.plan_xxh3 = parallel->xxh3;
+  } else if (o.plan_file) {
+    Fail(ErrorCode::kInvalidArgument, "--plan needs --mesh (a DTensor layout)");
+  }
   o.layout.Normalize();
   if (o.layout.world_size == 0) {
     Fail(ErrorCode::kInvalidArgument, "--world-size must be at least 1");
@@ -334,7 +346,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   const Checkpoint view = conversion ? ModelView(ckpt, *conversion, model_path.string()) : ckpt;
   // FSDP2 does not shard buffers: the model's persistent buffers are stored whole.
   std::set<std::string> whole;
-  if (model && o.layout.kind == LayoutKind::kFsdp2) {
+  if (model && (o.layout.kind == LayoutKind::kFsdp2 || o.layout.kind == LayoutKind::kDTensor)) {
     for (const ModelBuffer& b : model->buffers) {
       if (!b.persistent) continue;
       if (const SourceTensor* t = FindSourceTensor(view, b.name, model->base_model_prefix)) {
@@ -403,7 +415,8 @@ ConvertResult Convert(const ConvertOptions& options) {
   result.layout_dir = dir;
   result.world_size = o.layout.world_size;
   std::vector<uint32_t> todo;
-  Converter converter(o, ckpt, view, conversion, whole, threads, units ? &*units : nullptr);
+  Converter converter(o, ckpt, view, conversion, whole, threads, units ? &*units : nullptr,
+                      parallel ? &*parallel : nullptr);
   for (uint32_t r = first; r <= last; ++r) {
     const RankPlan plan = converter.Plan(r);
     if (RankFileUpToDate(dir / RankFileName(r, o.layout.world_size), converter.Header(r, plan), o.codec)) {

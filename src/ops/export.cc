@@ -609,7 +609,10 @@ ExportResult Export(const ExportOptions& o) {
     for (const OutTensor& t : files[g].tensors) result.total_size += t.nbytes;
   }
 
-  // Work: every chunk of every piece, in output order (sequential writes per file).
+  // Work: every chunk of every piece, in output order (sequential writes per file), then
+  // grouped by the rank-file chunk they read, in the order of each chunk's first use: a chunk
+  // is read (and checked) once however many pieces it serves (a DTensor layout's Shard(1)
+  // entry serves one piece per row from each chunk; FSDP2's pieces share no chunk).
   std::vector<WorkItem> items;
   uint64_t max_chunk = 0, max_conv = 0;
   for (uint32_t f = 0; f < files.size(); ++f) {
@@ -649,39 +652,76 @@ ExportResult Export(const ExportOptions& o) {
     f.file.Truncate(f.size);
   }
 
+  std::vector<size_t> group_start;  // items regrouped: group g is [group_start[g], group_start[g+1])
+  {
+    struct Key {
+      uint32_t rank;
+      size_t entry;
+      uint64_t chunk;
+      bool operator==(const Key&) const = default;
+    };
+    struct KeyHash {
+      size_t operator()(const Key& k) const {
+        return std::hash<uint64_t>()(k.chunk * 0x9E3779B97F4A7C15ull ^ (uint64_t{k.rank} << 40) ^ k.entry);
+      }
+    };
+    std::unordered_map<Key, size_t, KeyHash> group_of;
+    std::vector<size_t> group(items.size());
+    std::vector<size_t> count;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const TensorPiece& p = files[items[i].file].tensors[items[i].tensor].loc->pieces[items[i].piece];
+      const auto [it, fresh] = group_of.emplace(Key{p.rank, p.entry, items[i].chunk}, count.size());
+      if (fresh) count.push_back(0);
+      group[i] = it->second;
+      ++count[it->second];
+    }
+    group_start.assign(count.size() + 1, 0);
+    for (size_t g = 0; g < count.size(); ++g) group_start[g + 1] = group_start[g] + count[g];
+    std::vector<WorkItem> grouped(items.size());
+    std::vector<size_t> fill(group_start.begin(), group_start.end() - 1);
+    for (size_t i = 0; i < items.size(); ++i) grouped[fill[group[i]]++] = items[i];
+    items = std::move(grouped);
+  }
+
   std::atomic<uint64_t> read{0};
   const uint64_t total = result.total_size;
   ParallelForOptions po;
   po.threads = o.threads;
   if (o.progress) po.progress = [&](uint64_t done) { o.progress(done, total); };
-  ParallelFor(items.size(), po, [&] {
+  ParallelFor(group_start.size() - 1, po, [&] {
     return [&, buf = std::unique_ptr<char[]>(new char[max_chunk ? max_chunk : 1]),
             conv = std::unique_ptr<char[]>(max_conv ? new char[max_conv] : nullptr),
-            scratch = std::string()](size_t i) mutable -> uint64_t {
-      const WorkItem& it = items[i];
-      const OutTensor& t = files[it.file].tensors[it.tensor];
-      const TensorPiece& p = t.loc->pieces[it.piece];
-      const RankFileReader& r = readers[p.rank];
-      const TensorEntry& e = r.header().tensors[p.entry];
-      const uint64_t cs = r.header().chunk_size;
-      const uint64_t len = r.ReadChunk(e, it.chunk, buf.get(), scratch);
-      read += len;
-      const uint64_t begin = it.chunk * cs;
-      const uint64_t lo = std::max(begin, p.src_offset);
-      const uint64_t hi = std::min(begin + len, p.src_offset + p.length);
-      const char* data = buf.get() + (lo - begin);
-      uint64_t n = hi - lo;
-      uint64_t dst = p.dst_offset + (lo - p.src_offset);
-      if (t.dtype != t.loc->dtype) {
-        const uint64_t in_item = Info(t.loc->dtype).bits / 8;
-        const uint64_t out_item = Info(t.dtype).bits / 8;
-        ConvertElements(t.loc->dtype, t.dtype, data, conv.get(), n / in_item);
-        data = conv.get();
-        dst = dst / in_item * out_item;
-        n = n / in_item * out_item;
+            scratch = std::string()](size_t g) mutable -> uint64_t {
+      uint64_t written = 0, len = 0;
+      for (size_t i = group_start[g]; i < group_start[g + 1]; ++i) {
+        const WorkItem& it = items[i];
+        const OutTensor& t = files[it.file].tensors[it.tensor];
+        const TensorPiece& p = t.loc->pieces[it.piece];
+        const RankFileReader& r = readers[p.rank];
+        const TensorEntry& e = r.header().tensors[p.entry];
+        const uint64_t cs = r.header().chunk_size;
+        if (i == group_start[g]) {  // the group's one chunk
+          len = r.ReadChunk(e, it.chunk, buf.get(), scratch);
+          read += len;
+        }
+        const uint64_t begin = it.chunk * cs;
+        const uint64_t lo = std::max(begin, p.src_offset);
+        const uint64_t hi = std::min(begin + len, p.src_offset + p.length);
+        const char* data = buf.get() + (lo - begin);
+        uint64_t n = hi - lo;
+        uint64_t dst = p.dst_offset + (lo - p.src_offset);
+        if (t.dtype != t.loc->dtype) {
+          const uint64_t in_item = Info(t.loc->dtype).bits / 8;
+          const uint64_t out_item = Info(t.dtype).bits / 8;
+          ConvertElements(t.loc->dtype, t.dtype, data, conv.get(), n / in_item);
+          data = conv.get();
+          dst = dst / in_item * out_item;
+          n = n / in_item * out_item;
+        }
+        files[it.file].file.PWriteExact(data, n, t.file_offset + dst);
+        written += n;
       }
-      files[it.file].file.PWriteExact(data, n, t.file_offset + dst);
-      return n;
+      return written;
     };
   });
   result.bytes_read = read.load();

@@ -33,7 +33,13 @@ json RankFileJson(const RankFileReader& r, bool with_tensors) {
               {"global_shape", t.global_shape}, {"local_shape", t.local_shape},
               {"nbytes", t.nbytes},     {"stored_size", t.stored_size},
               {"codec", CodecName(t.codec)}, {"offset", t.offset}, {"xxh3", Hex16(t.xxh3)}};
-    e["rows"] = t.sharded ? json::array({t.rows.start, t.rows.end}) : json(nullptr);
+    e["rows"] = t.sharded && !t.dtensor ? json::array({t.rows.start, t.rows.end}) : json(nullptr);
+    if (t.dtensor) {
+      json placements = json::array();
+      for (const Placement& p : t.dtensor->placements) placements.push_back(p.ToString());
+      e["placements"] = std::move(placements);
+      e["fsdp_mesh_dim"] = t.dtensor->fsdp_mesh_dim < 0 ? json(nullptr) : json(t.dtensor->fsdp_mesh_dim);
+    }
     if (t.flat) {
       json params = json::array();
       for (const auto& p : t.flat->params) {
@@ -61,6 +67,11 @@ json RankFileJson(const RankFileReader& r, bool with_tensors) {
             {"nbytes", nbytes},
             {"stored_size", stored},
             {"writer", h.writer}};
+  if (h.kind == LayoutKind::kDTensor) {
+    j["mesh"] = h.mesh.Flag();
+    j["coordinate"] = h.mesh.Coordinate(h.rank);
+    j["plan"] = {{"name", h.plan_name}, {"xxh3", Hex16(h.plan_xxh3)}};
+  }
   if (h.kind == LayoutKind::kFsdp1) {
     j["wrap"] = h.wrap;
     j["use_orig_params"] = h.use_orig_params;
@@ -231,6 +242,11 @@ std::string RenderInspect(const json& d) {
       << " tensors, " << Bytes(d["nbytes"]) << " of data, file " << Bytes(d["file_size"])
       << ", chunk size " << Bytes(d["chunk_size"]) << ", written by "
       << Esc(d["writer"]) << "\n";
+    if (d.contains("mesh")) {
+      o << "  DTensor: mesh " << Esc(d["mesh"]) << ", coordinate (";
+      for (size_t i = 0; i < d["coordinate"].size(); ++i) o << (i ? ", " : "") << d["coordinate"][i];
+      o << "), plan " << Esc(d["plan"]["name"]) << " (" << Esc(d["plan"]["xxh3"]) << ")\n";
+    }
     if (d.contains("wrap")) {
       o << "  FSDP1: wrap";
       for (const auto& w : d["wrap"]) o << " " << Esc(w);
@@ -248,8 +264,15 @@ std::string RenderInspect(const json& d) {
         }
         continue;
       }
-      if (!t["rows"].is_null()) o << " rows [" << t["rows"][0] << ", " << t["rows"][1] << ")";
-      else o << " whole";
+      if (t.contains("placements")) {
+        o << " (";
+        for (size_t i = 0; i < t["placements"].size(); ++i) o << (i ? ", " : "") << Esc(t["placements"][i]);
+        o << (t["fsdp_mesh_dim"].is_null() ? "" : ", fsdp last") << ")";
+      } else if (!t["rows"].is_null()) {
+        o << " rows [" << t["rows"][0] << ", " << t["rows"][1] << ")";
+      } else {
+        o << " whole";
+      }
       o << " -> " << Shape(t["local_shape"]) << "  " << Bytes(t["nbytes"]);
       if (t["codec"] != "raw") o << " (" << Esc(t["codec"]) << ", " << Bytes(t["stored_size"]) << ")";
       o << "\n";

@@ -78,14 +78,28 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
     } else if (!verify_ && e.codec == Codec::kRaw) {
       r.file().PReadExact(out, take, r.preamble().data_offset + e.offset + pos);
     } else {
-      if (!(have_ && rank == c_rank_ && entry == c_entry_ && chunk == c_chunk_)) {
-        have_ = false;
-        buf_.resize(clen);
-        r.ReadChunk(e, chunk, buf_.data(), frame_, hash_piece_);
-        have_ = true;
-        c_rank_ = rank, c_entry_ = entry, c_chunk_ = chunk;
+      Cached* hit = nullptr;
+      for (Cached& c : cache_) {
+        if (c.rank == rank && c.entry == entry && c.chunk == chunk) hit = &c;
       }
-      std::memcpy(out, buf_.data() + (pos - c0), take);
+      if (!hit) {
+        uint64_t held = clen;
+        for (const Cached& c : cache_) held += c.bytes.size();
+        while (!cache_.empty() && (cache_.size() >= kCachedChunks || held > kCachedBytes)) {
+          auto lru = std::min_element(cache_.begin(), cache_.end(),
+                                      [](const Cached& a, const Cached& b) { return a.used < b.used; });
+          held -= lru->bytes.size();
+          cache_.erase(lru);
+        }
+        Cached c;
+        c.bytes.resize(clen);
+        r.ReadChunk(e, chunk, c.bytes.data(), frame_, hash_piece_);  // kept only when read and checked
+        c.rank = rank, c.entry = entry, c.chunk = chunk;
+        cache_.push_back(std::move(c));
+        hit = &cache_.back();
+      }
+      hit->used = ++clock_;
+      std::memcpy(out, hit->bytes.data() + (pos - c0), take);
     }
     out += take;
     pos += take;

@@ -332,6 +332,10 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   auto target_of = [&](const LayoutSpec* src) {
     LayoutSpec t;
     t.kind = o.kind ? *o.kind : src ? src->kind : LayoutKind::kFsdp2;
+    if (t.kind == LayoutKind::kDTensor) {
+      Fail(ErrorCode::kUnsupported, "relayout into a DTensor layout is not supported yet: give --layout "
+                                    "fsdp2 or fsdp1, or convert the source with --mesh and --plan");
+    }
     t.world_size = o.world_size;
     t.dtype = src ? src->dtype : "keep";
     const bool same_kind = src && src->kind == t.kind;

@@ -442,7 +442,7 @@ class Verifier {
                     o_.source->string() + " is " + Hex16(ckpt_->fingerprint.fingerprint) +
                     " (another checkpoint, or it changed)");
       }
-      if (h0.kind == LayoutKind::kFsdp2) {
+      if (h0.kind != LayoutKind::kFsdp1) {  // FSDP2 and DTensor layouts hold every tensor
         for (const auto& t : names->tensors) {
           if (!names0.count(t.name)) {
             Problem(readers.front().path(), t.name, "source tensor missing from the layout");

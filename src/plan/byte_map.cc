@@ -175,7 +175,174 @@ uint64_t FillDequantMxfp4(const EntrySegment& s, const SourceTensor& blocks, con
   return read_bytes;
 }
 
+// DTensor entries: the local tensor of the entry's mesh coordinate (rank, row-major).
+void MapDTensor(const TensorEntry& e, uint32_t world_size, uint32_t rank, const std::string& what,
+                EntryMap& m) {
+  const DTensorSharding& s = *e.dtensor;
+  MeshSpec mesh;
+  mesh.shape = s.mesh_shape;
+  if (s.mesh_shape.empty() || mesh.Size() != world_size) {
+    Fail(ErrorCode::kDataLoss, what + ": a mesh of " + std::to_string(mesh.Size()) +
+                                   " ranks in a layout of world size " + std::to_string(world_size));
+  }
+  std::vector<IndexRuns> dims;
+  try {
+    dims = DTensorLocalIndices(e.global_shape, s, s.mesh_shape, mesh.Coordinate(rank), what);
+  } catch (const Error& err) {
+    Fail(ErrorCode::kDataLoss, err.what());
+  }
+  std::vector<uint64_t> want(dims.size());
+  for (size_t d = 0; d < dims.size(); ++d) want[d] = CountOf(dims[d]);
+  if (want != e.local_shape) {
+    Fail(ErrorCode::kDataLoss, what + ": local_shape does not match its placements on the mesh");
+  }
+  if (Info(e.dtype).bits % 8 != 0) {
+    Fail(ErrorCode::kUnsupported, what + ": " + std::string(Name(e.dtype)) +
+                                      " elements are not whole bytes; DTensor layouts need them");
+  }
+  DTensorSegments(e.name, e.global_shape, dims, 0, m.segments);
+}
+
+// Fills `n` elements (entry dtype `to`) from element `e0` of kStrided segment `s`, reading
+// the source in spans: a span grows over the next run while it stays ≤ kStridedSpan bytes and
+// holds at least a quarter wanted bytes, so that a fill reads at most 4× (plus one run) what
+// it needs and few, large requests when the runs are dense. Returns the source bytes read.
+constexpr uint64_t kStridedSpan = 8ull << 20;
+uint64_t FillStrided(const EntrySegment& s, const SourceTensor& t, const SourceRead& read,
+                     uint64_t e0, uint64_t n, DType to, char* dst, std::vector<char>& scratch) {
+  const uint64_t in_item = Info(t.dtype).bits / 8, out_item = Info(to).bits / 8;
+  const uint64_t row = s.RowElements();
+  struct Piece {
+    uint64_t src, len, at;  // source element, elements, position in dst (elements)
+  };
+  std::vector<Piece> batch;
+  uint64_t useful = 0, read_bytes = 0;
+  auto flush = [&] {
+    if (batch.empty()) return;
+    const uint64_t lo = batch.front().src, hi = batch.back().src + batch.back().len;
+    if (batch.size() == 1 && t.dtype == to) {
+      read(t.file_index, t.offset + lo * in_item, (hi - lo) * in_item, dst + batch[0].at * out_item);
+    } else {
+      scratch.resize((hi - lo) * in_item);
+      read(t.file_index, t.offset + lo * in_item, scratch.size(), scratch.data());
+      for (const Piece& p : batch) {
+        const char* from = scratch.data() + (p.src - lo) * in_item;
+        if (t.dtype == to) {
+          std::memcpy(dst + p.at * out_item, from, p.len * in_item);
+        } else {
+          ConvertElements(t.dtype, to, from, dst + p.at * out_item, p.len);
+        }
+      }
+    }
+    read_bytes += (hi - lo) * in_item;
+    batch.clear();
+    useful = 0;
+  };
+  uint64_t k = e0 / row, off = e0 % row;
+  size_t j = 0;
+  while (off >= s.runs[j].length) off -= s.runs[j++].length;
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t src = s.source_element + k * s.stride + s.runs[j].start + off;
+    const uint64_t len = std::min(s.runs[j].length - off, n - done);
+    if (!batch.empty()) {
+      const uint64_t lo = batch.front().src, end = batch.back().src + batch.back().len;
+      const uint64_t total = src + len - lo;
+      if (src < end || total * in_item > kStridedSpan || total > 4 * (useful + len)) flush();
+    }
+    batch.push_back({src, len, done});
+    useful += len;
+    done += len;
+    off = 0;
+    if (++j == s.runs.size()) j = 0, ++k;
+  }
+  flush();
+  return read_bytes;
+}
+
 }  // namespace
+
+uint64_t EntrySegment::RowElements() const {
+  uint64_t n = 0;
+  for (const IndexRun& r : runs) n += r.length;
+  return n;
+}
+
+uint64_t EntrySegment::SourceElementAt(uint64_t i) const {
+  if (kind != Kind::kStrided) return source_element + i;
+  const uint64_t row = RowElements();
+  uint64_t off = i % row;
+  size_t j = 0;
+  while (off >= runs[j].length) off -= runs[j++].length;
+  return source_element + (i / row) * stride + runs[j].start + off;
+}
+
+uint64_t DTensorSegments(const std::string& source, const std::vector<uint64_t>& shape,
+                         const std::vector<IndexRuns>& dims, uint64_t element,
+                         std::vector<EntrySegment>& out) {
+  struct Dim {
+    uint64_t n;
+    IndexRuns runs;
+  };
+  std::vector<Dim> f;
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (dims[d].empty()) return 0;  // an empty local tensor
+    f.push_back({shape[d], dims[d]});
+  }
+  if (f.empty()) f.push_back({1, {{0, 1}}});  // a 0-dim tensor: its one element
+  // Fold each whole dim (but the first) into the one before it: [R, C] Shard(0) becomes one
+  // dim of R·C elements cut into one run.
+  for (size_t d = f.size(); d-- > 1;) {
+    const bool whole = f[d].runs.size() == 1 && f[d].runs[0].start == 0 && f[d].runs[0].length == f[d].n;
+    if (!whole) continue;
+    for (IndexRun& r : f[d - 1].runs) r = {r.start * f[d].n, r.length * f[d].n};
+    f[d - 1].n *= f[d].n;
+    f.erase(f.begin() + d);
+  }
+  uint64_t at = element;
+  auto segment = [&](EntrySegment::Kind kind, uint64_t count, uint64_t first) {
+    EntrySegment s;
+    s.kind = kind;
+    s.element = at;
+    s.count = count;
+    s.source = source;
+    s.source_shape = shape;
+    s.source_element = first;
+    at += count;
+    out.push_back(std::move(s));
+    return &out.back();
+  };
+  if (f.size() == 1) {
+    for (const IndexRun& r : f[0].runs) segment(EntrySegment::Kind::kSource, r.length, r.start);
+    return at - element;
+  }
+  const size_t p = f.size() - 1, q = p - 1;  // the last (cut) dim and the rows' dim
+  const uint64_t row = CountOf(f[p].runs);
+  // Every index of the dims before q, in row-major order (an odometer over their runs).
+  std::vector<size_t> run(q, 0);
+  std::vector<uint64_t> off(q, 0);
+  while (true) {
+    uint64_t base = 0;  // flat index of (outer indices, 0, 0) in units of f[q].n · f[p].n
+    for (size_t d = 0; d < q; ++d) base = base * f[d].n + f[d].runs[run[d]].start + off[d];
+    for (const IndexRun& r : f[q].runs) {
+      EntrySegment* s = segment(EntrySegment::Kind::kStrided, r.length * row,
+                                ((base * f[q].n) + r.start) * f[p].n);
+      s->stride = f[p].n;
+      s->runs = f[p].runs;
+    }
+    bool more = false;
+    for (size_t d = q; d-- > 0 && !more;) {
+      if (++off[d] < f[d].runs[run[d]].length) {
+        more = true;
+      } else if (off[d] = 0; ++run[d] < f[d].runs.size()) {
+        more = true;
+      } else {
+        run[d] = 0;
+      }
+    }
+    if (!more) break;
+  }
+  return at - element;
+}
 
 EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, uint32_t rank,
                   const std::string& path) {
@@ -191,7 +358,9 @@ EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, ui
                                    std::to_string(m.numel) + " elements of " +
                                    std::string(Name(e.dtype)));
   }
-  if (kind == LayoutKind::kFsdp1 && e.flat) {
+  if (e.dtensor) {
+    MapDTensor(e, world_size, rank, what, m);
+  } else if (kind == LayoutKind::kFsdp1 && e.flat) {
     MapFlat(e, world_size, rank, what, m);
   } else if (!e.sharded) {
     if (e.local_shape != e.global_shape) {
@@ -265,7 +434,7 @@ std::string CheckSources(const EntryMap& map, const SourceLookup& find) {
       }
       continue;
     }
-    if (s.kind != EntrySegment::Kind::kSource) continue;
+    if (!s.IsSourced()) continue;
     const SourceTensor* t = find(s.source);
     if (!t) return "source tensor " + s.source + " is not in the source";
     if (t->shape != s.source_shape) return "source tensor " + s.source + " has another shape";
@@ -314,6 +483,17 @@ uint64_t FillEntry(const EntryMap& map, const SourceLookup& find, const SourceRe
                                      (b - a) / item, map.dtype, dst, scratch);
       continue;
     }
+    if (s.kind == EntrySegment::Kind::kStrided) {
+      const uint64_t first = (a - s0) / item, last = CeilDiv(b - s0, item);  // whole elements
+      if (first * item == a - s0 && last * item == b - s0) {
+        read_bytes += FillStrided(s, *t, read, first, last - first, map.dtype, dst, scratch);
+      } else {  // a range that cuts elements (a byte range of a chunk): through a copy
+        std::vector<char> whole((last - first) * item);
+        read_bytes += FillStrided(s, *t, read, first, last - first, map.dtype, whole.data(), scratch);
+        std::memcpy(dst, whole.data() + (a - s0 - first * item), b - a);
+      }
+      continue;
+    }
     const uint64_t src0 = s.source_element * Info(t->dtype).bits / 8;  // the segment's start
     if (t->dtype == map.dtype) {
       read(t->file_index, t->offset + src0 + (a - s0), b - a, dst);
@@ -334,7 +514,7 @@ std::pair<size_t, uint64_t> FirstSourceByte(const EntryMap& map, const SourceLoo
                                             uint64_t begin) {
   const uint32_t bits = Info(map.dtype).bits;
   for (const EntrySegment& s : map.segments) {
-    if (s.kind != EntrySegment::Kind::kSource && s.kind != EntrySegment::Kind::kDequantFp8 &&
+    if (!s.IsSourced() && s.kind != EntrySegment::Kind::kDequantFp8 &&
         s.kind != EntrySegment::Kind::kDequantMxfp4) {
       continue;
     }
@@ -349,7 +529,7 @@ std::pair<size_t, uint64_t> FirstSourceByte(const EntryMap& map, const SourceLoo
       return {t->file_index, t->offset + e * s.source_shape[1] * s.source_shape[2] * 16};
     }
     const uint64_t skip = begin > s0 ? (begin - s0) * 8 / bits : 0;  // elements before begin
-    return {t->file_index, t->offset + (s.source_element + skip) * Info(t->dtype).bits / 8};
+    return {t->file_index, t->offset + s.SourceElementAt(skip) * Info(t->dtype).bits / 8};
   }
   return {0, 0};
 }
@@ -364,7 +544,8 @@ std::string DescribeEntryByte(const EntryMap& map, uint64_t at) {
                                 : "parameter " + s.source + ", which the model computes at load (zeros here)";
       case EntrySegment::Kind::kPadding: return "padding (42)";
       case EntrySegment::Kind::kSource:
-        return "element " + std::to_string(s.source_element + (e - s.element)) + " of source tensor " +
+      case EntrySegment::Kind::kStrided:
+        return "element " + std::to_string(s.SourceElementAt(e - s.element)) + " of source tensor " +
                s.source;
       case EntrySegment::Kind::kDequantFp8:
         return "element " + std::to_string(s.source_element + (e - s.element)) +

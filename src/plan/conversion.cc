@@ -334,6 +334,10 @@ void ExpandConversion(EntryMap& map, const Conversion& conversion) {
   if (conversion.targets.empty()) return;
   std::vector<EntrySegment> out;
   for (EntrySegment& s : map.segments) {
+    if (s.kind == EntrySegment::Kind::kStrided && conversion.Find(s.source)) {
+      Fail(ErrorCode::kUnsupported, "tensor \"" + map.name + "\": a DTensor box of " + s.source +
+                                        ", which the model manifest builds from other tensors (not yet supported)");
+    }
     const ConversionTarget* t =
         s.kind == EntrySegment::Kind::kSource ? conversion.Find(s.source) : nullptr;
     if (!t) {

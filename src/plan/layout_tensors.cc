@@ -62,11 +62,22 @@ void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
     const RankFileHeader& h = *headers[r];
     for (size_t i = 0; i < h.tensors.size(); ++i) {
       const TensorEntry& e = h.tensors[i];
-      if (r > 0 && !e.sharded && !e.flat) continue;
+      if (e.dtensor) {
+        // One copy of each element: the ranks at coordinate 0 of every mesh dim the entry is
+        // replicated on.
+        const std::vector<uint32_t> c = h.mesh.Coordinate(h.rank);
+        bool copy = false;
+        for (size_t m = 0; m < c.size() && m < e.dtensor->placements.size(); ++m) {
+          copy |= !e.dtensor->placements[m].IsShard() && c[m] != 0;
+        }
+        if (copy) continue;
+      } else if (r > 0 && !e.sharded && !e.flat) {
+        continue;
+      }
       const EntryMap map = MapEntry(e, h.kind, h.world_size, h.rank, paths[r]);
       const uint32_t bits = Info(e.dtype).bits;
       for (const EntrySegment& s : map.segments) {
-        if (s.kind != EntrySegment::Kind::kSource) continue;
+        if (!s.IsSourced()) continue;
         if (!copies.empty() && copies.count({e.name, s.source})) continue;
         auto it = where.find(s.source);
         if (it == where.end()) {
@@ -76,6 +87,16 @@ void DescribeByMaps(const std::vector<const RankFileHeader*>& headers,
         if (loc.dtype != e.dtype || loc.shape != s.source_shape) {
           Fail(ErrorCode::kMismatch, paths[r] + ": tensor \"" + s.source +
                                          "\" is held with another dtype or shape than in " + paths[0]);
+        }
+        if (s.kind == EntrySegment::Kind::kStrided) {  // one piece per run of each row
+          for (uint64_t k = 0, at = s.element; at < s.element + s.count; ++k) {
+            for (const IndexRun& run : s.runs) {
+              loc.pieces.push_back({r, i, at * bits / 8, (s.source_element + k * s.stride + run.start) * bits / 8,
+                                    run.length * bits / 8});
+              at += run.length;
+            }
+          }
+          continue;
         }
         loc.pieces.push_back({r, i, s.element * bits / 8, s.source_element * bits / 8,
                               s.count * bits / 8});

@@ -5,6 +5,7 @@
 
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"
+#include "reshard/format/parallel_plan.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/plan/fsdp1.h"
 
@@ -19,6 +20,7 @@ TensorEntry PlannedEntry(const PlannedTensor& p) {
   e.rows = p.rows;
   e.local_shape = p.local_shape;
   e.flat = p.flat;
+  e.dtensor = p.dtensor;
   return e;
 }
 
@@ -104,16 +106,11 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const Fsdp1P
   return plan;
 }
 
-RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank,
-                  const std::set<std::string>& whole) {
-  if (layout.kind != LayoutKind::kFsdp2) {
-    Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " needs the model's units");
-  }
-  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
-  RankPlan plan;
-  plan.rank = rank;
-  // File order is source order (file, offset): the converter then reads every source file
-  // front to back and writes every rank file front to back.
+namespace {
+
+// File order is source order (file, offset): the converter then reads every source file
+// front to back and writes every rank file front to back.
+std::vector<size_t> SourceOrder(const Checkpoint& ckpt) {
   std::vector<size_t> order(ckpt.tensors.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -123,8 +120,61 @@ RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t ran
     if (x.offset != y.offset) return x.offset < y.offset;
     return a < b;  // tensors sharing bytes (torch archives): name order
   });
+  return order;
+}
+
+}  // namespace
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const ParallelPlan& parallel,
+                  uint32_t rank, const std::set<std::string>& whole, const std::string& plan_path) {
+  if (layout.kind != LayoutKind::kDTensor || layout.mesh.Size() != layout.world_size) {
+    Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " is not a DTensor layout of its mesh");
+  }
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
+  const std::vector<uint32_t> coordinate = layout.mesh.Coordinate(rank);
+  RankPlan plan;
+  plan.rank = rank;
   uint64_t offset = 0;
-  for (size_t i : order) {
+  for (size_t i : SourceOrder(ckpt)) {
+    const SourceTensor& src = ckpt.tensors[i];
+    const std::string what = "tensor \"" + src.name + "\"";
+    PlannedTensor t;
+    t.source_index = i;
+    t.name = src.name;
+    t.source_dtype = src.dtype;
+    t.dtype = StoredDType(src.dtype, policy);
+    if (Info(src.dtype).bits % 8 != 0 || Info(t.dtype).bits % 8 != 0) {
+      Fail(ErrorCode::kUnsupported, what + ": " + std::string(Name(src.dtype)) +
+                                        " elements are not whole bytes; DTensor layouts need them");
+    }
+    t.global_shape = src.shape;
+    t.dtensor = PlanSharding(parallel, layout.mesh, src.name, src.shape.size(), whole.count(src.name) > 0,
+                             plan_path);
+    t.local_shape = DTensorLocalShape(src.shape, *t.dtensor, layout.mesh.shape, coordinate, plan_path + ": " + what);
+    uint64_t numel = 1;
+    for (uint64_t d : t.local_shape) numel = CheckedMul(numel, d, what);
+    t.sharded = false;  // `dtensor` says what the rank holds
+    t.nbytes = CheckedMul(numel, Info(t.dtype).bits / 8, what);
+    t.source_nbytes = CheckedMul(numel, Info(src.dtype).bits / 8, what);
+    t.source_offset = src.offset;  // the tensor's first byte: the map gives the rank's parts
+    t.offset = offset;
+    offset = AlignUp(offset + t.nbytes, kDataAlignment);
+    plan.tensors.push_back(std::move(t));
+  }
+  plan.data_size = offset;
+  return plan;
+}
+
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank,
+                  const std::set<std::string>& whole) {
+  if (layout.kind != LayoutKind::kFsdp2) {
+    Fail(ErrorCode::kInvalidArgument, "layout " + layout.Key() + " needs the model's units");
+  }
+  const DTypePolicy policy = CheckRankAndPolicy(layout, rank);
+  RankPlan plan;
+  plan.rank = rank;
+  uint64_t offset = 0;
+  for (size_t i : SourceOrder(ckpt)) {
     const SourceTensor& src = ckpt.tensors[i];
     PlannedTensor t;
     t.source_index = i;

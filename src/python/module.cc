@@ -22,6 +22,7 @@
 #include "reshard/base/dtype.h"
 #include "reshard/base/error.h"
 #include "reshard/base/human.h"
+#include "reshard/format/dtensor.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/rank_file_format.h"
@@ -32,6 +33,7 @@
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/build_info.h"
 #include "reshard/ops/export.h"
+#include "reshard/plan/byte_map.h"
 #include "reshard/runtime/copier_cache.h"
 #include "reshard/runtime/knobs.h"
 #include "reshard/runtime/loader.h"
@@ -162,6 +164,23 @@ const char* ErrorCodeKey(reshard::ErrorCode code) {
 }
 
 }  // namespace
+
+// A DTensorSharding from torch's placement strings (binding arguments).
+static reshard::DTensorSharding ShardingOf(const std::vector<std::string>& placements,
+                                    const std::vector<uint32_t>& mesh_shape, int fsdp_mesh_dim) {
+  reshard::DTensorSharding s;
+  for (const auto& p : placements) {
+    auto parsed = reshard::ParsePlacement(p);
+    if (!parsed) {
+      reshard::Fail(reshard::ErrorCode::kInvalidArgument,
+                    "placement \"" + p + "\" is not one of R, S(d), _S(d,k)");
+    }
+    s.placements.push_back(*parsed);
+  }
+  s.fsdp_mesh_dim = fsdp_mesh_dim;
+  s.mesh_shape = mesh_shape;
+  return s;
+}
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "reshard native module";
@@ -370,6 +389,22 @@ PYBIND11_MODULE(_C, m) {
         if (!e.flat) return py::none();
         return py::cast(std::const_pointer_cast<reshard::FlatInfo>(e.flat));
       })
+      .def_property_readonly(
+          "placements",
+          [](const reshard::TensorEntry& e) -> py::object {
+            if (!e.dtensor) return py::none();
+            py::list out;
+            for (const auto& p : e.dtensor->placements) out.append(p.ToString());
+            return std::move(out);
+          },
+          "DTensor layouts: one placement per mesh dim ('R', 'S(d)', '_S(d,k)'); None otherwise")
+      .def_property_readonly(
+          "fsdp_mesh_dim",
+          [](const reshard::TensorEntry& e) -> py::object {
+            if (!e.dtensor || e.dtensor->fsdp_mesh_dim < 0) return py::none();
+            return py::cast(e.dtensor->fsdp_mesh_dim);
+          },
+          "DTensor layouts: the mesh dim fully_shard applied last, or None")
       .def("__repr__", [](const reshard::TensorEntry& e) {
         return "TensorInfo(" + e.name + ", " + std::string(reshard::Name(e.dtype)) + ", " +
                std::to_string(e.nbytes) + " bytes)";
@@ -454,6 +489,22 @@ PYBIND11_MODULE(_C, m) {
             return out;
           },
           "The tensors in file order")
+      .def_property_readonly(
+          "mesh",
+          [](const RankFileHandle& f) -> py::object {
+            const reshard::RankFileHeader& h = f.header();
+            if (h.kind != reshard::LayoutKind::kDTensor) return py::none();
+            return py::make_tuple(h.mesh.names, h.mesh.shape);
+          },
+          "DTensor layouts: (dim names, dim sizes) of the device mesh; None otherwise")
+      .def_property_readonly(
+          "coordinate",
+          [](const RankFileHandle& f) -> py::object {
+            const reshard::RankFileHeader& h = f.header();
+            if (h.kind != reshard::LayoutKind::kDTensor) return py::none();
+            return py::cast(h.mesh.Coordinate(h.rank));
+          },
+          "DTensor layouts: this rank's mesh coordinate (row-major); None otherwise")
       .def("header_json", [](const RankFileHandle& f) { return reshard::SerializeHeader(f.header()); })
       .def(
           "load",
@@ -721,8 +772,58 @@ PYBIND11_MODULE(_C, m) {
       "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json. "
       "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout.");
 
+  m.def(
+      "dtensor_local_indices",
+      [](const std::vector<uint64_t>& global_shape, const std::vector<std::string>& placements,
+         const std::vector<uint32_t>& mesh_shape, const std::vector<uint32_t>& coordinate,
+         int fsdp_mesh_dim) {
+        const reshard::DTensorSharding s = ShardingOf(placements, mesh_shape, fsdp_mesh_dim);
+        std::vector<std::vector<std::pair<uint64_t, uint64_t>>> out;
+        for (const auto& runs : reshard::DTensorLocalIndices(global_shape, s, mesh_shape, coordinate, "dtensor")) {
+          out.emplace_back();
+          for (const auto& r : runs) out.back().emplace_back(r.start, r.length);
+        }
+        return out;
+      },
+      py::arg("global_shape"), py::arg("placements"), py::arg("mesh_shape"), py::arg("coordinate"),
+      py::arg("fsdp_mesh_dim") = -1,
+      "Per tensor dim, the (start, length) runs of global indices that the local tensor "
+      "(DTensor.to_local()) of mesh coordinate `coordinate` holds, in order; placements as "
+      "torch's str ('R', 'S(0)', '_S(0,2)'); fsdp_mesh_dim: fully_shard's mesh dim over a TP "
+      "DTensor, applied last (reshard/format/dtensor.h).");
+
   // ---- test and benchmark hooks: not API ------------------------------------------------------
   py::module_ testing = m.def_submodule("_testing", "Test and benchmark hooks of reshard._C (not API).");
+  testing.def(
+      "dtensor_entry_elements",
+      [](const std::vector<uint64_t>& global_shape, const std::vector<std::string>& placements,
+         const std::vector<uint32_t>& mesh_shape, uint32_t rank, int fsdp_mesh_dim) {
+        reshard::TensorEntry e;
+        e.name = "t";
+        e.dtype = reshard::DType::kF32;
+        e.global_shape = global_shape;
+        e.dtensor = ShardingOf(placements, mesh_shape, fsdp_mesh_dim);
+        reshard::MeshSpec mesh;
+        mesh.shape = mesh_shape;
+        for (const auto& runs :
+             reshard::DTensorLocalIndices(global_shape, *e.dtensor, mesh_shape, mesh.Coordinate(rank), "t")) {
+          e.local_shape.push_back(reshard::CountOf(runs));
+        }
+        uint64_t numel = 1;
+        for (uint64_t d : e.local_shape) numel *= d;
+        e.nbytes = numel * 4;
+        const reshard::EntryMap map =
+            reshard::MapEntry(e, reshard::LayoutKind::kDTensor, static_cast<uint32_t>(mesh.Size()), rank, "t");
+        std::vector<uint64_t> elements;
+        for (const auto& seg : map.segments) {
+          for (uint64_t i = 0; i < seg.count; ++i) elements.push_back(seg.SourceElementAt(i));
+        }
+        return py::make_tuple(e.local_shape, elements, map.segments.size());
+      },
+      py::arg("global_shape"), py::arg("placements"), py::arg("mesh_shape"), py::arg("rank"),
+      py::arg("fsdp_mesh_dim") = -1,
+      "(local_shape, source element of each entry element, segments) of the byte map of a DTensor "
+      "entry (MapEntry), for small tensors.");
   testing.def(
       "read_header",
       [](const std::string& path) { return reshard::SerializeHeader(OpenRankFile(path).header()); },

@@ -14,7 +14,8 @@ creates
   OUT_DIR/rank (preamble + header, the data region cut out: the input format of
     fuzz_rank_file.cc) and OUT_DIR/manifest (reshard.json), from RESHARD_BIN (default
     build/reshard) converting those checkpoints: world sizes 1, 2, 3 and 8, raw and zstd,
-    --dtype fp32, and a partial --ranks conversion.
+    --dtype fp32, a partial --ranks conversion and DTensor layouts (--mesh, --plan);
+  OUT_DIR/plan: the parallel plan those DTensor conversions use (fuzz_parallel_plan.cc).
   and hostile-* seeds of issue 25's shapes (write_hostile_shapes): nesting around the JSON
     depth limit, 5,000 tensors, NUL and path names, a pickle MEMOIZE flood.
 Every file is deterministic (seeded); names are the file's role, so reruns overwrite.
@@ -23,6 +24,7 @@ Every file is deterministic (seeded); names are the file's role, so reruns overw
 import collections
 import glob
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -113,15 +115,38 @@ def write_safetensors_and_index(out, work):
     return ckpts
 
 
+# A parallel plan (formats/parallel-plan.md) for tiny_llama: DTensor rank files and manifests,
+# and the seed of fuzz_parallel_plan.cc.
+LLAMA_PLAN = {
+    "format": "reshard.parallel-plan", "format_version": 1, "name": "llama_tp",
+    "fsdp": {"mesh_dim": "dp_shard"},
+    "rules": [
+        {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(1)"}},
+        {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
+        {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
+        {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
+        {"pattern": "model.layers.*.mlp.*_proj.weight", "placements": {"tp": "S(0)"}},
+        {"pattern": "lm_head.weight", "placements": {"tp": "_S(0,2)"}},
+    ],
+}
+
+
 def write_rank_and_manifest(out, work, ckpts, reshard_bin):
     rk = os.path.join(out, "rank")
     mf = os.path.join(out, "manifest")
+    pl = os.path.join(out, "plan")
+    os.makedirs(pl, exist_ok=True)
+    plan = os.path.join(pl, "llama_tp.json")
+    with open(plan, "w") as f:
+        json.dump(LLAMA_PLAN, f, indent=1)
     os.makedirs(rk, exist_ok=True)
     os.makedirs(mf, exist_ok=True)
     runs = [
         ("llama-bf16", [["--world-size", "1"], ["--world-size", "3"],
                         ["--world-size", "2", "--compress", "zstd"],
-                        ["--world-size", "2", "--dtype", "fp32"]]),
+                        ["--world-size", "2", "--dtype", "fp32"],
+                        ["--mesh", "dp_shard=3,tp=2", "--plan", plan],
+                        ["--mesh", "dp_shard=2,tp=2,ep=1", "--plan", plan, "--compress", "zstd"]]),
         ("mixed-sharded", [["--world-size", "8", "--compress", "zstd:1"]]),
         ("gpt2-sharded", [["--world-size", "5", "--ranks", "1-2"]]),
     ]

@@ -118,6 +118,13 @@ BAD_USAGE = {
     "chunk-size-unaligned": ["--world-size", "2", "--chunk-size", "1000"],
     "chunk-size-0": ["--world-size", "2", "--chunk-size", "0"],
     "threads-negative": ["--world-size", "2", "--threads", "-1"],
+    "mesh-size-0": ["--mesh", "dp_shard=0,tp=2", "--plan", "plan.json"],
+    "mesh-not-name-size": ["--mesh", "dp_shard:2", "--plan", "plan.json"],
+    "mesh-dim-twice": ["--mesh", "tp=2,tp=2", "--plan", "plan.json"],
+    "mesh-without-plan": ["--mesh", "dp_shard=2,tp=2"],
+    "plan-without-mesh": ["--world-size", "2", "--plan", "plan.json"],
+    "mesh-and-layout": ["--mesh", "dp_shard=2", "--layout", "fsdp1", "--plan", "plan.json"],
+    "mesh-and-world-size": ["--mesh", "dp_shard=2,tp=2", "--world-size", "3", "--plan", "plan.json"],
 }
 
 

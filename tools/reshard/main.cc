@@ -296,9 +296,17 @@ int RunCli(int argc, char** argv) {
                       "in it (OUT/fsdp2-ws8/, OUT/fsdp2-ws4/, ...)")
       ->required();
   convert->add_option("--world-size", world_size,
-                      "number of shards: the size of the FSDP shard mesh dimension")
-      ->required()
+                      "number of shards: the size of the FSDP shard mesh dimension (required "
+                      "unless --mesh gives it)")
       ->check(CLI::Range(1u, 99999u));
+  std::string convert_mesh, convert_plan;
+  convert->add_option("--mesh", convert_mesh,
+                      "a DTensor layout's device mesh, NAME=SIZE per dim in order, e.g. "
+                      "dp_shard=2,tp=2 (needs --plan); one rank file per mesh coordinate, rank = "
+                      "its row-major index (formats/rank-file.md, DTensor layouts)");
+  convert->add_option("--plan", convert_plan,
+                      "with --mesh: the parallel plan file, parameter-name patterns to DTensor "
+                      "placements per mesh dim (formats/parallel-plan.md)");
   convert->add_option("--layout", layout,
                       "layout kind: fsdp2 (fully_shard: each parameter in dim-0 chunks, the "
                       "torch.chunk rule) or fsdp1 (FullyShardedDataParallel: one flat, padded "
@@ -550,6 +558,28 @@ int RunCli(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    if (*convert) {  // --world-size, or --mesh (and --plan) for a DTensor layout
+      if (!convert_mesh.empty()) {
+        if (convert->count("--layout")) {
+          throw CLI::ValidationError("--mesh", "gives a DTensor layout; --layout does not apply");
+        }
+        try {
+          co.layout.mesh = reshard::ParseMeshFlag(convert_mesh);
+        } catch (const reshard::Error& e) {
+          throw CLI::ValidationError("--mesh", e.what());
+        }
+        if (world_size && world_size != co.layout.mesh.Size()) {
+          throw CLI::ValidationError("--world-size", std::to_string(world_size) + " is not the mesh's " +
+                                                         std::to_string(co.layout.mesh.Size()) + " ranks");
+        }
+        if (convert_plan.empty()) throw CLI::ValidationError("--mesh", "needs --plan FILE (formats/parallel-plan.md)");
+        world_size = static_cast<uint32_t>(co.layout.mesh.Size());
+      } else if (world_size == 0) {
+        throw CLI::RequiredError("--world-size");
+      } else if (!convert_plan.empty()) {
+        throw CLI::ValidationError("--plan", "needs --mesh (a DTensor layout)");
+      }
+    }
   } catch (const CLI::ParseError& e) {
     int rc = app.exit(e);
     return rc == 0 ? 0 : kExitUsage;
@@ -561,6 +591,8 @@ int RunCli(int argc, char** argv) {
       co.source = resolved.path;
       co.out = out;
       co.layout.kind = *reshard::ParseLayoutKind(layout);
+      if (!convert_mesh.empty()) co.layout.kind = reshard::LayoutKind::kDTensor;  // checked above
+      if (!convert_plan.empty()) co.plan_file = convert_plan;
       co.layout.world_size = world_size;
       co.layout.dtype = dtype;
       if (!model_manifest.empty()) co.model_manifest = model_manifest;

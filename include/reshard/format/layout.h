@@ -9,11 +9,14 @@
 #include <string_view>
 #include <vector>
 
+#include "reshard/format/dtensor.h"
+
 namespace reshard {
 
 enum class LayoutKind {
   kFsdp2,  // one DTensor per parameter, Shard(0) (fully_shard)
   kFsdp1,  // one FlatParameter per wrapped unit (FullyShardedDataParallel)
+  kDTensor,  // one DTensor per parameter on a named device mesh, placements from a plan
 };
 
 struct RowRange {
@@ -36,13 +39,20 @@ struct LayoutSpec {
   bool use_orig_params = false;   // alignment padding (fsdp-layouts R17)
   std::string param_dtype;        // MixedPrecision.param_dtype ("", bf16, fp16, fp32); only
                                   // meaningful with use_orig_params (it sets the alignment)
+  // DTensor only (empty otherwise): the device mesh (world_size = its size) and the parallel
+  // plan's identity (formats/parallel-plan.md): its name and the XXH3-64 of its canonical form.
+  MeshSpec mesh;
+  std::string plan_name;
+  uint64_t plan_xxh3 = 0;
 
   /// Directory name and manifest key, e.g. "fsdp2-ws8", "fsdp2-ws8-bf16",
   /// "fsdp1-ws8-LlamaDecoderLayer-orig-pbf16-fp32" (classes joined by '.', or "w<hash>" when
-  /// the list is long).
+  /// the list is long), "dtensor-dp_shard2.tp2-llama_tp.1a2b3c4d" (mesh, plan name and the
+  /// first 8 hex digits of the plan's xxh3).
   std::string Key() const;
   /// The `reshard convert` options that produce this layout ("--world-size 8 --layout fsdp1
-  /// --wrap LlamaDecoderLayer --dtype fp32"): what an error tells the user to run.
+  /// --wrap LlamaDecoderLayer --dtype fp32", "--mesh dp_shard=2,tp=2 --plan llama_tp.json":
+  /// a plan file is named after its plan): what an error tells the user to run.
   std::string ConvertFlags() const;
   std::string KindName() const;
   /// Sorts and dedups `wrap`, drops param_dtype without use_orig_params; checks values.

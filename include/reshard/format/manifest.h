@@ -43,6 +43,9 @@ struct ManifestLayout {
   std::vector<std::string> wrap;  // FSDP1 (LayoutSpec)
   bool use_orig_params = false;
   std::string param_dtype;
+  MeshSpec mesh;  // DTensor (LayoutSpec): mesh, plan_name, plan_xxh3
+  std::string plan_name;
+  uint64_t plan_xxh3 = 0;
   std::string dir;
   std::vector<ManifestRank> ranks;
   bool complete = false;

@@ -11,6 +11,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/base/error.h"
+#include "reshard/format/dtensor.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/source.h"
 
@@ -71,6 +72,9 @@ struct TensorEntry {
   // FSDP1 flat shard: the unit's unsharded layout (global_shape = {flat->numel}, rows the
   // part of [0, numel) in this rank, local_shape = {ceil(numel / W)}). Null otherwise.
   std::shared_ptr<const FlatInfo> flat;
+  // DTensor layouts: the entry's placements (mesh_shape: the header's mesh); nullopt
+  // otherwise. `sharded` and `rows` are unused then (`shard` is written as null).
+  std::optional<DTensorSharding> dtensor;
 
   uint64_t ChunkCount(uint64_t chunk_size) const { return CeilDiv(nbytes, chunk_size); }
 };
@@ -93,7 +97,10 @@ struct RankFileHeader {
   std::vector<std::string> wrap;  // FSDP1: LayoutSpec::wrap, use_orig_params, param_dtype
   bool use_orig_params = false;
   std::string param_dtype;
-  uint32_t rank = 0;
+  MeshSpec mesh;  // DTensor: LayoutSpec::mesh, plan_name, plan_xxh3
+  std::string plan_name;
+  uint64_t plan_xxh3 = 0;
+  uint32_t rank = 0;  // DTensor: its mesh coordinate is mesh.Coordinate(rank) (`coordinate`)
   SourceFingerprint source;
   uint64_t chunk_size = kDefaultChunkSize;
   std::vector<TensorEntry> tensors;

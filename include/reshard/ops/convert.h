@@ -20,6 +20,9 @@ struct ConvertOptions {
   /// FSDP1 layouts: the model manifest (formats/model-manifest.md). When unset, SOURCE/ and
   /// then OUT/reshard-model.json are used. layout.wrap empty: the manifest's no_split_modules.
   std::optional<std::filesystem::path> model_manifest;
+  /// DTensor layouts (layout.kind kDTensor, layout.mesh set): the parallel plan file
+  /// (formats/parallel-plan.md); its name and xxh3 complete the layout.
+  std::optional<std::filesystem::path> plan_file;
   std::optional<std::pair<uint32_t, uint32_t>> ranks;  // inclusive range; all when unset
   unsigned threads = 0;                                 // 0: hardware concurrency
   Codec codec = Codec::kRaw;

@@ -16,6 +16,7 @@
 
 #include "reshard/base/dtype.h"
 #include "reshard/format/checkpoint.h"
+#include "reshard/format/dtensor.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/rank_file_format.h"
 
@@ -25,11 +26,15 @@ namespace reshard {
 /// on, holding source tensor `source`'s elements [source_element, source_element + count)
 /// (row-major), or padding: FSDP1's 42 inside a flat parameter, zeros past its end, and zeros
 /// where a flat parameter holds a parameter the model computes at load (`source`: its FQN).
+/// kStrided (DTensor layouts): the `count` elements are rows of `row` = Σ runs[j].length
+/// elements; row k holds source elements [source_element + k·stride + runs[j].start, ... +
+/// runs[j].length) for each run j in order (a box of a Shard(1) tensor: one run per row, every
+/// `stride` elements). Only for dtypes of whole bytes.
 /// kDequantFp8: the same elements of F8_E4M3 `source` ([..., R, C]) dequantized as
 /// transformers' Fp8Dequantize: float32(weight) × float32 scale of its block (F32 `scale`,
 /// [..., ceil(R/block_rows), ceil(C/block_cols)]), rounded once to the entry's dtype.
 struct EntrySegment {
-  enum class Kind : uint8_t { kSource, kPadding, kZero, kDequantFp8, kDequantMxfp4 };
+  enum class Kind : uint8_t { kSource, kPadding, kZero, kDequantFp8, kDequantMxfp4, kStrided };
   Kind kind = Kind::kSource;
   uint64_t element = 0;
   uint64_t count = 0;
@@ -39,6 +44,14 @@ struct EntrySegment {
   std::string scale;                   // kDequant*: the scale tensor's name
   std::vector<uint64_t> scale_shape;   // kDequant*: the shape it must have
   uint64_t block_rows = 0, block_cols = 0;  // kDequantFp8
+  uint64_t stride = 0;                 // kStrided: source elements from one row to the next
+  std::vector<IndexRun> runs;          // kStrided: one row's runs, relative to the row's start
+
+  bool IsSourced() const { return kind == Kind::kSource || kind == Kind::kStrided; }
+  /// kStrided: elements of one row.
+  uint64_t RowElements() const;
+  /// kSource, kStrided: the source element that element `i` (< count) of the segment holds.
+  uint64_t SourceElementAt(uint64_t i) const;
 };
 
 /// Where the bytes of one entry come from. Element e of the entry is bits [e·b, (e+1)·b) of
@@ -55,11 +68,23 @@ struct EntryMap {
 /// FSDP2 (and whole entries of any kind): one segment, rows [start, end) of dim 0 being the
 /// source's elements [start·R, end·R) (R elements per row), a whole entry all of it; FSDP1
 /// flat entries: the rank's part [r·c, (r+1)·c) of the flat parameter, each original
-/// parameter's elements where it lies, padding between and after. Throws kDataLoss naming
+/// parameter's elements where it lies, padding between and after. DTensor entries (`dtensor`
+/// set): the elements of DTensorLocalIndices (reshard/format/dtensor.h) for the rank's mesh
+/// coordinate, as few segments as the boxes allow (DTensorSegments). Throws kDataLoss naming
 /// `path` when the entry's fields do not fit (rows outside the global shape, sizes that
 /// disagree, segment starts inside a byte).
 EntryMap MapEntry(const TensorEntry& e, LayoutKind kind, uint32_t world_size, uint32_t rank,
                   const std::string& path);
+
+/// The segments of a local tensor holding `dims` (DTensorLocalIndices) of source tensor
+/// `source` of shape `shape`, appended to `out` from entry element `element` on: trailing
+/// whole dims are folded into the last cut one, a tensor cut only on its leading (folded) dim
+/// is kSource segments (one per run: FSDP2's Shard(0) is one), anything else kStrided
+/// segments, one per run of the next-to-last folded dim and index of the dims before it (a
+/// [R, C] Shard(1) box is one segment). Returns the elements appended.
+uint64_t DTensorSegments(const std::string& source, const std::vector<uint64_t>& shape,
+                         const std::vector<IndexRuns>& dims, uint64_t element,
+                         std::vector<EntrySegment>& out);
 
 /// Reads exactly `size` bytes at absolute offset `offset` of source file `file_index`
 /// (Checkpoint::files order) into `dst`; a short read throws kDataLoss.

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -34,6 +35,9 @@ struct PlannedTensor {
   // FSDP1 flat shards: the unit (shared by the plans of every rank); source_* then describe
   // the first source bytes and the bytes come from the entry's byte map.
   std::shared_ptr<const FlatInfo> flat;
+  // DTensor layouts: the tensor's placements on the mesh (every tensor has them; a whole one
+  // is Replicate everywhere); local_shape and nbytes are its local tensor's.
+  std::optional<DTensorSharding> dtensor;
 
   bool converted() const { return dtype != source_dtype; }
 };
@@ -55,6 +59,15 @@ struct RankPlan {
 /// persistent buffers), besides 0-dim ones.
 RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, uint32_t rank,
                   const std::set<std::string>& whole = {});
+
+struct ParallelPlan;  // reshard/format/parallel_plan.h
+/// DTensor layouts: every tensor in source order, holding the local tensor of rank `rank`'s
+/// mesh coordinate under the placements `plan` gives it on layout.mesh (PlanSharding; `whole`:
+/// the model's persistent buffers, Replicate everywhere). Throws kInvalidArgument (naming
+/// `plan_path`) for a plan that does not fit a tensor, kUnsupported for dtypes of less than
+/// a byte.
+RankPlan PlanRank(const Checkpoint& ckpt, const LayoutSpec& layout, const ParallelPlan& plan,
+                  uint32_t rank, const std::set<std::string>& whole, const std::string& plan_path);
 
 struct Fsdp1Plan;  // fsdp1.h
 /// FSDP1: the rank's flat shards (one per unit, in unit construction order) followed by the

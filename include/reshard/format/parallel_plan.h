@@ -1,0 +1,56 @@
+// Parallel plans (formats/parallel-plan.md): which DTensor placements each parameter gets on a
+// named device mesh. Rules map parameter-name patterns to placements per mesh dim (what a
+// transformers `base_model_tp_plan` or torchtitan's Llama plan says), and an optional fsdp
+// member says which mesh dim fully_shard shards over. Bytes <-> structs; no file opened.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "reshard/format/dtensor.h"
+
+namespace reshard {
+
+inline constexpr std::string_view kParallelPlanFormatName = "reshard.parallel-plan";
+inline constexpr uint32_t kParallelPlanVersion = 1;
+
+struct PlanRule {
+  std::string pattern;  // '*' matches one or more characters other than '.'; the rest literally
+  std::vector<std::pair<std::string, Placement>> placements;  // mesh dim name -> placement
+};
+
+struct ParallelPlan {
+  std::string name;                 // [A-Za-z0-9_]{1,64}: part of the layout key
+  std::optional<std::string> fsdp_mesh_dim;  // fully_shard's mesh dim name
+  uint32_t fsdp_dim = 0;            // the tensor dim fully_shard shards (Shard(0) by default)
+  std::vector<PlanRule> rules;      // first match wins
+  uint64_t xxh3 = 0;                // XXH3-64 of the canonical form (CanonicalPlanJson)
+};
+
+/// Parses and checks a plan file's text. Throws kDataLoss "<path>: <field>: found ..., expected
+/// ..." for anything malformed (unknown keys included).
+ParallelPlan ParseParallelPlan(std::string_view text, const std::string& path);
+
+/// The plan as compact JSON with sorted keys: what its xxh3 hashes (formatting and key order of
+/// the file do not change a layout's identity; rule order does).
+std::string CanonicalPlanJson(const ParallelPlan& plan);
+
+/// Whether `name` matches `pattern` (PlanRule::pattern).
+bool PlanPatternMatches(std::string_view pattern, std::string_view name);
+
+/// The sharding of tensor `name` (`ndim` dims) on `mesh` by `plan`: the first matching rule's
+/// placements (Replicate on mesh dims it does not name; no rule: Replicate everywhere), and on
+/// the fsdp mesh dim what fully_shard
+/// records: Shard(fsdp_dim), or _StridedShard(fsdp_dim, k) when the other placements already
+/// cut that dim into k pieces (fsdp_mesh_dim set). 0-dim tensors and `whole` ones (the
+/// model's buffers: neither TP nor FSDP2 shards them) are Replicate everywhere. Throws kInvalidArgument naming the plan's
+/// `path`, the rule and the tensor when a rule names a mesh dim the mesh lacks (or the fsdp
+/// one), or a tensor dim the tensor lacks.
+DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std::string_view name,
+                             size_t ndim, bool whole, const std::string& path);
+
+}  // namespace reshard

@@ -1,0 +1,175 @@
+#include "reshard/format/parallel_plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include "format/json_util.h"
+#include "reshard/base/checksum.h"
+#include "reshard/base/error.h"
+
+namespace reshard {
+
+using internal::Describe;
+using internal::GetArray;
+using internal::GetString;
+using internal::GetU64;
+using internal::Member;
+using nlohmann::json;
+
+namespace {
+
+void OnlyKeys(const json& obj, std::initializer_list<std::string_view> keys, const std::string& path,
+              const std::string& field) {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    bool known = false;
+    for (std::string_view k : keys) known |= it.key() == k;
+    if (!known) {
+      std::string list;
+      for (std::string_view k : keys) list += (list.empty() ? "" : ", ") + std::string(k);
+      FailField(path, field + "." + Printable(it.key()), "an unknown key", "one of " + list);
+    }
+  }
+}
+
+bool ValidPattern(std::string_view p) {
+  if (p.empty() || p.size() > 1024) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const unsigned char c = p[i];
+    if (c < 0x21 || c == 0x7f) return false;                  // no spaces or control characters
+    if (c == '*' && i + 1 < p.size() && p[i + 1] == '*') return false;  // "**" means nothing more
+  }
+  return true;
+}
+
+}  // namespace
+
+bool PlanPatternMatches(std::string_view p, std::string_view n) {
+  // Backtracking over '*' (each '*' matches 1+ characters other than '.'); patterns are short.
+  if (p.empty()) return n.empty();
+  if (p[0] != '*') return !n.empty() && n[0] == p[0] && PlanPatternMatches(p.substr(1), n.substr(1));
+  for (size_t k = 1; k <= n.size() && n[k - 1] != '.'; ++k) {
+    if (PlanPatternMatches(p.substr(1), n.substr(k))) return true;
+  }
+  return false;
+}
+
+ParallelPlan ParseParallelPlan(std::string_view text, const std::string& path) {
+  json j = internal::ParseStrictJson(text, path, "parallel plan");
+  if (!j.is_object()) FailField(path, "plan", Describe(j), "a JSON object");
+  OnlyKeys(j, {"format", "format_version", "name", "fsdp", "rules"}, path, "plan");
+  const std::string format = GetString(Member(j, "format", path, "plan"), path, "format");
+  if (format != kParallelPlanFormatName) {
+    FailField(path, "format", "\"" + Printable(format) + "\"", "\"reshard.parallel-plan\"");
+  }
+  const uint64_t version = GetU64(Member(j, "format_version", path, "plan"), path, "format_version");
+  if (version != kParallelPlanVersion) FailField(path, "format_version", std::to_string(version), "1");
+  ParallelPlan plan;
+  plan.name = GetString(Member(j, "name", path, "plan"), path, "name");
+  if (plan.name.empty() || plan.name.size() > 64 ||
+      plan.name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
+          std::string::npos) {
+    FailField(path, "name", "\"" + Printable(plan.name) + "\"", "1 to 64 of [A-Za-z0-9_]");
+  }
+  if (j.contains("fsdp") && !j["fsdp"].is_null()) {
+    const json& f = internal::GetObject(j["fsdp"], path, "fsdp");
+    OnlyKeys(f, {"mesh_dim", "dim"}, path, "fsdp");
+    plan.fsdp_mesh_dim = GetString(Member(f, "mesh_dim", path, "fsdp"), path, "fsdp.mesh_dim");
+    if (f.contains("dim")) {
+      const uint64_t d = GetU64(f["dim"], path, "fsdp.dim");
+      if (d > 64) FailField(path, "fsdp.dim", std::to_string(d), "a tensor dim (0 to 64)");
+      plan.fsdp_dim = static_cast<uint32_t>(d);
+    }
+  }
+  const json& rules = GetArray(Member(j, "rules", path, "plan"), path, "rules");
+  for (size_t i = 0; i < rules.size(); ++i) {
+    const std::string f = "rules[" + std::to_string(i) + "]";
+    const json& r = internal::GetObject(rules[i], path, f);
+    OnlyKeys(r, {"pattern", "placements"}, path, f);
+    PlanRule rule;
+    rule.pattern = GetString(Member(r, "pattern", path, f), path, f + ".pattern");
+    if (!ValidPattern(rule.pattern)) {
+      FailField(path, f + ".pattern", "\"" + Printable(rule.pattern) + "\"",
+                "a parameter name with '*' for one dotted component's characters (no spaces, no \"**\")");
+    }
+    const json& pl = internal::GetObject(Member(r, "placements", path, f), path, f + ".placements");
+    for (auto it = pl.begin(); it != pl.end(); ++it) {
+      const std::string pf = f + ".placements." + Printable(it.key());
+      const std::string t = GetString(it.value(), path, pf);
+      const auto p = ParsePlacement(t);
+      if (!p) FailField(path, pf, "\"" + Printable(t) + "\"", "\"R\", \"S(d)\" or \"_S(d,k)\"");
+      if (plan.fsdp_mesh_dim && it.key() == *plan.fsdp_mesh_dim) {
+        FailField(path, pf, "a placement on fsdp's mesh dim", "none: fully_shard places it");
+      }
+      rule.placements.emplace_back(it.key(), *p);
+    }
+    plan.rules.push_back(std::move(rule));
+  }
+  plan.xxh3 = Xxh3(CanonicalPlanJson(plan));
+  return plan;
+}
+
+std::string CanonicalPlanJson(const ParallelPlan& plan) {
+  json j;  // nlohmann::json keeps keys sorted
+  j["format"] = kParallelPlanFormatName;
+  j["format_version"] = kParallelPlanVersion;
+  j["name"] = plan.name;
+  if (plan.fsdp_mesh_dim) j["fsdp"] = {{"mesh_dim", *plan.fsdp_mesh_dim}, {"dim", plan.fsdp_dim}};
+  json rules = json::array();
+  for (const PlanRule& r : plan.rules) {
+    json p = json::object();
+    for (const auto& [dim, placement] : r.placements) p[dim] = placement.ToString();
+    rules.push_back({{"pattern", r.pattern}, {"placements", std::move(p)}});
+  }
+  j["rules"] = std::move(rules);
+  return j.dump();
+}
+
+DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std::string_view name,
+                             size_t ndim, bool whole, const std::string& path) {
+  DTensorSharding s;
+  s.mesh_shape = mesh.shape;
+  s.placements.assign(mesh.ndim(), Placement::Replicate());
+  const std::string tensor = "tensor \"" + Printable(name) + "\"";
+  int fsdp = -1;
+  if (plan.fsdp_mesh_dim) {
+    fsdp = mesh.Find(*plan.fsdp_mesh_dim);
+    if (fsdp < 0) {
+      Fail(ErrorCode::kInvalidArgument, path + ": fsdp.mesh_dim \"" + *plan.fsdp_mesh_dim +
+                                            "\" is not a dim of the mesh " + mesh.Flag());
+    }
+  }
+  if (ndim == 0 || whole) return s;  // 0-dim tensors and buffers: whole on every rank
+  for (size_t i = 0; i < plan.rules.size(); ++i) {
+    const PlanRule& r = plan.rules[i];
+    if (!PlanPatternMatches(r.pattern, name)) continue;
+    for (const auto& [dim, p] : r.placements) {
+      const int m = mesh.Find(dim);
+      if (m < 0) {
+        Fail(ErrorCode::kInvalidArgument, path + ": rules[" + std::to_string(i) + "] (" + r.pattern +
+                                              ") places " + tensor + " on mesh dim \"" + dim +
+                                              "\", which the mesh " + mesh.Flag() + " lacks");
+      }
+      if (p.IsShard() && p.dim >= ndim) {
+        Fail(ErrorCode::kInvalidArgument, path + ": rules[" + std::to_string(i) + "] (" + r.pattern +
+                                              ") gives " + tensor + " of " + std::to_string(ndim) +
+                                              " dims the placement " + p.ToString());
+      }
+      s.placements[m] = p;
+    }
+    break;
+  }
+  if (fsdp >= 0) {
+    if (plan.fsdp_dim >= ndim) {
+      Fail(ErrorCode::kInvalidArgument, path + ": fsdp.dim " + std::to_string(plan.fsdp_dim) + " of " +
+                                            tensor + ", which has " + std::to_string(ndim) + " dims");
+    }
+    uint64_t k = 1;  // FSDPParam: split_factor = the DTensor spec's num_shards_map[shard dim]
+    for (size_t m = 0; m < mesh.ndim(); ++m) {
+      if (s.placements[m].IsShard() && s.placements[m].dim == plan.fsdp_dim) k *= mesh.shape[m];
+    }
+    s.placements[fsdp] = k > 1 ? Placement::StridedShard(plan.fsdp_dim, k) : Placement::Shard(plan.fsdp_dim);
+    s.fsdp_mesh_dim = fsdp;
+  }
+  return s;
+}
+
+}  // namespace reshard
