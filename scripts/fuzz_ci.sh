@@ -26,7 +26,7 @@ SECS=${RESHARD_FUZZ_SECONDS:-40}
 JOBS=${RESHARD_FUZZ_JOBS:-1}
 PARALLEL=${RESHARD_FUZZ_PARALLEL:-$(nproc)}
 SEEDS=${RESHARD_FUZZ_SEEDS:-$BUILD/seeds}
-TARGETS=${RESHARD_FUZZ_TARGETS:-"safetensors_header index_json rank_file manifest torch_pickle zip_directory"}
+TARGETS=${RESHARD_FUZZ_TARGETS:-"safetensors_header index_json rank_file manifest torch_pickle zip_directory parallel_plan"}
 REGRESSIONS=$ROOT/tests/fuzz/regressions
 
 # target -> seed subdirectory, dictionary, -max_len
