@@ -326,6 +326,15 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
                                    "reshard.empty_model(OUT, peft_config=...))")
     hf_model = names.inner if names is not None else model
     rename = names.base_name if names is not None else _identity
+    from .load_dtensor import dtensor_job, load_dtensor
+
+    dt_job = dtensor_job(model)
+    if dt_job is not None:  # tensor / expert parallel on a mesh of several dims
+        if names is not None:
+            raise UnsupportedError("a PEFT model on a DTensor mesh of several dims: reshard loads PEFT "
+                                   "models under FSDP2 (fully_shard) or unsharded")
+        return load_dtensor(model, out, dt_job, threads=threads, verify=verify, io=io,
+                            strict_buffers=strict_buffers)
     world_size, coord = shard_coordinate(model)
     if world_size == 1 and hasattr(hf_model, "tie_weights"):
         # nn.Module.to_empty gives each module its own new parameter, silently untying

@@ -1,0 +1,200 @@
+"""reshard.load of a DTensor job: parameters placed on a device mesh of several dims (FSDP2
+over tensor parallel, expert parallel, any Shard / _StridedShard / Replicate), loaded from a
+DTensor layout of OUT (`reshard convert --mesh ... --plan ...`, formats/rank-file.md,
+*DTensor layouts*). Each parameter's live placements, the mesh dim fully_shard applied and the
+rank's mesh coordinate are read from the DTensor itself and checked against the file before
+any byte moves; the local tensors are then filled in place as an FSDP2 load fills its shards."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .engine import LoadReport, open_rank_file
+from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
+from .layout import layout_rank_file, read_manifest
+from .model import clean_name
+
+
+def placement_name(pl) -> str:
+    """A torch placement as rank files write it: "R", "S(d)", "_S(d,k)"."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(pl, _StridedShard):
+        return f"_S({pl.dim},{pl.split_factor})"
+    if isinstance(pl, Shard):
+        return f"S({pl.dim})"
+    if isinstance(pl, Replicate):
+        return "R"
+    raise UnsupportedError(f"placement {pl}: reshard loads Shard, _StridedShard and Replicate placements")
+
+
+def _fsdp2_shaped(p) -> bool:
+    """An FSDP2 / HSDP parameter the plain FSDP2 path loads: one Shard(0), Replicate elsewhere."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    shards = [pl for pl in p.placements if pl.is_shard()]
+    return (len(shards) == 1 and shards[0].dim == 0 and not isinstance(shards[0], _StridedShard) and
+            all(pl.is_shard() or pl.is_replicate() for pl in p.placements))
+
+
+@dataclasses.dataclass
+class DTensorJob:
+    names: Tuple[str, ...]        # the mesh's dim names
+    shape: Tuple[int, ...]        # its dim sizes
+    coordinate: Tuple[int, ...]   # this rank's
+    rank: int                     # row-major index of the coordinate: the rank file's rank
+    fsdp_dims: Dict[int, int]     # id(parameter) -> the mesh dim fully_shard sharded it over
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def mesh_flag(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.shape))
+
+
+def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
+    """The job's mesh when some parameter is placed other than FSDP2 / HSDP do (Shard(0) over
+    one mesh dim): the largest mesh of the model's DTensor parameters (fully_shard over a TP
+    model leaves parameters TP did not touch on the data-parallel mesh alone). None for an
+    FSDP2, HSDP or unsharded job."""
+    from torch.distributed.tensor import DTensor
+
+    dts = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not dts or all(_fsdp2_shaped(p) for p in dts):
+        return None
+    mesh = max((p.device_mesh for p in dts), key=lambda m: m.ndim)
+    names = mesh.mesh_dim_names
+    if not names:
+        raise UnsupportedError("a DTensor job whose device mesh has no dim names: name them "
+                               "(init_device_mesh(..., mesh_dim_names=(...))), as the layout key does")
+    coordinate = tuple(mesh.get_coordinate() or ())
+    if len(coordinate) != mesh.ndim:
+        raise InvalidArgumentError("this process is not in the parameters' device mesh")
+    rank = 0
+    for c, s in zip(coordinate, mesh.shape):
+        rank = rank * s + c
+    return DTensorJob(tuple(names), tuple(mesh.shape), coordinate, rank, _fsdp_mesh_dims(model, names))
+
+
+def _fsdp_mesh_dims(model: nn.Module, names) -> Dict[int, int]:
+    """id(sharded parameter) -> the index in `names` of the mesh dim fully_shard sharded it over."""
+    out: Dict[int, int] = {}
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return out
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fp in group.fsdp_params:
+            info = fp.mesh_info
+            dim_names = info.mesh.mesh_dim_names or ()
+            shard_name = dim_names[info.shard_mesh_dim] if info.shard_mesh_dim is not None and dim_names else None
+            if shard_name in names:
+                out[id(fp.sharded_param)] = list(names).index(shard_name)
+    return out
+
+
+def live_placements(job: DTensorJob, name: str, p) -> Tuple[List[str], Optional[int]]:
+    """Parameter `p`'s placements on the job's whole mesh ("R" on the dims its own mesh lacks)
+    and the mesh dim fully_shard applied (None when it did not shard it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return ["R"] * len(job.names), None
+    own = p.device_mesh.mesh_dim_names or ()
+    if not own or any(n not in job.names for n in own):
+        raise UnsupportedError(f"parameter {name}: on a mesh of dims {list(own)}, the job's mesh has "
+                               f"{list(job.names)}")
+    for n, s in zip(own, p.device_mesh.shape):
+        if job.shape[job.names.index(n)] != s:
+            raise UnsupportedError(f"parameter {name}: mesh dim {n} of size {s}, the job's has "
+                                   f"{job.shape[job.names.index(n)]}")
+    full = ["R"] * len(job.names)
+    for n, pl in zip(own, p.placements):
+        full[job.names.index(n)] = placement_name(pl)
+    return full, job.fsdp_dims.get(id(p))
+
+
+def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify, io,
+                 strict_buffers) -> LoadReport:
+    from .load import file_key, finish_load, param_target, plan_buffers
+
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise NotFoundError(f"{out}: no reshard.json (not a reshard output directory)")
+    mesh = {"names": list(job.names), "shape": list(job.shape)}
+    keys = sorted(k for k, v in manifest.get("layouts", {}).items()
+                  if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh)
+    command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
+               "(the parallel plan of this job, formats/parallel-plan.md)")
+    if not keys:
+        have = ", ".join(sorted(manifest.get("layouts", {}))) or "none"
+        raise LayoutMismatchError(f"{out}: no DTensor layout for the mesh {job.mesh_flag()} of this job "
+                                  f"(layouts: {have}). Create one with: {command}")
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    reasons = []
+    for key in keys:
+        path = layout_rank_file(out, key, job.rank, job.world_size, manifest)
+        rank_file = open_rank_file(path)
+        if tuple(rank_file.coordinate or ()) != job.coordinate:
+            raise LayoutMismatchError(f"{path}: holds mesh coordinate {rank_file.coordinate}, this rank is at "
+                                      f"{list(job.coordinate)}")
+        entries = {t.name: t for t in rank_file.tensors}
+        why = None
+        for name, p in params.items():
+            k = file_key(name, entries, prefix)
+            if k is None:
+                why = f"parameter {name} is not in {path}"
+                break
+            live, fsdp_dim = live_placements(job, name, p)
+            e = entries[k]
+            if list(e.placements or []) != live or (fsdp_dim is not None and e.fsdp_mesh_dim != fsdp_dim):
+                why = (f"parameter {name}: placements {live} (fully_shard over mesh dim "
+                       f"{'none' if fsdp_dim is None else job.names[fsdp_dim]}) in the model, "
+                       f"{list(e.placements or [])} (fsdp mesh dim "
+                       f"{'none' if e.fsdp_mesh_dim is None else job.names[e.fsdp_mesh_dim]}) in {path}")
+                break
+        if why is None:
+            return _load_file(model, rank_file, key, job, entries, params, prefix, path, command,
+                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers,
+                              file_key=file_key, finish_load=finish_load, param_target=param_target,
+                              plan_buffers=plan_buffers)
+        reasons.append(f"{key}: {why}")
+    raise LayoutMismatchError(f"{out}: no DTensor layout matches this job ({'; '.join(reasons)}). "
+                              f"Convert with this job's plan: {command}")
+
+
+def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
+               io, strict_buffers, file_key, finish_load, param_target, plan_buffers) -> LoadReport:
+    direct, converted = [], []
+    used = set()
+    device_index = None
+    for name, p in params.items():
+        k = file_key(name, entries, prefix)
+        used.add(k)
+        kind, t, device_index = param_target(name, p, k, entries[k], path, command, device_index)
+        if kind == "direct":
+            direct.append(t)
+        elif kind == "converted":
+            converted.append(t)
+    buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
+    with torch.no_grad():
+        report = finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
+                             buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                             strict_buffers=strict_buffers,
+                             source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")
+    return report

@@ -1,0 +1,87 @@
+"""One rank of a DTensor job (torchrun, gloo, CPU): a Llama built by reshard.empty_model on the
+meta device, tensor parallel over mesh dim `tp` (torch's ColwiseParallel / RowwiseParallel, the
+plan of tests/python/test_dtensor_load.py's plan file), fully_shard over `dp_shard` on every
+decoder layer and the root, to_empty, then:
+
+1. reshard.load of OUT_OTHER, which holds only a layout of another plan: must be refused before
+   any byte moves, naming the parameter, both placements and the convert command;
+2. reshard.load of OUT: every parameter's full_tensor() and every buffer bit-equal to
+   from_pretrained(SRC) (the independent reference).
+
+Writes RESULT/rank-<r>.json."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import reshard
+
+
+def bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def main():
+    src, out, out_other, mesh_spec, result = sys.argv[1:6]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dims = [kv.split("=") for kv in mesh_spec.split(",")]
+    mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    model = reshard.empty_model(out)
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+    if "dp_shard" in mesh.mesh_dim_names:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+    model.to_empty(device="cpu")
+    rec = {"rank": rank}
+    try:
+        reshard.load(model, out_other)
+        rec["other"] = "loaded"
+    except reshard.LayoutMismatchError as e:
+        rec["other"] = str(e)
+    report = reshard.load(model, out)
+    rec["source"] = report.source
+    rec["layout"] = report.layout
+    rec["bytes"] = report.bytes
+    ref = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    want = dict(ref.named_parameters())
+    differ, placements = [], {}
+    for name, p in model.named_parameters():
+        name = reshard.model.clean_name(name)
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if isinstance(p, DTensor):
+            placements[name] = [str(x) for x in p.placements]
+        if full.shape != want[name].shape or not torch.equal(bits(full), bits(want[name])):
+            differ.append(name)
+    ref_b = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        name = reshard.model.clean_name(name)
+        if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
+            differ.append("buffer " + name)
+    rec["params"] = len(want)
+    rec["differ"] = differ
+    rec["placements"] = placements
+    with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

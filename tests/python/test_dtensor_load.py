@@ -1,0 +1,72 @@
+"""reshard.load of a DTensor job (issue 22): FSDP2 over tensor parallel on a 2x2 mesh
+(dp_shard x tp, 4 gloo processes) and tensor parallel alone on 1x4, loaded from
+`reshard convert --mesh ... --plan ...` of a checkpoint written by save_pretrained. Reference:
+from_pretrained of the same checkpoint, bit for bit (parameters' full tensors, buffers). A
+layout of another plan is refused before any byte moves, naming the parameter, both
+placements and the convert command."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from dist_util import HERE, torchrun
+
+WORKER = os.path.join(HERE, "dtensor_load_worker.py")
+
+PLAN = {"format": "reshard.parallel-plan", "format_version": 1, "name": "llama_tp",
+        "rules": [
+            {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(1)"}},
+            {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
+            {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
+            {"pattern": "model.layers.*.mlp.gate_proj.weight", "placements": {"tp": "S(0)"}},
+            {"pattern": "model.layers.*.mlp.up_proj.weight", "placements": {"tp": "S(0)"}},
+            {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
+            {"pattern": "lm_head.weight", "placements": {"tp": "S(0)"}}]}
+
+
+@pytest.fixture(scope="module")
+def llama_src(tmp_path_factory):
+    """A tiny Llama (odd sizes: uneven TP and FSDP shards) written by save_pretrained in bf16."""
+    d = tmp_path_factory.mktemp("dtensor-src")
+    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("mesh,fsdp", [("dp_shard=2,tp=2", True), ("tp=4", False)])
+def test_dtensor_job_loads_exactly_and_refuses_another_plan(llama_src, cli, tmp_path, mesh, fsdp):
+    plan = dict(PLAN, fsdp={"mesh_dim": "dp_shard"}) if fsdp else PLAN
+    (tmp_path / "llama_tp.json").write_text(json.dumps(plan))
+    other = json.loads(json.dumps(plan))
+    other["name"] = "rowwise_o"
+    other["rules"][1]["placements"] = {"tp": "S(0)"}  # o_proj column-wise: not this job's plan
+    (tmp_path / "rowwise_o.json").write_text(json.dumps(other))
+    out, out_other, result = tmp_path / "out", tmp_path / "out-other", tmp_path / "result"
+    result.mkdir()
+    cli("convert", llama_src, "-o", out, "--mesh", mesh, "--plan", tmp_path / "llama_tp.json", rc=0)
+    cli("convert", llama_src, "-o", out_other, "--mesh", mesh, "--plan", tmp_path / "rowwise_o.json", rc=0)
+    torchrun(4, WORKER, llama_src, out, out_other, mesh, result, timeout=600)
+    recs = [json.load(open(f)) for f in sorted(glob.glob(str(result / "rank-*.json")))]
+    assert len(recs) == 4
+    for r in recs:
+        assert r["differ"] == [], r
+        assert r["params"] > 0 and r["bytes"] > 0
+        assert r["layout"].startswith("dtensor-") and "llama_tp" in r["layout"], r["layout"]
+        # Placements as torch made them: TP's Shard on tp, FSDP2's (_Strided)Shard on dp_shard.
+        q = r["placements"]["model.layers.0.self_attn.q_proj.weight"]
+        o = r["placements"]["model.layers.0.self_attn.o_proj.weight"]
+        if fsdp:  # fully_shard over TP's Shard(0): torch records _StridedShard (str "_S(0, 2)")
+            assert q == ["_S(0, 2)", "S(0)"] and o == ["S(0)", "S(1)"], (q, o)
+        else:
+            assert q == ["S(0)"] and o == ["S(1)"], (q, o)
+        msg = r["other"]
+        assert msg != "loaded"
+        assert "o_proj.weight" in msg and "S(1)" in msg and "S(0)" in msg, msg
+        assert f"--mesh {mesh}" in msg and "--plan" in msg, msg
