@@ -3,6 +3,9 @@ meta device, tensor parallel over mesh dim `tp` (torch's ColwiseParallel / Rowwi
 plan of tests/python/test_dtensor_load.py's plan file), fully_shard over `dp_shard` on every
 decoder layer and the root, to_empty, then:
 
+With TP_PLAN "hf", the tensor parallelism is transformers' own base_model_tp_plan / _tp_plan
+applied with torch's styles (colwise -> ColwiseParallel, rowwise -> RowwiseParallel).
+
 1. reshard.load of OUT_OTHER, which holds only a layout of another plan: must be refused before
    any byte moves, naming the parameter, both placements and the convert command;
 2. reshard.load of OUT: every parameter's full_tensor() and every buffer bit-equal to
@@ -31,19 +34,27 @@ def bits(t):
 
 def main():
     src, out, out_other, mesh_spec, result = sys.argv[1:6]
+    tp_plan = sys.argv[6] if len(sys.argv) > 6 else "manual"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     dims = [kv.split("=") for kv in mesh_spec.split(",")]
     mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
     model = reshard.empty_model(out)
     tp = mesh["tp"]
-    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
+    if tp_plan == "hf":
+        # What a user does with transformers' own plan: its styles as torch's parallel styles.
+        styles = {"colwise": ColwiseParallel, "colwise_gather_output": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {f"model.{k}": styles[v]() for k, v in model.config.base_model_tp_plan.items()}
+        plan.update({k: styles[v]() for k, v in type(model)._tp_plan.items()})
+        parallelize_module(model, tp, plan)
+    else:
+        parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
+        for layer in model.model.layers:
+            parallelize_module(layer, tp, {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()})
     if "dp_shard" in mesh.mesh_dim_names:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])

@@ -70,3 +70,52 @@ def test_dtensor_job_loads_exactly_and_refuses_another_plan(llama_src, cli, tmp_
         assert msg != "loaded"
         assert "o_proj.weight" in msg and "S(1)" in msg and "S(0)" in msg, msg
         assert f"--mesh {mesh}" in msg and "--plan" in msg, msg
+
+
+def test_plan_captured_from_transformers_tp_plan_loads_exactly(llama_src, cli, tmp_path):
+    """python -m reshard.parallel_plan: transformers' own tp plan of the model (config's
+    base_model_tp_plan, the class's _tp_plan) as a plan file; the job applies that same
+    transformers plan with torch's styles, fully_shard over dp_shard, and loads bit-exact."""
+    import subprocess
+    import sys
+
+    from dist_util import dist_env
+
+    plan_file = tmp_path / "llama_hf_tp.json"
+    p = subprocess.run([sys.executable, "-m", "reshard.parallel_plan", str(llama_src), "-o", str(plan_file),
+                        "--fsdp", "dp_shard"], capture_output=True, text=True, env=dist_env(), timeout=300)
+    assert p.returncode == 0, p.stderr
+    plan = json.loads(plan_file.read_text())
+    got = {r["pattern"]: r["placements"] for r in plan["rules"]}
+    assert got["model.layers.*.self_attn.q_proj.weight"] == {"tp": "S(0)"}
+    assert got["model.layers.*.self_attn.o_proj.weight"] == {"tp": "S(1)"}
+    assert got["lm_head.weight"] == {"tp": "S(0)"}
+    assert "model.embed_tokens.weight" not in got  # transformers replicates Llama's embeddings
+    (tmp_path / "rowwise_o.json").write_text(json.dumps(dict(PLAN, name="rowwise_o", fsdp={"mesh_dim": "dp_shard"})))
+    out, out_other, result = tmp_path / "out", tmp_path / "out-other", tmp_path / "result"
+    result.mkdir()
+    cli("convert", llama_src, "-o", out, "--mesh", "dp_shard=2,tp=2", "--plan", plan_file, rc=0)
+    cli("convert", llama_src, "-o", out_other, "--mesh", "dp_shard=2,tp=2", "--plan", tmp_path / "rowwise_o.json",
+        rc=0)
+    torchrun(4, WORKER, llama_src, out, out_other, "dp_shard=2,tp=2", result, "hf", timeout=600)
+    recs = [json.load(open(f)) for f in sorted(glob.glob(str(result / "rank-*.json")))]
+    assert len(recs) == 4
+    for r in recs:
+        assert r["differ"] == [], r
+        assert "llama_hf_tp" in r["layout"], r["layout"]
+        assert r["other"] != "loaded" and "embed_tokens.weight" in r["other"], r["other"]
+
+
+def test_a_style_without_one_placement_per_parameter_is_refused_by_name(tmp_path):
+    """Mixtral's fused experts are 'packed_colwise' / 'moe_tp_experts' in transformers' plan:
+    no DTensor placement of one parameter says that; the capture refuses naming the style."""
+    import transformers
+
+    from reshard.parallel_plan import capture_plan
+
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+    with pytest.raises(ValueError, match="packed_colwise|moe_tp_experts"):
+        capture_plan(model, "mixtral_tp")
