@@ -9,7 +9,8 @@ applied with torch's styles (colwise -> ColwiseParallel, rowwise -> RowwiseParal
 1. reshard.load of OUT_OTHER, which holds only a layout of another plan: must be refused before
    any byte moves, naming the parameter, both placements and the convert command;
 2. reshard.load of OUT: every parameter's full_tensor() and every buffer bit-equal to
-   from_pretrained(SRC) (the independent reference).
+   from_pretrained(SRC) (the independent reference);
+3. with TP_PLAN "hf": the logits of a fixed batch against from_pretrained's, and 10 AdamW steps.
 
 Writes RESULT/rank-<r>.json."""
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import reshard
@@ -45,7 +46,9 @@ def main():
         # What a user does with transformers' own plan: its styles as torch's parallel styles.
         styles = {"colwise": ColwiseParallel, "colwise_gather_output": ColwiseParallel, "rowwise": RowwiseParallel}
         plan = {f"model.{k}": styles[v]() for k, v in model.config.base_model_tp_plan.items()}
-        plan.update({k: styles[v]() for k, v in type(model)._tp_plan.items()})
+        # colwise_gather_output: the head's vocab-sharded output gathered (full logits).
+        plan.update({k: ColwiseParallel(output_layouts=Replicate()) if v == "colwise_gather_output" else styles[v]()
+                     for k, v in type(model)._tp_plan.items()})
         parallelize_module(model, tp, plan)
     else:
         parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
@@ -88,6 +91,26 @@ def main():
     rec["params"] = len(want)
     rec["differ"] = differ
     rec["placements"] = placements
+    if tp_plan == "hf":
+        # Logits of a fixed batch against the unsharded reference (the TP reductions sum in
+        # another order: compared within a tolerance), then 10 AdamW steps on it: the loss falls.
+        ids = torch.arange(2 * 24).reshape(2, 24) % model.config.vocab_size
+        with torch.no_grad():
+            want_logits = ref(input_ids=ids).logits.float()
+            got_logits = model(input_ids=ids).logits
+            got_logits = (got_logits.full_tensor() if isinstance(got_logits, DTensor) else got_logits).float()
+        rec["logits_max_abs_diff"] = float((got_logits - want_logits).abs().max())
+        rec["logits_scale"] = float(want_logits.abs().max())
+        rec["argmax_agree"] = float((got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(10):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+        rec["losses"] = losses
     with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:
         json.dump(rec, f)
     dist.barrier()
