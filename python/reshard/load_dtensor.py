@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 from .engine import LoadReport, open_rank_file
@@ -130,7 +129,7 @@ def live_placements(job: DTensorJob, name: str, p) -> Tuple[List[str], Optional[
 
 def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify, io,
                  strict_buffers) -> LoadReport:
-    from .load import file_key, finish_load, param_target, plan_buffers
+    from .load import file_key
 
     manifest = read_manifest(out)
     if manifest is None:
@@ -170,16 +169,16 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
                 break
         if why is None:
             return _load_file(model, rank_file, key, job, entries, params, prefix, path, command,
-                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers,
-                              file_key=file_key, finish_load=finish_load, param_target=param_target,
-                              plan_buffers=plan_buffers)
+                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers)
         reasons.append(f"{key}: {why}")
     raise LayoutMismatchError(f"{out}: no DTensor layout matches this job ({'; '.join(reasons)}). "
                               f"Convert with this job's plan: {command}")
 
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
-               io, strict_buffers, file_key, finish_load, param_target, plan_buffers) -> LoadReport:
+               io, strict_buffers) -> LoadReport:
+    from .load import file_key, finish_load, param_target, plan_buffers  # load imports this module
+
     direct, converted = [], []
     used = set()
     device_index = None
@@ -192,9 +191,7 @@ def _load_file(model, rank_file, key, job, entries, params, prefix, path, comman
         elif kind == "converted":
             converted.append(t)
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
-    with torch.no_grad():
-        report = finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
-                             buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                             strict_buffers=strict_buffers,
-                             source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")
-    return report
+    return finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
+                       buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                       strict_buffers=strict_buffers,
+                       source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")

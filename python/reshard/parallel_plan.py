@@ -84,12 +84,12 @@ def capture_plan(model: nn.Module, name: str, tp_dim: str = "tp", fsdp: Optional
         matched = [m for m in modules if rx.match(m)]
         if not matched:
             continue
-        # One rule per parameter pattern (the pattern's '*' kept), checked on every match.
+        # One rule per parameter pattern (the pattern's '*' kept): every match of one class.
+        odd = next((m for m in matched[1:] if type(modules[m]) is not type(modules[matched[0]])), None)
+        if odd is not None:
+            raise ValueError(f"{pattern!r} matches modules of two classes ({matched[0]}, {odd})")
         for pname, _ in modules[matched[0]].named_parameters(recurse=False):
             placement = _placement(style, modules[matched[0]], pname, pattern)
-            for m in matched[1:]:
-                if type(modules[m]) is not type(modules[matched[0]]):
-                    raise ValueError(f"{pattern!r} matches modules of two classes ({matched[0]}, {m})")
             key = f"{pattern}.{pname}"
             if placement is None or placement == "R" or key in seen:
                 continue
