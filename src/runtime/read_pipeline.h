@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -55,5 +56,21 @@ struct PipelineResult {
 /// path reads no clock.
 PipelineResult RunPlan(const LoadPlan& plan, const PlanSource& source, DeviceCopier* copier,
                        WorkerPool* pool, bool timed, std::chrono::steady_clock::time_point t0);
+
+/// Calls lane(i) for i in [0, n) on n threads: the pool's when it has that many (started once,
+/// so this run starts none), else n - 1 started here and the calling thread. True: pooled.
+template <typename LaneFn>
+bool RunLanes(unsigned n, WorkerPool* pool, LaneFn&& lane) {
+  if (pool != nullptr && pool->size() >= n) {
+    pool->Run(n, [&](unsigned i) { lane(static_cast<int>(i)); });
+    return true;
+  }
+  std::vector<std::thread> threads;
+  for (unsigned t = 1; t < n; ++t) threads.emplace_back([&lane, t] { lane(static_cast<int>(t)); });
+  lane(0);
+  for (auto& t : threads) t.join();
+  return false;
+}
+/// (lane must not throw: a started thread cannot pass an exception on; record it instead.)
 
 }  // namespace reshard

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -32,6 +33,8 @@
 #include "reshard/plan/fsdp1.h"
 #include "reshard/plan/layout_tensors.h"
 #include "reshard/plan/rank_plan.h"
+
+#include "runtime/read_pipeline.h"
 
 namespace reshard {
 
@@ -287,9 +290,11 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // threads started for this load.
   std::atomic<size_t> next_piece{0};
   std::atomic<bool> failed{false};
-  auto lane_main = [&](unsigned lane) {
+  std::mutex error_mu;
+  std::exception_ptr error;
+  auto lane_main = [&](int lane) {
     try {
-      if (any_device) copier->BindThread(static_cast<int>(lane));
+      if (any_device) copier->BindThread(lane);
       std::unique_ptr<ThreadSource> src =
           MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes);
       const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
@@ -303,10 +308,10 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
         const Job& job = jobs[p.job];
         char* dst = static_cast<char*>(job.target->ptr) + p.begin;
         if (job.target->on_device) {
-          copier->WaitSlot(static_cast<int>(lane), slot);
-          char* staging = static_cast<char*>(copier->Staging(static_cast<int>(lane), slot, piece));
+          copier->WaitSlot(lane, slot);
+          char* staging = static_cast<char*>(copier->Staging(lane, slot, piece));
           mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, staging, scratch);
-          copier->CopyAsync(static_cast<int>(lane), slot, dst, staging, p.length);
+          copier->CopyAsync(lane, slot, dst, staging, p.length);
           slot = (slot + 1) % slots;
         } else {
           mine += FillEntry(maps_[job.entry], lookup, read, p.begin, p.length, dst, scratch);
@@ -314,20 +319,14 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
         if (options.progress != nullptr) options.progress->fetch_add(p.length, std::memory_order_relaxed);
       }
       read_bytes += mine;
-    } catch (...) {
+    } catch (...) {  // the first error stops every lane at its next piece, rethrown below
       failed = true;
-      throw;
+      const std::lock_guard<std::mutex> g(error_mu);
+      if (!error) error = std::current_exception();
     }
   };
-  if (options.pool != nullptr && options.pool->size() >= lanes) {
-    options.pool->Run(lanes, lane_main);
-    stats.pooled = true;
-  } else {
-    std::atomic<unsigned> next_lane{0};
-    ParallelForOptions po;
-    po.threads = lanes;
-    RunParallelFor(lanes, po, [&](ParallelForThread&) { lane_main(next_lane.fetch_add(1)); });
-  }
+  stats.pooled = RunLanes(lanes, options.pool, lane_main);
+  if (error) std::rethrow_exception(error);
   finished = true;
   if (any_device) copier->Synchronize();
   stats.cold = cold;
