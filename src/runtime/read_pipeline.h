@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <system_error>
 #include <thread>
 #include <string>
 #include <vector>
@@ -59,18 +60,33 @@ PipelineResult RunPlan(const LoadPlan& plan, const PlanSource& source, DeviceCop
 
 /// Calls lane(i) for i in [0, n) on n threads: the pool's when it has that many (started once,
 /// so this run starts none), else n - 1 started here and the calling thread. True: pooled.
+/// lane must not throw (a started thread cannot pass an exception on; record it instead).
+/// When the system refuses a thread, the lanes it would have run run on the calling thread
+/// after lane 0; the started threads are joined on every path (a joinable std::thread
+/// destroyed would end the process).
 template <typename LaneFn>
 bool RunLanes(unsigned n, WorkerPool* pool, LaneFn&& lane) {
   if (pool != nullptr && pool->size() >= n) {
     pool->Run(n, [&](unsigned i) { lane(static_cast<int>(i)); });
     return true;
   }
-  std::vector<std::thread> threads;
-  for (unsigned t = 1; t < n; ++t) threads.emplace_back([&lane, t] { lane(static_cast<int>(t)); });
+  struct Joined {
+    std::vector<std::thread> threads;
+    ~Joined() {
+      for (auto& t : threads) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } started;
+  unsigned t = 1;
+  try {
+    for (; t < n; ++t) started.threads.emplace_back([&lane, t] { lane(static_cast<int>(t)); });
+  } catch (const std::system_error&) {
+    // Out of threads: the remaining lanes run here.
+  }
   lane(0);
-  for (auto& t : threads) t.join();
+  for (; t < n; ++t) lane(static_cast<int>(t));
   return false;
 }
-/// (lane must not throw: a started thread cannot pass an exception on; record it instead.)
 
 }  // namespace reshard

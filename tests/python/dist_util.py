@@ -12,10 +12,11 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def dist_env(**extra):
-    """The environment of a test's child processes: the package importable, one thread each."""
+    """The environment of a test's child processes: the package importable, one thread each;
+    a process killed by a signal (SIGABRT, SIGSEGV) prints every thread's Python stack."""
     paths = [os.path.join(REPO, "python"), os.environ.get("PYTHONPATH", "")]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), OMP_NUM_THREADS="1",
-                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONFAULTHANDLER="1", **extra)
 
 
 def torchrun(nproc, script, *args, timeout=300, env=None):
