@@ -91,6 +91,71 @@ def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log)
     return res
 
 
+def convert_dtensor(reshard: str, src: Path, out: Path, mesh: str, rank: int, workdir: Path, log):
+    """The plan of transformers' own tp plan of the checkpoint's model, fully_shard over the
+    first mesh dim, and `reshard convert --mesh MESH --plan` into OUT (kept while it exists).
+    Returns (rank `rank`'s file, the conversion's record)."""
+    dp = mesh.split(",")[0].split("=")[0]
+    plan = workdir / "bench_tp.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "reshard.parallel_plan", str(src), "-o", str(plan), "--fsdp", dp],
+                       capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_load: python -m reshard.parallel_plan failed:\n{p.stderr.strip()[-3000:]}")
+    t0 = time.perf_counter()
+    p = subprocess.run([reshard, "convert", str(src), "-o", str(out), "--mesh", mesh, "--plan", str(plan)],
+                       capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_load: reshard convert --mesh {mesh} failed:\n{p.stderr.strip()[-3000:]}")
+    layouts = json.loads((out / "reshard.json").read_text())["layouts"]
+    keys = [k for k, v in layouts.items() if v.get("kind") == "dtensor" and "-bench_tp." in k
+            and k.startswith("dtensor-" + mesh.replace("=", "").replace(",", ".") + "-")]
+    if len(keys) != 1:
+        raise SystemExit(f"bench_load: expected one dtensor layout of mesh {mesh} in {out}, found {keys}")
+    files = sorted((out / keys[0]).glob("*.reshard"))
+    f = files[rank]
+    log(f"convert: {keys[0]}: {time.perf_counter() - t0:.1f} s; rank {rank}: {f.name}")
+    return str(f), {"layout": keys[0], "wall_seconds": round(time.perf_counter() - t0, 2), "rank_file": str(f)}
+
+
+def _check_dtensor(loaded: dict, src: Path, rank_file: str, mode: str) -> dict:
+    """Compares loaded tensors byte for byte with the source's elements this mesh coordinate
+    holds (reshard's element map, checked against torch's own DTensors by the tests)."""
+    import torch
+    from reshard import _C
+
+    if mode == "none" or not loaded:
+        return {"mode": mode}
+    header = json.loads(_C._testing.read_header(rank_file))
+    layout = header["layout"]
+    shape, coord = layout["mesh"]["shape"], header["coordinate"]
+    entries = {e["name"]: e for e in header["tensors"]}
+    weight_map, handles = source_handles(src)
+    names = list(loaded)
+    if mode == "sample":
+        pick = [names[0], names[-1], names[len(names) // 2]]
+        pick += [n for n in names if n.endswith("o_proj.weight")][-1:]
+        pick += [n for n in names if n.endswith("k_proj.weight")][-1:]
+        names = list(dict.fromkeys(pick))
+    problems, checked, checked_bytes = [], 0, 0
+    for name in names:
+        e = entries[name]
+        full = handles[weight_map[name]].get_tensor(name)
+        fsdp = e.get("fsdp_mesh_dim")
+        runs = _C.dtensor_local_indices(list(full.shape), e["placements"], shape, coord, -1 if fsdp is None else fsdp)
+        ref = full
+        for d, r in enumerate(runs):
+            ref = ref.index_select(d, torch.tensor([i for b, n in r for i in range(b, b + n)], dtype=torch.int64))
+        got = loaded[name].detach().cpu()
+        if list(got.shape) != list(ref.shape) or not torch.equal(got.reshape(-1).view(torch.uint8),
+                                                                 ref.contiguous().reshape(-1).view(torch.uint8)):
+            problems.append(f"{name}: differs from the source's elements of coordinate {coord}")
+        checked += 1
+        checked_bytes += got.numel() * got.element_size()
+    return {"mode": mode, "ok": not problems, "checked": checked, "checked_bytes": checked_bytes,
+            "problems": problems[:5]}
+
+
 def rank_file(out: Path, ws: int, r: int) -> Path:
     return out / f"fsdp2-ws{ws}" / f"rank-{r:05d}-of-{ws:05d}.reshard"
 
@@ -596,7 +661,10 @@ def child_main(spec: dict) -> int:
             except Exception:
                 pass
         out.update(loader.extra())
-        out["check"] = _check(loaded, Path(spec["src"]), spec["ws"], spec["rank"], spec["check"])
+        if spec.get("dtensor"):
+            out["check"] = _check_dtensor(loaded, Path(spec["src"]), spec["rank_file"], spec["check"])
+        else:
+            out["check"] = _check(loaded, Path(spec["src"]), spec["ws"], spec["rank"], spec["check"])
         if spec.get("probe"):
             out["runtime_files"] = runtime_files()
         out["ok"] = out["check"].get("ok", True)
@@ -772,6 +840,11 @@ def main(argv=None):
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--view-ws", type=int, default=4,
                     help="also convert this world size and read the rank case from it (0: no)")
+    ap.add_argument("--mesh", default="",
+                    help="also convert a DTensor layout of this mesh (e.g. dp_shard=4,tp=2: as many ranks as "
+                         "--world-size) with transformers' own tp plan of the model (python -m "
+                         "reshard.parallel_plan --fsdp <first mesh dim>) and time its rank --rank file "
+                         "(series reshard-2d-tN-prepared), issue 22")
     ap.add_argument("--cases", default="rank,whole",
                     help="what is measured: rank (rank --rank of --world-size), whole (the world-size-1 "
                          "file) or both (default); leaving whole out skips its conversion")
@@ -938,6 +1011,10 @@ def run_bench(b: Bench, args, threads) -> int:
     if args.view_ws and "rank" in want:  # the other layout the rank case is also read from
         sizes.add(args.view_ws)
     b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log)
+    file_2d = None
+    if args.mesh and "rank" in want:
+        file_2d, b.result["convert"]["dtensor"] = convert_dtensor(str(reshard), src, out, args.mesh, args.rank,
+                                                                   workdir, log)
     src_files = sorted(str(p) for p in src.glob("*.safetensors"))
     cases = {
         "rank": {"title": f"rank {args.rank} of world size {args.world_size}",
@@ -1064,6 +1141,12 @@ def run_bench(b: Bench, args, threads) -> int:
                     child(case, f"reshard-ws{args.view_ws}-t{top}-prepared-env{n if n > 1 else ''}", "view",
                           ["warm"], threads=top, prepare=gpu, second_load=True,
                           view=f"fsdp2-ws{args.view_ws}", out=str(out), diagnostic=True, env=knobs)
+            if file_2d:
+                # A DTensor layout's rank file (issue 22): the same loader, each entry the rank's
+                # local tensor of its placements; checked against the source by the element map.
+                child(case, f"reshard-2d-t{top}-prepared", "reshard", ["cold", "warm"], threads=top,
+                      verify=True, io="auto", prepare=gpu, second_load=True, rank_file=file_2d,
+                      dtensor=True)
             child(case, "safe_open-slices", "slices", ["cold", "warm"])
         else:
             child(case, "load_file", "load_file", ["cold", "warm"])
@@ -1170,6 +1253,7 @@ def run_bench(b: Bench, args, threads) -> int:
     # children map (for RuntimeKeeper), and, for reshard at the top thread count, compares every
     # tensor with safe_open slices of the source (the correctness check).
     warm_files = src_files + [c["rank_file"] for c in cases.values()]
+    warm_files += sorted({s["spec"]["rank_file"] for s in series if s["runner"] == "child" and s["spec"].get("dtensor")})
     warm_files += sorted({s["spec"]["preload_file"] for s in series
                           if s["runner"] == "child" and s["spec"].get("preload_file")})
     # A view of another layout reads that layout's rank files: warm runs need them cached too
@@ -1382,6 +1466,9 @@ def build_summary(b, cases, series, h2d, threads, gpu):
                                                     med(case, "ceil-pipeline", "warm"))
         r["cold_prepared_vs_seq_read_ceiling"] = ratio(med(case, f"reshard-t{top}-prepared", "cold"),
                                                        med(case, "ceil-seq-read", "cold"))
+        for mode in ("cold", "warm"):
+            r[f"{mode}_2d_vs_rank_file"] = ratio(med(case, f"reshard-2d-t{top}-prepared", mode),
+                                                 med(case, f"reshard-t{top}-prepared", mode))
         r["warm_verify_vs_noverify"] = ratio(med(case, f"reshard-t{top}", "warm"),
                                         med(case, f"reshard-t{top}-noverify", "warm"))
         ratios[case] = r

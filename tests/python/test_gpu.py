@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 
 import reshard
@@ -345,3 +346,37 @@ def test_views_of_ws8_into_cuda(llama_bf16, tmp_path, source):
 def test_fsdp2_one_process_cuda_straight_from_hugging_face(llama_bf16, tmp_path):
     _require_cuda()
     run_ranks(llama_bf16, llama_bf16, 1, tmp_path, "--device", "cuda")
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2", "tp=4"])
+def test_dtensor_layout_each_coordinate_into_cuda(tmp_path, cli, mesh):
+    """A DTensor layout (issue 22) loads onto CUDA: each mesh coordinate of the job in turn, one
+    process each (a fake process group: torch's own placements and local shapes, no collective,
+    as reshard.load needs none), every parameter's CUDA to_local() and every buffer equal to
+    from_pretrained's tensors split by torch's own functions (dtensor_gpu_worker.py)."""
+    _require_cuda()
+    from dist_util import dist_env
+    from test_dtensor_load import PLAN
+
+    src = tmp_path / "src"
+    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    fsdp = mesh.startswith("dp_shard")
+    (tmp_path / "llama_tp.json").write_text(json.dumps(dict(PLAN, fsdp={"mesh_dim": "dp_shard"}) if fsdp else PLAN))
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--mesh", mesh, "--plan", tmp_path / "llama_tp.json", rc=0)
+    for rank in range(4):
+        p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "dtensor_gpu_worker.py"),
+                            str(src), str(out), mesh, str(rank), "cuda"], capture_output=True, text=True,
+                           timeout=300, env=dist_env())
+        assert p.returncode == 0, p.stderr[-4000:]
+        rec = json.loads(p.stdout.strip().splitlines()[-1])
+        assert rec["differ"] == [], rec
+        assert rec["devices"] == ["cuda"], rec
+        assert rec["params"] > 0 and rec["bytes"] == rec["local_bytes"] > 0, rec
+        assert rec["layout"].startswith("dtensor-") and "llama_tp" in rec["layout"], rec
+        q = rec["placements"]["model.layers.0.self_attn.q_proj.weight"]
+        assert q == (["_S(0, 2)", "S(0)"] if fsdp else ["S(0)"]), q
