@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""The offline reshard of a saved training checkpoint (`reshard relayout`, issue 23) against the
+disk's read+write ceiling, with its peak host memory at several checkpoint sizes.
+
+For each --sizes GB (cached in --workdir): a Llama-shaped bf16 model (hidden 2048, intermediate
+5632, vocabulary 32000, as many layers as the size takes) under FSDP2 at world size 1 (one gloo
+process, CPU), one AdamW step on random gradients (exp_avg / exp_avg_sq in bf16, as the
+parameters), `reshard.save(model, CKPT, optimizer)`: weights + optimizer state ~3x the weights.
+Then, --reps times each, cold (sync, page cache dropped, the output gone):
+
+* ceiling: every file of the saved layout (rank files and optim/) copied to new files on the
+  same disk and fsynced, --copy-threads threads taking 64 MiB ranges (preadv, pwrite), so reads
+  and writes overlap, the faster of two ways (dirty pages written at the fsync, or each range
+  handed to the disk at once with sync_file_range): the least any relayout must do (each byte
+  read once, written once) -- GB/s = the saved layout's bytes / seconds;
+* reshard: `reshard relayout CKPT --world-size M` (a child process; the wall time from its start
+  to its exit, its peak RSS from wait4): GB/s on the same bytes.
+
+The new layout is removed (and reshard.json restored) after each run. Prints a table and writes
+JSON to --out.
+
+    python3 bench/bench_relayout.py --sizes 1,4 --world-size 4 --reps 3 --out results/relayout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import drop_caches, machine_info, utc_now  # noqa: E402
+
+HIDDEN, INTER, VOCAB = 2048, 5632, 32000
+
+
+def make_saved(path: Path, size_gb: float, log) -> dict:
+    """A saved FSDP2 ws1 checkpoint of about size_gb GB of bf16 weights (+ AdamW state)."""
+    stamp = path / "bench-stamp.json"
+    if stamp.exists():
+        return json.loads(stamp.read_text())
+    if path.exists():
+        shutil.rmtree(path)
+    per_layer = 4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTER  # q,k,v,o (no GQA) + MLP
+    layers = max(1, round((size_gb * 1e9 / 2 - 2 * VOCAB * HIDDEN) / per_layer))
+    code = f"""
+import os, torch, torch.distributed as dist, transformers
+from torch.distributed.fsdp import fully_shard
+import reshard
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29577")
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = transformers.LlamaConfig(vocab_size={VOCAB}, hidden_size={HIDDEN}, intermediate_size={INTER},
+    num_hidden_layers={layers}, num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
+with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+model.to_empty(device="cpu")
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.to_local().normal_(0, 0.02, generator=g)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+for p in model.parameters():
+    p.grad = torch.distributed.tensor.DTensor.from_local(torch.randn(p.to_local().shape, generator=g,
+        dtype=p.dtype) * 1e-3, p.device_mesh, p.placements)
+opt.step()
+reshard.save(model, {str(path)!r}, optimizer=opt, step=1)
+dist.destroy_process_group()
+"""
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS=str(os.cpu_count() or 1))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_relayout: making the saved checkpoint failed:\n{p.stderr[-3000:]}")
+    files = saved_files(path)
+    desc = {"layers": layers, "bytes": sum(f.stat().st_size for f in files), "files": len(files),
+            "seconds": round(time.perf_counter() - t0, 1)}
+    stamp.write_text(json.dumps(desc))
+    log(f"saved checkpoint {path}: {layers} layers, {desc['bytes'] / 1e9:.2f} GB in {len(files)} files "
+        f"({desc['seconds']} s)")
+    return desc
+
+
+def saved_files(path: Path) -> list:
+    return sorted(f for f in (path / "fsdp2-ws1").rglob("*") if f.is_file())
+
+
+def ceiling_copy(files, scratch: Path, threads: int, push: bool) -> float:
+    """Seconds to copy every file to scratch on the same disk and fsync it: `threads` threads
+    take 64 MiB ranges in order (preadv into their own buffer, pwrite at the same offset), so
+    reads and writes overlap as a relayout's do. push: each range handed to the disk at once
+    (sync_file_range WRITE) instead of left dirty until the fsync."""
+    import ctypes
+    import mmap
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    scratch.mkdir(parents=True, exist_ok=True)
+    block = 64 << 20
+    t0 = time.perf_counter()
+    pairs = []
+    for i, f in enumerate(files):
+        src = os.open(f, os.O_RDONLY)
+        dst = os.open(scratch / f"copy-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        size = os.fstat(src).st_size
+        os.ftruncate(dst, size)
+        pairs.append((src, dst, size))
+    jobs = [(src, dst, off, min(block, size - off)) for src, dst, size in pairs for off in range(0, size, block)]
+    lock, nxt = threading.Lock(), [0]
+
+    def worker():
+        buf = mmap.mmap(-1, block)
+        while True:
+            with lock:
+                if nxt[0] >= len(jobs):
+                    return
+                src, dst, off, n = jobs[nxt[0]]
+                nxt[0] += 1
+            got = os.preadv(src, [memoryview(buf)[:n]], off)
+            os.pwrite(dst, memoryview(buf)[:got], off)
+            if push:
+                libc.sync_file_range(dst, ctypes.c_int64(off), ctypes.c_int64(got), 2)  # SYNC_FILE_RANGE_WRITE
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for src, dst, _ in pairs:
+        os.fsync(dst)
+        os.close(src)
+        os.close(dst)
+    seconds = time.perf_counter() - t0
+    shutil.rmtree(scratch)
+    return seconds
+
+
+def _vm_hwm(pid: int) -> int:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int) -> dict:
+    """The command's wall time from start to exit and its peak RSS: the high-water mark of its
+    own memory (VmHWM, read every 10 ms until it exits; wait4's ru_maxrss would include this
+    script's RSS at the fork, which Linux carries across exec)."""
+    cmd = [reshard, "relayout", str(ckpt), "--world-size", str(ws), "--json"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hwm = 0
+    while p.poll() is None:
+        hwm = max(hwm, _vm_hwm(p.pid))
+        time.sleep(0.01)
+    seconds = time.perf_counter() - t0
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise SystemExit(f"bench_relayout: {' '.join(cmd)} failed (exit {p.returncode}):\n{err[-3000:]}")
+    return {"seconds": seconds, "peak_rss_bytes": hwm, "summary": json.loads(out or "{}")}
+
+
+def undo(ckpt: Path, ws: int, manifest: bytes) -> None:
+    shutil.rmtree(ckpt / f"fsdp2-ws{ws}", ignore_errors=True)
+    (ckpt / "reshard.json").write_bytes(manifest)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1,4", help="GB of bf16 weights per checkpoint, comma separated")
+    ap.add_argument("--world-size", type=int, default=4, help="the new layout's world size (saved at 1)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="reshard relayout --threads (default: its own)")
+    ap.add_argument("--copy-threads", type=int, default=4, help="threads of the copy ceiling (default 4)")
+    ap.add_argument("--workdir", default=str(REPO / ".work" / "bench-relayout"))
+    ap.add_argument("--build-dir", default=str(REPO / "build"))
+    ap.add_argument("--out", default=None, help="JSON results (default WORKDIR/bench-relayout.json)")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    reshard = str(Path(args.build_dir) / "reshard")
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:8.1f}s] {msg}", flush=True)
+
+    result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size,
+              "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
+    for size in [float(s) for s in args.sizes.split(",") if s.strip()]:
+        ckpt = work / f"saved-{size:g}gb"
+        desc = make_saved(ckpt, size, log)
+        manifest = (ckpt / "reshard.json").read_bytes()
+        undo(ckpt, args.world_size, manifest)
+        files = saved_files(ckpt)
+        nbytes = sum(f.stat().st_size for f in files)
+        ceil, runs = [], []
+        for rep in range(args.reps):
+            best = None
+            for push in (False, True):
+                drop_caches()
+                t = ceiling_copy(files, work / "scratch", args.copy_threads, push)
+                best = t if best is None else min(best, t)
+            ceil.append(best)
+            drop_caches()
+            r = run_relayout(reshard, ckpt, args.world_size, args.threads)
+            runs.append(r)
+            new_bytes = sum(f.stat().st_size for f in (ckpt / f"fsdp2-ws{args.world_size}").rglob("*") if f.is_file())
+            undo(ckpt, args.world_size, manifest)
+            log(f"{size:g} GB rep {rep + 1}: ceiling {nbytes / ceil[-1] / 1e9:.3f} GB/s ({ceil[-1]:.2f} s); "
+                f"relayout {nbytes / r['seconds'] / 1e9:.3f} GB/s ({r['seconds']:.2f} s), peak RSS "
+                f"{r['peak_rss_bytes'] / 2**20:.0f} MiB, wrote {new_bytes / 1e9:.2f} GB")
+        c, s = statistics.median(ceil), statistics.median(r["seconds"] for r in runs)
+        result["sizes"].append({
+            "size_gb": size, "checkpoint": desc, "saved_bytes": nbytes, "ceiling_seconds": ceil,
+            "relayout": runs, "ceiling_gbps": round(nbytes / c / 1e9, 3),
+            "relayout_gbps": round(nbytes / s / 1e9, 3), "ratio_to_ceiling": round(c / s, 3),
+            "peak_rss_mib": round(max(r["peak_rss_bytes"] for r in runs) / 2**20, 1)})
+    print(f"\nreshard relayout fsdp2-ws1 -> fsdp2-ws{args.world_size}, cold, medians of {args.reps}")
+    print(f"{'saved GB':>9} {'ceiling GB/s':>13} {'relayout GB/s':>14} {'ratio':>6} {'peak RSS MiB':>13}")
+    for s in result["sizes"]:
+        print(f"{s['saved_bytes'] / 1e9:9.2f} {s['ceiling_gbps']:13.3f} {s['relayout_gbps']:14.3f} "
+              f"{s['ratio_to_ceiling']:6.2f} {s['peak_rss_mib']:13.0f}")
+    out = Path(args.out) if args.out else work / "bench-relayout.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
