@@ -3,7 +3,9 @@ over tensor parallel, expert parallel, any Shard / _StridedShard / Replicate), l
 DTensor layout of OUT (`reshard convert --mesh ... --plan ...`, formats/rank-file.md,
 *DTensor layouts*). Each parameter's live placements, the mesh dim fully_shard applied and the
 rank's mesh coordinate are read from the DTensor itself and checked against the file before
-any byte moves; the local tensors are then filled in place as an FSDP2 load fills its shards."""
+any byte moves; the local tensors are then filled in place as an FSDP2 load fills its shards.
+Without such a layout, the rank is planned for the job's own placements over another layout
+of OUT or a Hugging Face checkpoint and read from there (dtensor_sources)."""
 
 from __future__ import annotations
 
@@ -127,24 +129,40 @@ def live_placements(job: DTensorJob, name: str, p) -> Tuple[List[str], Optional[
     return full, job.fsdp_dims.get(id(p))
 
 
-def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify, io,
-                 strict_buffers) -> LoadReport:
+def _mismatch(job: DTensorJob, params, entries, prefix: str, path: str) -> Optional[str]:
+    """Why the entries of `path` do not hold this job's parameters as it places them; None when
+    they do."""
     from .load import file_key
 
-    manifest = read_manifest(out)
-    if manifest is None:
-        raise NotFoundError(f"{out}: no reshard.json (not a reshard output directory)")
-    mesh = {"names": list(job.names), "shape": list(job.shape)}
-    keys = sorted(k for k, v in manifest.get("layouts", {}).items()
-                  if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh)
-    command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
-               "(the parallel plan of this job, formats/parallel-plan.md)")
-    if not keys:
-        have = ", ".join(sorted(manifest.get("layouts", {}))) or "none"
-        raise LayoutMismatchError(f"{out}: no DTensor layout for the mesh {job.mesh_flag()} of this job "
-                                  f"(layouts: {have}). Create one with: {command}")
+    for name, p in params.items():
+        k = file_key(name, entries, prefix)
+        if k is None:
+            return f"parameter {name} is not in {path}"
+        live, fsdp_dim = live_placements(job, name, p)
+        e = entries[k]
+        if list(e.placements or []) != live or (fsdp_dim is not None and e.fsdp_mesh_dim != fsdp_dim):
+            return (f"parameter {name}: placements {live} (fully_shard over mesh dim "
+                    f"{'none' if fsdp_dim is None else job.names[fsdp_dim]}) in the model, "
+                    f"{list(e.placements or [])} (fsdp mesh dim "
+                    f"{'none' if e.fsdp_mesh_dim is None else job.names[e.fsdp_mesh_dim]}) in {path}")
+    return None
+
+
+def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify, io,
+                 strict_buffers) -> LoadReport:
+    """Loads from OUT's DTensor layout of this job's mesh and plan (preferred: one file laid
+    out for this rank), else from another complete layout of OUT or from OUT as a Hugging Face
+    checkpoint, planned for the job's own placements while reading (dtensor_sources)."""
+    import os
+
+    manifest = read_manifest(out) if os.path.isdir(out) else None
     params = {clean_name(n): p for n, p in model.named_parameters()}
     prefix = getattr(model, "base_model_prefix", "") or ""
+    mesh = {"names": list(job.names), "shape": list(job.shape)}
+    command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
+               "(the parallel plan of this job, formats/parallel-plan.md)")
+    keys = sorted(k for k, v in (manifest or {}).get("layouts", {}).items()
+                  if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh)
     reasons = []
     for key in keys:
         path = layout_rank_file(out, key, job.rank, job.world_size, manifest)
@@ -153,30 +171,45 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
             raise LayoutMismatchError(f"{path}: holds mesh coordinate {rank_file.coordinate}, this rank is at "
                                       f"{list(job.coordinate)}")
         entries = {t.name: t for t in rank_file.tensors}
-        why = None
-        for name, p in params.items():
-            k = file_key(name, entries, prefix)
-            if k is None:
-                why = f"parameter {name} is not in {path}"
-                break
-            live, fsdp_dim = live_placements(job, name, p)
-            e = entries[k]
-            if list(e.placements or []) != live or (fsdp_dim is not None and e.fsdp_mesh_dim != fsdp_dim):
-                why = (f"parameter {name}: placements {live} (fully_shard over mesh dim "
-                       f"{'none' if fsdp_dim is None else job.names[fsdp_dim]}) in the model, "
-                       f"{list(e.placements or [])} (fsdp mesh dim "
-                       f"{'none' if e.fsdp_mesh_dim is None else job.names[e.fsdp_mesh_dim]}) in {path}")
-                break
+        why = _mismatch(job, params, entries, prefix, path)
         if why is None:
             return _load_file(model, rank_file, key, job, entries, params, prefix, path, command,
-                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers)
+                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers,
+                              source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")
         reasons.append(f"{key}: {why}")
-    raise LayoutMismatchError(f"{out}: no DTensor layout matches this job ({'; '.join(reasons)}). "
-                              f"Convert with this job's plan: {command}")
+    # No layout of this job's own: plan its rank over what is there, as convert would.
+    from .dtensor_sources import open_dtensor_view
+    from .load import local_tensor
+    from .model import persistent_buffer_names
+
+    if manifest is None and not os.path.exists(out):
+        from .sources import hf_source
+
+        if hf_source(out) is None:
+            raise NotFoundError(f"{out}: no such directory (nor a model id in the local Hugging Face cache)")
+    float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
+    live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+    persistent = {clean_name(n) for n in persistent_buffer_names(model)}
+    view = open_dtensor_view(out, manifest, job, model, params, live_dtype, persistent)
+    if view is None:
+        if manifest is None:
+            raise NotFoundError(f"{out}: no reshard.json (not a reshard output directory) and not a Hugging "
+                                "Face checkpoint")
+        have = ", ".join(sorted(manifest.get("layouts", {}))) or "none"
+        detail = f" ({'; '.join(reasons)})" if reasons else f" (layouts: {have})"
+        raise LayoutMismatchError(f"{out}: no DTensor layout matches this job{detail} and no other complete "
+                                  f"layout to read it from. Create one with: {command}")
+    entries = {t.name: t for t in view.reader.tensors}
+    why = _mismatch(job, params, entries, prefix, view.path)
+    if why is not None:  # the planner and the live job disagree: say so, do not load
+        raise LayoutMismatchError(f"{view.path}: planned for this job's placements, but {why}. "
+                                  f"Convert with this job's plan instead: {command}")
+    return _load_file(model, view.reader, view.key, job, entries, params, prefix, view.path, command,
+                      threads=threads, verify=verify, io=io, strict_buffers=strict_buffers, source=view.source)
 
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
-               io, strict_buffers) -> LoadReport:
+               io, strict_buffers, source: str) -> LoadReport:
     from .load import file_key, finish_load, param_target, plan_buffers  # load imports this module
 
     direct, converted = [], []
@@ -193,5 +226,4 @@ def _load_file(model, rank_file, key, job, entries, params, prefix, path, comman
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
     return finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
                        buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                       strict_buffers=strict_buffers,
-                       source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")
+                       strict_buffers=strict_buffers, source=source)

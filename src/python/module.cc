@@ -25,6 +25,7 @@
 #include "reshard/format/dtensor.h"
 #include "reshard/format/layout.h"
 #include "reshard/format/manifest.h"
+#include "reshard/format/parallel_plan.h"
 #include "reshard/format/rank_file_format.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
@@ -96,6 +97,41 @@ reshard::LayoutSpec JobLayout(uint32_t world_size, const std::optional<Fsdp1Arg>
   }
   spec.Normalize();
   return spec;
+}
+
+// A view's layout for a DTensor job: `mesh` ("dp_shard=2,tp=2", the --mesh flag) and a parallel
+// plan's JSON text (formats/parallel-plan.md; `plan_what` names it in errors).
+struct ViewPlan {
+  reshard::LayoutSpec layout;
+  std::optional<reshard::ParallelPlan> plan;
+  std::string what;
+};
+
+ViewPlan JobViewLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1, const std::string& dtype,
+                       const std::string& mesh, const std::string& plan_json, const std::string& plan_what) {
+  ViewPlan v;
+  if (mesh.empty() != plan_json.empty()) {
+    reshard::Fail(reshard::ErrorCode::kInvalidArgument, "a DTensor view needs both mesh and plan");
+  }
+  if (mesh.empty()) {
+    v.layout = JobLayout(world_size, fsdp1, dtype);
+    return v;
+  }
+  if (fsdp1) reshard::Fail(reshard::ErrorCode::kInvalidArgument, "fsdp1 and mesh exclude each other");
+  v.what = plan_what.empty() ? "the job's parallel plan" : plan_what;
+  v.plan = reshard::ParseParallelPlan(plan_json, v.what);
+  v.layout.kind = reshard::LayoutKind::kDTensor;
+  v.layout.mesh = reshard::ParseMeshFlag(mesh);
+  v.layout.dtype = dtype;
+  v.layout.plan_name = v.plan->name;
+  v.layout.plan_xxh3 = v.plan->xxh3;
+  v.layout.Normalize();
+  if (v.layout.world_size != world_size) {
+    reshard::Fail(reshard::ErrorCode::kInvalidArgument,
+                  "mesh " + mesh + " has " + std::to_string(v.layout.world_size) + " ranks, world_size is " +
+                      std::to_string(world_size));
+  }
+  return v;
 }
 
 // ---- loading: one opened rank file, raw targets --------------------------------------------
@@ -532,32 +568,38 @@ PYBIND11_MODULE(_C, m) {
           "of_checkpoint",
           [](const std::string& src, uint32_t world_size, uint32_t rank, const std::string& dtype,
              const std::set<std::string>& whole, const std::string& manifest_json,
-             const std::optional<Fsdp1Arg>& fsdp1) {
-            const reshard::LayoutSpec layout = JobLayout(world_size, fsdp1, dtype);
+             const std::optional<Fsdp1Arg>& fsdp1, const std::string& mesh, const std::string& plan,
+             const std::string& plan_what) {
+            const ViewPlan v = JobViewLayout(world_size, fsdp1, dtype, mesh, plan, plan_what);
             py::gil_scoped_release release;
-            return SourceViewHandle{
-                reshard::SourceRankView::OfCheckpoint(src, layout, rank, whole, manifest_json)};
+            return SourceViewHandle{reshard::SourceRankView::OfCheckpoint(
+                src, v.layout, rank, whole, manifest_json, v.plan ? &*v.plan : nullptr, v.what)};
           },
           py::arg("src"), py::arg("world_size"), py::arg("rank"), py::arg("dtype") = "keep",
           py::arg("whole") = std::set<std::string>{}, py::arg("model_manifest") = "",
-          py::arg("fsdp1") = std::nullopt,
+          py::arg("fsdp1") = std::nullopt, py::arg("mesh") = "", py::arg("plan") = "",
+          py::arg("plan_what") = "",
           "Plans rank `rank` of the layout of world size `world_size` (FSDP2, or FSDP1 with "
-          "fsdp1=(wrap classes, use_orig_params, param_dtype)) and dtype policy `dtype` over the "
-          "checkpoint SRC; `whole`: tensors stored whole (persistent buffers); `model_manifest`: "
-          "a model manifest's JSON (its conversion of the checkpoint's keys; FSDP1's units).")
+          "fsdp1=(wrap classes, use_orig_params, param_dtype), or a DTensor layout with mesh="
+          "'dp_shard=2,tp=2' and plan=a parallel plan's JSON text, plan_what naming it in "
+          "errors) and dtype policy `dtype` over the checkpoint SRC; `whole`: tensors stored "
+          "whole (persistent buffers); `model_manifest`: a model manifest's JSON (its "
+          "conversion of the checkpoint's keys; FSDP1's units).")
       .def_static(
           "of_layout",
           [](const std::string& out, const std::string& key, uint32_t world_size, uint32_t rank,
              const std::string& dtype, const std::set<std::string>& whole,
-             const std::string& manifest_json, const std::optional<Fsdp1Arg>& fsdp1) {
-            const reshard::LayoutSpec layout = JobLayout(world_size, fsdp1, dtype);
+             const std::string& manifest_json, const std::optional<Fsdp1Arg>& fsdp1,
+             const std::string& mesh, const std::string& plan, const std::string& plan_what) {
+            const ViewPlan v = JobViewLayout(world_size, fsdp1, dtype, mesh, plan, plan_what);
             py::gil_scoped_release release;
-            return SourceViewHandle{
-                reshard::SourceRankView::OfLayout(out, key, layout, rank, whole, manifest_json, &Headers())};
+            return SourceViewHandle{reshard::SourceRankView::OfLayout(
+                out, key, v.layout, rank, whole, manifest_json, &Headers(), v.plan ? &*v.plan : nullptr, v.what)};
           },
           py::arg("out"), py::arg("key"), py::arg("world_size"), py::arg("rank"),
           py::arg("dtype") = "keep", py::arg("whole") = std::set<std::string>{},
-          py::arg("model_manifest") = "", py::arg("fsdp1") = std::nullopt,
+          py::arg("model_manifest") = "", py::arg("fsdp1") = std::nullopt, py::arg("mesh") = "",
+          py::arg("plan") = "", py::arg("plan_what") = "",
           "Plans rank `rank` of a layout (as of_checkpoint) over layout KEY of OUT (every rank "
           "file checked against OUT/reshard.json; chunks read whole and checked).")
       .def_property_readonly("path", [](const SourceViewHandle& f) { return f.view->description(); })
@@ -567,6 +609,14 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("world_size", [](const SourceViewHandle& f) { return f.header().world_size; })
       .def_property_readonly("layout_key", [](const SourceViewHandle& f) { return f.header().layout_key; })
       .def_property_readonly("dtype_policy", [](const SourceViewHandle& f) { return f.header().dtype_policy; })
+      .def_property_readonly(
+          "coordinate",
+          [](const SourceViewHandle& f) -> py::object {
+            const reshard::RankFileHeader& h = f.header();
+            if (h.kind != reshard::LayoutKind::kDTensor) return py::none();
+            return py::cast(h.mesh.Coordinate(h.rank));
+          },
+          "DTensor layouts: the planned rank's mesh coordinate (row-major); None otherwise")
       .def_property_readonly(
           "tensors",
           [](py::object self) {

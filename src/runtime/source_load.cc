@@ -22,6 +22,7 @@
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/model_manifest.h"
+#include "reshard/format/parallel_plan.h"
 #include "reshard/io/checkpoint.h"
 #include "reshard/io/file_io.h"
 #include "reshard/io/manifest.h"
@@ -89,10 +90,12 @@ class PlannedView : public SourceRankView {
   // found through `lookup`), expanding conversions when `conversion` is given.
   // FSDP1 layouts are planned from `model` (their units and parameter order), which must then
   // be given.
+  // DTensor layouts are planned by `plan` (`plan_path` names it in errors), required then.
   void Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_t rank,
             const std::set<std::string>& whole_names, const std::string& prefix,
             const Conversion* conversion, const SourceFingerprint& source,
-            const ModelManifest* model);
+            const ModelManifest* model, const ParallelPlan* plan = nullptr,
+            const std::string& plan_path = "");
   virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const = 0;
   // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
   // (posix_fadvise WILLNEED): a hint, errors ignored.
@@ -125,7 +128,8 @@ class PlannedView : public SourceRankView {
 void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_t rank,
                        const std::set<std::string>& whole_names, const std::string& prefix,
                        const Conversion* conversion, const SourceFingerprint& source,
-                       const ModelManifest* model) {
+                       const ModelManifest* model, const ParallelPlan* parallel,
+                       const std::string& plan_path) {
   if (layout.world_size == 0 || rank >= layout.world_size) {
     Fail(ErrorCode::kInvalidArgument, "rank " + std::to_string(rank) + " is not inside world size " +
                                           std::to_string(layout.world_size));
@@ -149,7 +153,15 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
         if (const SourceTensor* t = FindSourceTensor(view, b.name, prefix)) whole.insert(t->name);
       }
     }
-    plan = PlanRank(view, layout, rank, whole);
+    if (layout.kind == LayoutKind::kDTensor) {
+      if (!parallel) {
+        Fail(ErrorCode::kInvalidArgument, description_ + ": a DTensor layout is planned from a parallel plan, "
+                                                         "and none was given");
+      }
+      plan = PlanRank(view, layout, *parallel, rank, whole, plan_path);
+    } else {
+      plan = PlanRank(view, layout, rank, whole);
+    }
   }
   header_.writer = std::string(WriterString());
   header_.SetLayout(layout);
@@ -352,7 +364,8 @@ class CheckpointSource final : public ThreadSource {
 class CheckpointView final : public PlannedView {
  public:
   CheckpointView(const fs::path& src, const LayoutSpec& layout, uint32_t rank,
-                 const std::set<std::string>& whole, const std::string& manifest_json) {
+                 const std::set<std::string>& whole, const std::string& manifest_json,
+                 const ParallelPlan* plan, const std::string& plan_path) {
     ckpt_ = OpenCheckpoint(src);
     description_ = "Hugging Face checkpoint " + ckpt_.dir.string();
     std::string prefix;
@@ -371,7 +384,8 @@ class CheckpointView final : public PlannedView {
     view_ = conversion ? ModelView(ckpt_, *conversion, description_) : ckpt_;
     conversion_ = conversion;
     for (const auto& f : ckpt_.files) files_.push_back(File::OpenRead(f.path));
-    Plan(view_, layout, rank, whole, prefix, conversion_, ckpt_.fingerprint, model_ ? &*model_ : nullptr);
+    Plan(view_, layout, rank, whole, prefix, conversion_, ckpt_.fingerprint, model_ ? &*model_ : nullptr, plan,
+         plan_path);
   }
 
  protected:
@@ -413,7 +427,8 @@ class LayoutSource final : public ThreadSource {
 class LayoutView final : public PlannedView {
  public:
   LayoutView(const fs::path& out, const std::string& key, const LayoutSpec& layout, uint32_t rank,
-             const std::set<std::string>& whole, const std::string& manifest_json, HeaderCache* headers) {
+             const std::set<std::string>& whole, const std::string& manifest_json, HeaderCache* headers,
+             const ParallelPlan* plan, const std::string& plan_path) {
     const std::optional<Manifest> manifest = ReadManifest(out);
     if (!manifest) Fail(ErrorCode::kNotFound, (out / kManifestName).string() + ": no such file");
     OpenedLayout opened;
@@ -424,7 +439,7 @@ class LayoutView final : public PlannedView {
     std::optional<ModelManifest> model;
     if (!manifest_json.empty()) model = ParseModelManifest(manifest_json, description_ + " (model manifest)");
     Plan(virt_, layout, rank, whole, model ? model->base_model_prefix : "", nullptr, manifest->source,
-         model ? &*model : nullptr);
+         model ? &*model : nullptr, plan, plan_path);
   }
 
  protected:
@@ -497,16 +512,20 @@ class LayoutView final : public PlannedView {
 
 std::unique_ptr<SourceRankView> SourceRankView::OfCheckpoint(const fs::path& src, const LayoutSpec& layout,
                                                              uint32_t rank, const std::set<std::string>& whole,
-                                                             const std::string& model_manifest_json) {
-  return std::make_unique<CheckpointView>(src, layout, rank, whole, model_manifest_json);
+                                                             const std::string& model_manifest_json,
+                                                             const ParallelPlan* plan,
+                                                             const std::string& plan_path) {
+  return std::make_unique<CheckpointView>(src, layout, rank, whole, model_manifest_json, plan, plan_path);
 }
 
 std::unique_ptr<SourceRankView> SourceRankView::OfLayout(const fs::path& out, const std::string& key,
                                                          const LayoutSpec& layout, uint32_t rank,
                                                          const std::set<std::string>& whole,
                                                          const std::string& model_manifest_json,
-                                                         HeaderCache* headers) {
-  return std::make_unique<LayoutView>(out, key, layout, rank, whole, model_manifest_json, headers);
+                                                         HeaderCache* headers, const ParallelPlan* plan,
+                                                         const std::string& plan_path) {
+  return std::make_unique<LayoutView>(out, key, layout, rank, whole, model_manifest_json, headers, plan,
+                                      plan_path);
 }
 
 }  // namespace reshard

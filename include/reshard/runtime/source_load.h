@@ -33,6 +33,7 @@
 namespace reshard {
 
 class HeaderCache;  // reshard/io/rank_file.h
+struct ParallelPlan;  // reshard/format/parallel_plan.h
 
 class SourceRankView {
  public:
@@ -46,11 +47,14 @@ class SourceRankView {
   /// layout rather than sharded (persistent buffers: FSDP2 does not shard buffers; the
   /// manifest's persistent buffers are added, as convert adds them). Throws
   /// what OpenCheckpoint and the planners throw, and kUnsupported for conversions the
-  /// capture refused.
+  /// capture refused. A DTensor layout (layout.kind kDTensor) is planned by `plan` (its
+  /// name and xxh3 are the layout's; `plan_path` names it in errors), required then.
   static std::unique_ptr<SourceRankView> OfCheckpoint(const std::filesystem::path& src,
                                                       const LayoutSpec& layout, uint32_t rank,
                                                       const std::set<std::string>& whole,
-                                                      const std::string& model_manifest_json = "");
+                                                      const std::string& model_manifest_json = "",
+                                                      const ParallelPlan* plan = nullptr,
+                                                      const std::string& plan_path = "");
 
   /// Rank `rank` of `layout` planned over layout `key` (any kind, any world size) of the
   /// reshard output `out`: every rank file of `key` is opened, checked to be the one
@@ -62,7 +66,9 @@ class SourceRankView {
                                                   const std::string& key, const LayoutSpec& layout,
                                                   uint32_t rank, const std::set<std::string>& whole,
                                                   const std::string& model_manifest_json = "",
-                                                  HeaderCache* headers = nullptr);
+                                                  HeaderCache* headers = nullptr,
+                                                  const ParallelPlan* plan = nullptr,
+                                                  const std::string& plan_path = "");
 
   /// The planned rank file's header: tensors (name, dtype, shapes, rows, flat, nbytes), the
   /// layout fields; no offsets or checksums (nothing is stored).

@@ -1,0 +1,97 @@
+"""One rank of a DTensor job (torchrun, gloo, CPU) loading from what is there rather than from a
+DTensor layout of its own (test_dtensor_anywhere.py): a Llama built by reshard.empty_model on
+meta, tensor parallel over `tp` (the plan of test_dtensor_load.py), fully_shard over `dp_shard`
+on every decoder layer and the root, to_empty, then reshard.load from each SOURCE in turn, the
+parameters set to NaN before each. Reference: from_pretrained(SRC), bit for bit (full_tensor()
+of every parameter, every buffer).
+
+Arguments: SRC MESH RESULT SOURCE... ; a SOURCE is NAME=PATH. For NAME starting with "bad" the
+load must raise a ReshardError (its text recorded). With NAME "partial", only the decoder layers
+are fully_shard'ed (not the root): embed_tokens / lm_head / norm stay TP-only, which no parallel
+plan can say next to fully_shard'ed layers -- the load must be refused naming the parameter.
+Writes RESULT/rank-<r>.json."""
+
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import reshard
+
+
+def bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def build(like, mesh, root=True):
+    model = reshard.empty_model(like)
+    tp = mesh["tp"]
+    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+    if "dp_shard" in mesh.mesh_dim_names:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        if root:
+            fully_shard(model, mesh=mesh["dp_shard"])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if isinstance(p, DTensor) else p).fill_(math.nan)
+    return model
+
+
+def main():
+    src, mesh_spec, result = sys.argv[1:4]
+    sources = [a.split("=", 1) for a in sys.argv[4:]]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dims = [kv.split("=") for kv in mesh_spec.split(",")]
+    mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    ref = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    want = dict(ref.named_parameters())
+    want_b = dict(ref.named_buffers())
+    rec = {"rank": rank, "loads": {}}
+    for name, path in sources:
+        model = build(src, mesh, root=name != "partial")
+        entry = {}
+        try:
+            report = reshard.load(model, path)
+            entry.update(source=report.source, layout=report.layout, bytes=report.bytes)
+        except reshard.ReshardError as e:
+            entry["error"] = f"{type(e).__name__}: {e}"
+            rec["loads"][name] = entry
+            continue
+        differ = []
+        for n, p in model.named_parameters():
+            n = reshard.model.clean_name(n)
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if full.shape != want[n].shape or not torch.equal(bits(full), bits(want[n])):
+                differ.append(n)
+        for n, b in model.named_buffers():
+            n = reshard.model.clean_name(n)
+            if b.dtype != want_b[n].dtype or not torch.equal(bits(b), bits(want_b[n])):
+                differ.append("buffer " + n)
+        entry["differ"] = differ
+        entry["params"] = len(want)
+        rec["loads"][name] = entry
+    with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
