@@ -31,6 +31,12 @@ stored per rank as it is ("local" tensors: the state of the local flat shard, or
 original parameters' local views under use_orig_params) and restores into the same layout
 only. HYBRID_SHARD: one replica writes; NO_SHARD: only at world size 1.
 
+DTensor jobs (tensor / expert parallel on a named mesh, possibly fully_shard over one of its
+dims): every rank (one mesh coordinate) writes its ``to_local()`` tensors with the placements
+the DTensors report, as a rank file of the job's DTensor layout; the layout's plan is made from
+those placements (``dtensor_save_layout``, formats/parallel-plan.md *Saved plans*), and
+optimizer state shaped like its parameter is stored placed like it.
+
 formats/manifest.md (*Saved checkpoints*) and formats/rank-file.md (``source.saved``)
 describe what is written.
 """
@@ -526,8 +532,9 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
 
     Collective: every rank of the job calls it. Every shard coordinate's first replica writes
     OUT/KEY/rank-<coord>-of-N.reshard from its local shards, KEY being fsdp2-wsN (FSDP2 and
-    plain modules) or the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
-    fsdp1-wsN-LlamaDecoderLayer-orig-pbf16); with `optimizer`, also
+    plain modules), the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
+    fsdp1-wsN-LlamaDecoderLayer-orig-pbf16) or, for a DTensor job (every mesh coordinate
+    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan); with `optimizer`, also
     OUT/KEY/optim/rank-<coord>-of-N.reshard (FSDP2: state tensors sharded like their
     parameters; FSDP1: this rank's state tensors as they are) and, from rank 0,
     OUT/KEY/optim/optimizer.json. Rank 0 then copies the config and tokenizer files (and
