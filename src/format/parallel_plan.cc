@@ -240,7 +240,9 @@ ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
            what + ": tensor \"" + Printable(t.name) + "\" is placed " + describe(t) + ", but a plan gives it " +
                describe(g) + (t.whole ? " (a persistent buffer: whole on every rank)" :
                              t.sharding.fsdp_mesh_dim < 0 && plan.fsdp_mesh_dim
-                                 ? " (fully_shard sharded other parameters over " + *plan.fsdp_mesh_dim + ", not this one)"
+                                 ? " (fully_shard sharded other parameters over " + *plan.fsdp_mesh_dim +
+                                       ", not this one: fully_shard the module holding it too, e.g. the root, "
+                                       "fully_shard(model, mesh=mesh[\"" + *plan.fsdp_mesh_dim + "\"]))"
                                  : "") +
                "; reshard.save records a DTensor layout only when one parallel plan gives every tensor its placements");
     }

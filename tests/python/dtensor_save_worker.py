@@ -3,7 +3,8 @@ reshard.empty_model on the meta device, tensor parallel over mesh dim `tp` (torc
 ColwiseParallel / RowwiseParallel, the plan of tests/python/test_dtensor_save.py), fully_shard
 over `dp_shard` when the mesh has it, to_empty, then:
 
-1. reshard.load(model, OUT), reshard.save(model, SAVED0) right away (no optimizer);
+1. reshard.load(model, OUT), reshard.save(model, SAVED0, blocking=False) right away (no
+   optimizer; an asynchronous save, waited for);
 2. STEPS AdamW steps on a fixed batch, reshard.save(model, SAVED, optimizer=opt, step=STEPS);
    rank 0 writes every parameter's full_tensor() and every optimizer state's to
    RESULT/trained.pt (the reference for export);
@@ -11,7 +12,10 @@ over `dp_shard` when the mesh has it, to_empty, then:
    reshard.load_optimizer(SAVED): every parameter's full_tensor(), buffer and optimizer state
    bit-equal to the trained model's; one more step on both models: the same loss and the same
    parameters, bit for bit;
-4. rank 0 copies SAVED to SAVED_BAD and flips one byte of the first tensor of rank 1's file:
+4. 2x2 only: a job that fully_shards the decoder layers but not the root (embeddings, norm and
+   head not sharded over dp_shard): no parallel plan says it; reshard.save refuses by name and
+   commits nothing;
+5. rank 0 copies SAVED to SAVED_BAD and flips one byte of the first tensor of rank 1's file:
    reshard.load of it fails on rank 1 (a chunk checksum), loads on the others.
 
 Writes RESULT/rank-<r>.json."""
@@ -41,7 +45,7 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
-def build(out, mesh):
+def build(out, mesh, fsdp_root=True):
     model = reshard.empty_model(out)
     tp = mesh["tp"]
     parallelize_module(model, tp, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
@@ -55,7 +59,8 @@ def build(out, mesh):
     if "dp_shard" in mesh.mesh_dim_names:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
+        if fsdp_root:
+            fully_shard(model, mesh=mesh["dp_shard"])
     model.to_empty(device="cpu")
     return model
 
@@ -86,7 +91,7 @@ def main():
 
     model = build(out, mesh)
     reshard.load(model, out)
-    r0 = reshard.save(model, saved0)
+    r0 = reshard.save(model, saved0, blocking=False).wait()  # asynchronous: snapshot, background commit
     rec["layout0"] = r0.layout
     torch.manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
@@ -137,7 +142,18 @@ def main():
     rec["next_differ"] = [n for (n, p), (_, q) in zip(model.named_parameters(), model2.named_parameters())
                           if not torch.equal(bits(full(p)), bits(full(q)))]
 
-    # 4. A corrupted rank file of the save: its rank's load fails, naming the file.
+    # 4. fully_shard of the layers only: the embeddings, norm and head are not sharded over
+    # dp_shard while the layers' parameters are; no plan says that, and the save says why.
+    if "dp_shard" in mesh.mesh_dim_names:
+        partial = build(out, mesh, fsdp_root=False)
+        try:
+            reshard.save(partial, saved_bad + "-partial")
+            rec["partial"] = "saved"
+        except reshard.ReshardError as e:
+            rec["partial"] = f"{type(e).__name__}: {e}"
+        rec["partial_written"] = os.path.exists(os.path.join(saved_bad + "-partial", "reshard.json"))
+
+    # 5. A corrupted rank file of the save: its rank's load fails, naming the file.
     if rank == 0:
         shutil.copytree(saved, saved_bad)
         manifest = json.load(open(os.path.join(saved_bad, "reshard.json")))

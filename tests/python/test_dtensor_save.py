@@ -90,6 +90,10 @@ def test_dtensor_save_round_trip_verify_export(llama_src, cli, tmp_path, mesh, f
         a, b = r["next_loss"]
         assert a == b, (a, b)
         assert r["next_differ"] == [], r["next_differ"]
+        if fsdp:  # no plan says "fully_shard over dp_shard for the layers only": refused by name
+            assert r["partial"].startswith("UnsupportedError") and "model.embed_tokens.weight" in r["partial"] \
+                and "fully_shard" in r["partial"], r["partial"]
+            assert r["partial_written"] is False
         q = r["placements"]["model.layers.0.self_attn.q_proj.weight"]
         assert q == (["_S(0, 2)", "S(0)"] if fsdp else ["S(0)"]), q
     # The saved plan is the job's placements: a plan file that convert accepts and that gives
@@ -122,6 +126,7 @@ def test_dtensor_save_round_trip_verify_export(llama_src, cli, tmp_path, mesh, f
                 if d == saved0:  # no training: the same bytes as the conversion
                     assert te[n]["xxh3"] == t["xxh3"], (rk["rank"], n)
         cli("verify", d, rc=0)
+    cli("verify", saved / key / "optim", rc=0)
 
     # Export of the saved layout: the trained model's full tensors, byte for byte.
     trained = torch.load(result / "trained.pt")["params"]
