@@ -268,6 +268,10 @@ class SaveItem:
     rows: Optional[Tuple[int, int]]
     flat: Optional["_C.FlatInfo"]
     tensor: torch.Tensor
+    # DTensor layouts: one placement per mesh dim ("R", "S(d)", "_S(d,k)") and fully_shard's
+    # mesh dim (-1: none); the native side derives the entry's local shape from them.
+    placements: Optional[List[str]] = None
+    fsdp_mesh_dim: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -276,7 +280,8 @@ class SaveItem:
     def native(self) -> "_C.SaveTensor":
         t = self.tensor
         return _C.SaveTensor(self.name, self.dtype, self.global_shape, self.rows, t.data_ptr(),
-                             self.nbytes, t.device.type == "cuda", self.flat)
+                             self.nbytes, t.device.type == "cuda", self.flat, self.placements or [],
+                             self.fsdp_mesh_dim)
 
 
 def raw_save_entry(name: str, t: torch.Tensor, global_shape: List[int], sharded: bool, start: int,
@@ -332,8 +337,9 @@ def save_tensors(path: str, key: str, world: int, coord: int, save_id: int, step
     return _C.save(path, key, world, coord, save_id, step, [e.native() for e in entries], **kw)
 
 
-def write_saved_manifest(out: str, world: int, save_id: int, step, aux: List[str], fsdp1=None) -> str:
-    return _C.write_saved_manifest(out, world, save_id, step, aux, fsdp1=fsdp1)
+def write_saved_manifest(out: str, world: int, save_id: int, step, aux: List[str], fsdp1=None,
+                         dtensor=None) -> str:
+    return _C.write_saved_manifest(out, world, save_id, step, aux, fsdp1=fsdp1, dtensor=dtensor)
 
 
 # ---- snapshots of asynchronous saves ----------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,12 @@ def param_names(model: nn.Module, fsdp1: bool) -> Dict[str, torch.Tensor]:
     return {(clean_name(n) if fsdp1 else n): p for n, p in model.named_parameters()}
 
 
-def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1: bool = False):
+def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1: bool = False,
+                      dtensor: Optional[Dict[str, Tuple[List[str], int]]] = None):
+    """Save items of the optimizer's state tensors and its description (optimizer.json).
+    `dtensor`: a DTensor job's placements (clean parameter name -> (placements, fsdp mesh dim)):
+    state shaped like its parameter is stored as the parameter's local tensor with its
+    placements (AdamW's exp_avg / exp_avg_sq are DTensors placed like it), 0-dim state whole."""
     from torch.distributed.tensor import DTensor
 
     params = param_names(model, fsdp1)
@@ -80,6 +85,35 @@ def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1
                                        "reshard saves tensors and JSON-like values only") from None
                 continue
             full_shape = list(v.shape)
+            if dtensor is not None:
+                pl, fsdp = dtensor[clean_name(name)]
+                tname = f"{name}{OPTIM_SEP}{k}"
+                if v.dim() == 0:
+                    kind = "whole"
+                    e, t = raw_save_entry(tname, v.detach(), [], False, 0, 0)
+                    e.placements, e.fsdp_mesh_dim = ["R"] * len(pl), -1
+                elif full_shape == list(params[name].shape):
+                    local = local_tensor(params[name])
+                    if isinstance(v, DTensor):
+                        if list(v.placements) != list(params[name].placements):
+                            raise UnsupportedError(
+                                f"optimizer state {name}[{k!r}] is placed {list(v.placements)}, its parameter "
+                                f"{list(params[name].placements)}; reshard saves state placed like its parameter")
+                        v = v.to_local()
+                    if list(v.shape) != list(local.shape):
+                        raise UnsupportedError(
+                            f"optimizer state {name}[{k!r}] has local shape {list(v.shape)}, its parameter "
+                            f"{list(local.shape)}; reshard saves state placed like its parameter")
+                    kind = "sharded"
+                    e, t = raw_save_entry(tname, v.detach(), full_shape, False, 0, 0)
+                    e.placements, e.fsdp_mesh_dim = pl, fsdp
+                else:
+                    raise UnsupportedError(f"optimizer state {name}[{k!r}] has shape {full_shape}; reshard "
+                                           "saves state shaped like its parameter, or 0-dim")
+                desc["tensors"][k] = kind
+                entries.append(e)
+                keep.append(t)
+                continue
             if v.dim() == 0:
                 kind = "whole"
                 e, t = save_entry(f"{name}{OPTIM_SEP}{k}", v.detach(), [], world, coord, True)
@@ -126,6 +160,37 @@ def check_optimizer_files(out: str, key: str, world: int, save_id: int, step) ->
         raise NotFoundError(f"{os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)}: missing")
 
 
+def _dtensor_optim_layout(out: str, model: nn.Module, job) -> str:
+    """The DTensor layout of OUT, of this job's mesh, that holds optimizer state (reshard.save
+    of a DTensor job writes one); of several, the one whose parameters are placed as the live
+    ones."""
+    from .layout import layout_rank_file
+    from .load_dtensor import live_placements
+
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise NotFoundError(f"{out}: no reshard.json; not a complete checkpoint")
+    mesh = {"names": list(job.names), "shape": list(job.shape)}
+    keys = sorted(k for k, v in manifest.get("layouts", {}).items()
+                  if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh
+                  and os.path.exists(os.path.join(out, k, OPTIM_DIR, OPTIM_JSON)))
+    if not keys:
+        raise NotFoundError(f"{out}: no optimizer state for a DTensor layout of the mesh {job.mesh_flag()} of "
+                            f"this job (layouts: {', '.join(sorted(manifest.get('layouts', {}))) or 'none'}); "
+                            "was it saved with reshard.save(model, OUT, optimizer=...) by a job on this mesh?")
+    if len(keys) == 1:
+        return keys[0]
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    for key in keys:
+        f = open_rank_file(layout_rank_file(out, key, job.rank, job.world_size, manifest))
+        entries = {t.name: t for t in f.tensors}
+        if all(n in entries and list(entries[n].placements or []) == live_placements(job, n, p)[0]
+               for n, p in params.items()):
+            return key
+    raise LayoutMismatchError(f"{out}: optimizer state in DTensor layouts {', '.join(keys)}, none placed as "
+                              "this job's parameters")
+
+
 def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     """Restores the optimizer state that reshard.save wrote into OUT for this job's shard
     coordinate: every state tensor (DTensors sharded like their parameters, 0-dim tensors
@@ -137,9 +202,15 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     from torch.distributed.tensor import DTensor
 
 
+    from .load_dtensor import dtensor_job, live_placements
+
     job = fsdp1_job(model, "reshard.load_optimizer")
+    dt_job = dtensor_job(model) if job is None else None
     if job is not None:
         world, coord, key = job.world, job.coord, job.key
+    elif dt_job is not None:  # a DTensor job: the DTensor layout of its mesh that holds optimizer state
+        world, coord = dt_job.world_size, dt_job.rank
+        key = _dtensor_optim_layout(out, model, dt_job)
     else:
         world, coord = shard_coordinate(model)
         key = layout_key(world)
@@ -237,6 +308,13 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                 raise CorruptFileError(f"{meta_path}: state {name}[{k!r}] has kind {kind!r}; expected "
                                    "sharded, whole or local")
             else:
+                if dt_job is not None:
+                    live, fsdp = live_placements(dt_job, clean_name(name), p)
+                    if list(e.placements or []) != live or e.fsdp_mesh_dim != fsdp:
+                        raise LayoutMismatchError(
+                            f"{path}: {tname} is placed {list(e.placements or [])} (fsdp mesh dim "
+                            f"{e.fsdp_mesh_dim}), the live parameter {name} {live} (fsdp mesh dim {fsdp}): "
+                            f"this job's placements differ from those saved in layout {key}")
                 if e.global_shape != list(p.shape) or e.local_shape != list(local_p.shape):
                     raise LayoutMismatchError(f"{path}: {tname} has shape {e.global_shape} (local "
                                        f"{e.local_shape}); the parameter {list(p.shape)} (local "

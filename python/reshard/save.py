@@ -31,6 +31,12 @@ stored per rank as it is ("local" tensors: the state of the local flat shard, or
 original parameters' local views under use_orig_params) and restores into the same layout
 only. HYBRID_SHARD: one replica writes; NO_SHARD: only at world size 1.
 
+DTensor jobs (tensor / expert parallel on a named mesh, possibly fully_shard over one of its
+dims): every rank (one mesh coordinate) writes its ``to_local()`` tensors with the placements
+the DTensors report, as a rank file of the job's DTensor layout; the layout's plan is made from
+those placements (``dtensor_save_layout``, formats/parallel-plan.md *Saved plans*), and
+optimizer state shaped like its parameter is stored placed like it.
+
 formats/manifest.md (*Saved checkpoints*) and formats/rank-file.md (``source.saved``)
 describe what is written.
 """
@@ -52,6 +58,7 @@ from .errors import (InvalidArgumentError, LayoutMismatchError, NotFoundError, R
                      error_class)
 from .layout import chunk_rows, flat_entry_name, is_hf_checkpoint, layout_key, rank_file_name, read_manifest
 from .load import local_tensor, shard_coordinate
+from .load_dtensor import DTensorJob, dtensor_job, live_placements
 from .load_fsdp1 import Fsdp1Job, flat_object, fsdp1_job, fsdp1_local_shard
 from .model import clean_name, persistent_buffer_names
 from .optimizer import OPTIM_DIR, OPTIM_JSON, check_optimizer_files, optimizer_entries
@@ -78,6 +85,10 @@ class SaveReport:
     blocking: bool = True
     snapshot: str = "none"        # asynchronous: where the CUDA shards were copied (device, host)
     snapshot_bytes: int = 0
+    # A DTensor job's save: the parallel plan (formats/parallel-plan.md, canonical JSON) that the
+    # layout's key names, synthesized from the live placements; written to a file, it lets
+    # `reshard convert --mesh ... --plan FILE` make this layout from any checkpoint.
+    plan: Optional[str] = None
 
 
 def _replica_index(model: nn.Module) -> int:
@@ -287,6 +298,74 @@ def _aux_files(model: nn.Module, source: Optional[str], peft_names=None,
     return unique
 
 
+# ---- DTensor jobs (tensor / expert parallel on a named mesh, FSDP2 over it) -------------------
+
+SAVED_PLAN_NAME = "saved"  # the plan of a DTensor layout written by reshard.save
+
+
+@dataclasses.dataclass
+class DTensorSave:
+    """The DTensor layout a save of a DTensor job writes: the job's mesh and the plan that
+    gives every parameter its live placements (PlanOfShardings, synthesized by the native
+    side from the live placements), and each tensor's (placements, fsdp_mesh_dim)."""
+    job: DTensorJob
+    key: str
+    plan_name: str
+    plan_xxh3: int
+    plan_json: str
+    placed: dict  # clean name -> (placements, fsdp mesh dim or -1), parameters and persistent buffers
+
+    def native(self):
+        """The `dtensor` argument of _C.save and _C.write_saved_manifest."""
+        return (list(self.job.names), list(self.job.shape), self.plan_name, self.plan_xxh3)
+
+
+def dtensor_save_layout(model: nn.Module, job: DTensorJob) -> DTensorSave:
+    """The layout key, plan and per-tensor placements of a save of DTensor job `model`: the
+    placements every parameter reports (those fully_shard gave it included), persistent
+    buffers whole (R on every mesh dim, as convert stores them). Raises UnsupportedError
+    naming the parameter when no parallel plan can say the job's placements."""
+    tensors, placed = [], {}
+    for name, p in model.named_parameters():
+        name = clean_name(name)
+        pl, fsdp = live_placements(job, name, p)
+        fsdp = -1 if fsdp is None else fsdp
+        placed[name] = (pl, fsdp)
+        tensors.append((name, p.dim(), False, pl, fsdp))
+    persistent = persistent_buffer_names(model)
+    for name, b in model.named_buffers():
+        name = clean_name(name)
+        if name in persistent and name not in placed:
+            placed[name] = (["R"] * len(job.names), -1)
+            tensors.append((name, b.dim(), True, placed[name][0], -1))
+    key, plan_name, xxh3, plan_json = _C.plan_of_placements(SAVED_PLAN_NAME, list(job.names), list(job.shape),
+                                                           tensors)
+    return DTensorSave(job, key, plan_name, xxh3, plan_json, placed)
+
+
+def _dtensor_model_entries(model: nn.Module, dt: DTensorSave):
+    """Every parameter's local tensor (to_local(), contiguous) with its placements, then the
+    persistent buffers whole: the entries `reshard convert --mesh ... --plan ...` writes."""
+    entries, keep = [], []
+    for name, p in model.named_parameters():
+        name = clean_name(name)
+        e, t = raw_save_entry(name, local_tensor(p).detach(), list(p.shape), False, 0, 0)
+        e.placements, e.fsdp_mesh_dim = dt.placed[name]
+        entries.append(e)
+        keep.append(t)
+    persistent = persistent_buffer_names(model)
+    seen = {e.name for e in entries}
+    for name, b in model.named_buffers():
+        name = clean_name(name)
+        if name in persistent and name not in seen:
+            seen.add(name)
+            e, t = raw_save_entry(name, b.detach(), list(b.shape), False, 0, 0)
+            e.placements, e.fsdp_mesh_dim = dt.placed[name]
+            entries.append(e)
+            keep.append(t)
+    return entries, keep
+
+
 # ---- FSDP1 (FullyShardedDataParallel, FlatParameter) -----------------------------------------
 
 def _fsdp1_model_entries(model: nn.Module, job: Fsdp1Job):
@@ -453,8 +532,9 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
 
     Collective: every rank of the job calls it. Every shard coordinate's first replica writes
     OUT/KEY/rank-<coord>-of-N.reshard from its local shards, KEY being fsdp2-wsN (FSDP2 and
-    plain modules) or the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
-    fsdp1-wsN-LlamaDecoderLayer-orig-pbf16); with `optimizer`, also
+    plain modules), the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
+    fsdp1-wsN-LlamaDecoderLayer-orig-pbf16) or, for a DTensor job (every mesh coordinate
+    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan); with `optimizer`, also
     OUT/KEY/optim/rank-<coord>-of-N.reshard (FSDP2: state tensors sharded like their
     parameters; FSDP1: this rank's state tensors as they are) and, from rank 0,
     OUT/KEY/optim/optimizer.json. Rank 0 then copies the config and tokenizer files (and
@@ -495,8 +575,21 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     if job is not None and peft_names is not None:
         raise UnsupportedError("reshard.save of a PEFT model under FSDP1: PEFT models are saved "
                                "under FSDP2 (fully_shard) or unsharded")
+    dt: Optional[DTensorSave] = None
+    dt_err = None
+    dt_job = dtensor_job(model) if job is None else None
     if job is not None:
         world, coord, key = job.world, job.coord, job.key
+    elif dt_job is not None:  # tensor / expert parallel: every mesh coordinate writes its file
+        if peft_names is not None:
+            raise UnsupportedError("reshard.save of a PEFT model on a DTensor mesh of several dims: PEFT "
+                                   "models are saved under FSDP2 (fully_shard) or unsharded")
+        world, coord, writes = dt_job.world_size, dt_job.rank, True
+        try:  # the same placements on every rank: the same outcome; rank 0 broadcasts its own
+            dt = dtensor_save_layout(model, dt_job)
+            key = dt.key
+        except ReshardError as e:
+            dt_err, key = _error_record(e), None
     else:
         world, coord = shard_coordinate(model)
         writes = _replica_index(model) == 0
@@ -506,6 +599,8 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     msg: Any = None
     if group.rank == 0:
         try:
+            if dt_err is not None:
+                raise error_class(dt_err[0])(f"reshard.save of {out}: {dt_err[1]}")
             if os.path.exists(os.path.join(out, "reshard.json")):
                 raise InvalidArgumentError(f"{out} already holds a checkpoint (reshard.json); save into a "
                                    "new directory")
@@ -528,13 +623,18 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     device = 0
     where, snap_bytes = "none", 0
     try:
+        if dt_err is not None:
+            raise error_class(dt_err[0])(dt_err[1])
         if job is not None:
             entries, _ = _fsdp1_model_entries(model, job)  # the items hold their tensors
+        elif dt is not None:
+            entries, _ = _dtensor_model_entries(model, dt)
         else:
             entries, _ = _model_entries(model, world, coord, peft_names, base)
         if optimizer is not None:
             opt_entries, _, meta = optimizer_entries(optimizer, model, world, coord,
-                                                             fsdp1=job is not None)
+                                                     fsdp1=job is not None,
+                                                     dtensor=dt.placed if dt is not None else None)
             meta["step"] = step
             meta["layout"] = key
         devices = {it.tensor.device.index for it in entries + opt_entries if it.tensor.device.type == "cuda"}
@@ -558,11 +658,15 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         err = _error_record(e)
 
     def write_and_commit(group: _Group, err=None) -> SaveReport:
-        return _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, entries,
-                                 opt_entries if optimizer is not None else None, meta, aux, device,
-                                 dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
-                                      verify=verify, fsdp1=job.fsdp1 if job is not None else None),
-                                 t_call, err=err)
+        report = _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, entries,
+                                   opt_entries if optimizer is not None else None, meta, aux, device,
+                                   dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
+                                        verify=verify, fsdp1=job.fsdp1 if job is not None else None,
+                                        dtensor=dt.native() if dt is not None else None),
+                                   t_call, err=err)
+        if dt is not None:
+            report.plan = dt.plan_json
+        return report
 
     if blocking:  # an error here: every rank learns of it in the outcome gather, nothing written
         report = write_and_commit(group, err)
@@ -662,7 +766,7 @@ def _write_and_commit(group: _Group, out, key, world, coord, writes, save_id, st
             for name, data in aux:
                 _write_atomic(os.path.join(out, name), data)
             write_saved_manifest(out, world, save_id, step, [n for n, _ in aux],
-                                 fsdp1=job.fsdp1 if job is not None else None)
+                                 fsdp1=job.fsdp1 if job is not None else None, dtensor=kwargs.get("dtensor"))
         except Exception as e:  # noqa: BLE001
             err = _error_record(e)
     err = group.broadcast(err)

@@ -172,4 +172,82 @@ DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std
   return s;
 }
 
+ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
+                             const std::vector<PlacedTensor>& tensors) {
+  ParallelPlan plan;
+  plan.name = name;
+  const std::string what = "the placements of this job (plan \"" + name + "\" on mesh " + mesh.Flag() + ")";
+  auto describe = [&](const PlacedTensor& t) {
+    std::string s = "[";
+    for (size_t m = 0; m < t.sharding.placements.size(); ++m) {
+      s += (m ? ", " : "") + t.sharding.placements[m].ToString();
+    }
+    s += "]";
+    if (t.sharding.fsdp_mesh_dim >= 0 && static_cast<size_t>(t.sharding.fsdp_mesh_dim) < mesh.ndim()) {
+      s += " (fully_shard over " + mesh.names[t.sharding.fsdp_mesh_dim] + ")";
+    }
+    return s;
+  };
+  const PlacedTensor* first_fsdp = nullptr;
+  for (const PlacedTensor& t : tensors) {
+    if (t.sharding.placements.size() != mesh.ndim()) {
+      Fail(ErrorCode::kInvalidArgument, what + ": tensor \"" + Printable(t.name) + "\" has " +
+                                            std::to_string(t.sharding.placements.size()) +
+                                            " placements, the mesh " + std::to_string(mesh.ndim()) + " dims");
+    }
+    const int f = t.sharding.fsdp_mesh_dim;
+    if (f < 0) continue;
+    if (static_cast<size_t>(f) >= mesh.ndim() || !t.sharding.placements[f].IsShard()) {
+      Fail(ErrorCode::kInvalidArgument, what + ": tensor \"" + Printable(t.name) + "\": fsdp mesh dim " +
+                                            std::to_string(f) + " without a Shard placement");
+    }
+    if (!first_fsdp) {
+      first_fsdp = &t;
+      plan.fsdp_mesh_dim = mesh.names[f];
+      plan.fsdp_dim = t.sharding.placements[f].dim;
+    } else if (mesh.names[f] != *plan.fsdp_mesh_dim || t.sharding.placements[f].dim != plan.fsdp_dim) {
+      Fail(ErrorCode::kUnsupported,
+           what + ": fully_shard sharded \"" + first_fsdp->name + "\" as " + describe(*first_fsdp) +
+               " and \"" + t.name + "\" as " + describe(t) +
+               ": a parallel plan (formats/parallel-plan.md) has one fsdp mesh dim and tensor dim, "
+               "so reshard.save cannot record this job's layout");
+    }
+  }
+  for (const PlacedTensor& t : tensors) {
+    if (t.name.empty() || t.name.find_first_of("* \t\r\n") != std::string::npos) {
+      Fail(ErrorCode::kUnsupported, what + ": tensor name \"" + Printable(t.name) +
+                                        "\" cannot be a plan pattern (a '*' or a space in it)");
+    }
+    PlanRule rule;
+    rule.pattern = t.name;
+    for (size_t m = 0; m < mesh.ndim(); ++m) {
+      if (t.sharding.fsdp_mesh_dim == static_cast<int>(m) ||
+          (plan.fsdp_mesh_dim && mesh.names[m] == *plan.fsdp_mesh_dim)) {
+        continue;
+      }
+      if (t.sharding.placements[m].IsShard()) rule.placements.emplace_back(mesh.names[m], t.sharding.placements[m]);
+    }
+    if (!rule.placements.empty()) plan.rules.push_back(std::move(rule));
+  }
+  plan.xxh3 = Xxh3(CanonicalPlanJson(plan));
+  for (const PlacedTensor& t : tensors) {
+    DTensorSharding want = t.sharding;
+    want.mesh_shape = mesh.shape;
+    const DTensorSharding got = PlanSharding(plan, mesh, t.name, t.ndim, t.whole, what);
+    if (got.placements != want.placements || got.fsdp_mesh_dim != want.fsdp_mesh_dim) {
+      PlacedTensor g{t.name, t.ndim, t.whole, got};
+      Fail(ErrorCode::kUnsupported,
+           what + ": tensor \"" + Printable(t.name) + "\" is placed " + describe(t) + ", but a plan gives it " +
+               describe(g) + (t.whole ? " (a persistent buffer: whole on every rank)" :
+                             t.sharding.fsdp_mesh_dim < 0 && plan.fsdp_mesh_dim
+                                 ? " (fully_shard sharded other parameters over " + *plan.fsdp_mesh_dim +
+                                       ", not this one: fully_shard the module holding it too, e.g. the root, "
+                                       "fully_shard(model, mesh=mesh[\"" + *plan.fsdp_mesh_dim + "\"]))"
+                                 : "") +
+               "; reshard.save records a DTensor layout only when one parallel plan gives every tensor its placements");
+    }
+  }
+  return plan;
+}
+
 }  // namespace reshard

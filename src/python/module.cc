@@ -83,17 +83,33 @@ reshard::IoMode ParseIo(const std::string& io) {
 
 // The FSDP1 fields of a layout, from Python: (wrap classes, use_orig_params, param_dtype).
 using Fsdp1Arg = std::tuple<std::vector<std::string>, bool, std::string>;
+// The DTensor fields of a layout, from Python: (mesh dim names, mesh shape, plan name, plan xxh3).
+using DTensorArg = std::tuple<std::vector<std::string>, std::vector<uint32_t>, std::string, uint64_t>;
 // The layout of a job (what a save writes, what a view plans): FSDP2 without `fsdp1`, else
 // FSDP1 with its fields; dtype policy "keep" (saved bytes are the live ones; a load's view may
 // plan another). Normalized as `reshard convert` normalizes it.
 reshard::LayoutSpec JobLayout(uint32_t world_size, const std::optional<Fsdp1Arg>& fsdp1,
-                              const std::string& dtype = "keep") {
+                              const std::string& dtype = "keep",
+                              const std::optional<DTensorArg>& dtensor = std::nullopt) {
   reshard::LayoutSpec spec;
   spec.world_size = world_size;
   spec.dtype = dtype;
+  if (fsdp1 && dtensor) {
+    throw reshard::Error(reshard::ErrorCode::kInvalidArgument, "a layout is FSDP1 or DTensor, not both");
+  }
   if (fsdp1) {
     spec.kind = reshard::LayoutKind::kFsdp1;
     std::tie(spec.wrap, spec.use_orig_params, spec.param_dtype) = *fsdp1;
+  }
+  if (dtensor) {
+    spec.kind = reshard::LayoutKind::kDTensor;
+    std::tie(spec.mesh.names, spec.mesh.shape, spec.plan_name, spec.plan_xxh3) = *dtensor;
+    spec.Normalize();  // world_size = the mesh's size
+    if (spec.world_size != world_size) {
+      throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                           "world size " + std::to_string(world_size) + " for the mesh " +
+                               spec.mesh.Flag() + " of " + std::to_string(spec.world_size) + " ranks");
+    }
   }
   spec.Normalize();
   return spec;
@@ -180,6 +196,8 @@ struct SaveTensor {
   uint64_t nbytes = 0;
   bool on_device = false;
   std::shared_ptr<const reshard::FlatInfo> flat;       // FSDP1 flat shard
+  std::vector<std::string> placements;  // DTensor layouts: one per mesh dim ("R", "S(d)", "_S(d,k)")
+  int fsdp_mesh_dim = -1;               // DTensor layouts: fully_shard's mesh dim, or -1
 };
 
 double g_save_pause_seconds = 0;  // _testing.set_save_pause: sleep before each tensor
@@ -694,13 +712,16 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::string name, std::string dtype, std::vector<uint64_t> global_shape,
                        std::optional<std::pair<uint64_t, uint64_t>> rows, uintptr_t ptr,
                        uint64_t nbytes, bool on_device,
-                       std::shared_ptr<reshard::FlatInfo> flat) {
+                       std::shared_ptr<reshard::FlatInfo> flat, std::vector<std::string> placements,
+                       int fsdp_mesh_dim) {
              return SaveTensor{std::move(name), std::move(dtype), std::move(global_shape), rows,
-                               ptr, nbytes, on_device, std::move(flat)};
+                               ptr, nbytes, on_device, std::move(flat), std::move(placements),
+                               fsdp_mesh_dim};
            }),
            py::arg("name"), py::arg("dtype"), py::arg("global_shape"), py::arg("rows"),
            py::arg("ptr"), py::arg("nbytes"), py::arg("on_device") = false,
-           py::arg("flat") = nullptr)
+           py::arg("flat") = nullptr, py::arg("placements") = std::vector<std::string>{},
+           py::arg("fsdp_mesh_dim") = -1)
       .def_readonly("name", &SaveTensor::name)
       .def_readonly("nbytes", &SaveTensor::nbytes);
 
@@ -716,8 +737,9 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& path, const std::string& layout_key, uint32_t world_size,
          uint32_t rank, uint64_t save_id, std::optional<uint64_t> step,
          const std::vector<SaveTensor>& tensors, uint64_t chunk_size, int device,
-         uint64_t staging_bytes, bool verify, const std::optional<Fsdp1Arg>& fsdp1) {
-        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1);
+         uint64_t staging_bytes, bool verify, const std::optional<Fsdp1Arg>& fsdp1,
+         const std::optional<DTensorArg>& dtensor) {
+        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1, "keep", dtensor);
         if (spec.Key() != layout_key) {
           throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
                                path + ": layout key \"" + layout_key +
@@ -751,6 +773,22 @@ PYBIND11_MODULE(_C, m) {
             // A rank's flat shard is c = ceil(numel / W) elements, zero-padded past numel.
             e.flat = t.flat;
             e.local_shape = {reshard::CeilDiv(t.flat->numel, world_size)};
+          }
+          if (spec.kind == reshard::LayoutKind::kDTensor) {
+            // The local tensor of this mesh coordinate by its placements (formats/rank-file.md,
+            // DTensor layouts); the writer checks nbytes against it.
+            if (t.rows || t.flat) {
+              throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                                   "tensor \"" + t.name + "\": rows or a flat object in a DTensor layout");
+            }
+            reshard::DTensorSharding s = ShardingOf(t.placements, spec.mesh.shape, t.fsdp_mesh_dim);
+            e.sharded = false;
+            e.local_shape = reshard::DTensorLocalShape(t.global_shape, s, spec.mesh.shape,
+                                                       spec.mesh.Coordinate(rank), path + ": tensor \"" + t.name + "\"");
+            e.dtensor = std::move(s);
+          } else if (!t.placements.empty()) {
+            throw reshard::Error(reshard::ErrorCode::kInvalidArgument,
+                                 "tensor \"" + t.name + "\": placements outside a DTensor layout");
           }
           h.tensors.push_back(std::move(e));
           sources.push_back({t.name, reinterpret_cast<const void*>(t.ptr), t.nbytes, t.on_device});
@@ -788,9 +826,11 @@ PYBIND11_MODULE(_C, m) {
       py::arg("save_id"), py::arg("step"), py::arg("tensors"),
       py::arg("chunk_size") = reshard::kDefaultChunkSize, py::arg("device") = 0,
       py::arg("staging_bytes") = 32ull << 20, py::arg("verify") = false,
-      py::arg("fsdp1") = std::nullopt,
+      py::arg("fsdp1") = std::nullopt, py::arg("dtensor") = std::nullopt,
       "Writes one rank file atomically from SaveTensors. layout_key must be the key of the "
-      "layout: fsdp2-wsN, or with fsdp1=(wrap, use_orig_params, param_dtype) the FSDP1 one.");
+      "layout: fsdp2-wsN, with fsdp1=(wrap, use_orig_params, param_dtype) the FSDP1 one, with "
+      "dtensor=(mesh names, mesh shape, plan name, plan xxh3) the DTensor one (each SaveTensor's "
+      "placements and fsdp_mesh_dim give its local shape at mesh coordinate `rank`).");
 
   m.def(
       "layout_key",
@@ -809,8 +849,8 @@ PYBIND11_MODULE(_C, m) {
       "write_saved_manifest",
       [](const std::string& out, uint32_t world_size, uint64_t save_id,
          std::optional<uint64_t> step, const std::vector<std::string>& aux_files,
-         const std::optional<Fsdp1Arg>& fsdp1) {
-        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1);
+         const std::optional<Fsdp1Arg>& fsdp1, const std::optional<DTensorArg>& dtensor) {
+        const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1, "keep", dtensor);
         py::gil_scoped_release release;
         return reshard::WriteSavedManifest(out, spec,
                                            reshard::SourceFingerprint::FromSaved({save_id, step}),
@@ -818,9 +858,37 @@ PYBIND11_MODULE(_C, m) {
             .key;
       },
       py::arg("out"), py::arg("world_size"), py::arg("save_id"), py::arg("step"),
-      py::arg("aux_files"), py::arg("fsdp1") = std::nullopt,
+      py::arg("aux_files"), py::arg("fsdp1") = std::nullopt, py::arg("dtensor") = std::nullopt,
       "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json. "
-      "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout.");
+      "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout, dtensor=(mesh names, "
+      "mesh shape, plan name, plan xxh3) for a DTensor one.");
+
+  m.def(
+      "plan_of_placements",
+      [](const std::string& name, const std::vector<std::string>& mesh_names,
+         const std::vector<uint32_t>& mesh_shape,
+         const std::vector<std::tuple<std::string, size_t, bool, std::vector<std::string>, int>>& tensors) {
+        reshard::MeshSpec mesh{mesh_names, mesh_shape};
+        mesh.Check("mesh");
+        std::vector<reshard::PlacedTensor> placed;
+        placed.reserve(tensors.size());
+        for (const auto& [tname, ndim, whole, placements, fsdp] : tensors) {
+          placed.push_back({tname, ndim, whole, ShardingOf(placements, mesh_shape, fsdp)});
+        }
+        const reshard::ParallelPlan plan = reshard::PlanOfShardings(name, mesh, placed);
+        reshard::LayoutSpec spec;
+        spec.kind = reshard::LayoutKind::kDTensor;
+        spec.mesh = mesh;
+        spec.plan_name = plan.name;
+        spec.plan_xxh3 = plan.xxh3;
+        spec.Normalize();
+        return py::make_tuple(spec.Key(), plan.name, plan.xxh3, reshard::CanonicalPlanJson(plan));
+      },
+      py::arg("name"), py::arg("mesh_names"), py::arg("mesh_shape"), py::arg("tensors"),
+      "The parallel plan named `name` that gives each tensor (name, ndim, whole, placements, "
+      "fsdp_mesh_dim) exactly its placements on the mesh (reshard/format/parallel_plan.h, "
+      "PlanOfShardings): (layout key, plan name, plan xxh3, the plan's canonical JSON). Raises "
+      "UnsupportedError naming the tensor when no plan can say them.");
 
   m.def(
       "dtensor_local_indices",

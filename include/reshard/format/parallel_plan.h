@@ -53,4 +53,23 @@ bool PlanPatternMatches(std::string_view pattern, std::string_view name);
 DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std::string_view name,
                              size_t ndim, bool whole, const std::string& path);
 
+/// One tensor of a live job as a plan must place it (PlanOfShardings).
+struct PlacedTensor {
+  std::string name;
+  size_t ndim = 0;
+  bool whole = false;          // a persistent buffer (PlanSharding's `whole`)
+  DTensorSharding sharding;    // placements and fsdp_mesh_dim as the job's DTensor reports them
+};
+
+/// The plan named `name` that gives each of `tensors` exactly its sharding on `mesh` (by
+/// PlanSharding): one rule per tensor with a placement other than R on a mesh dim other than
+/// fully_shard's, its pattern the tensor's exact name, in the given order; the `fsdp` member
+/// from the tensors fully_shard sharded. What reshard.save records as the plan of a job's
+/// layout (its placements need not come from a plan file). Throws kUnsupported naming the
+/// tensor when no plan of this format can say it: fully_shard over two mesh dims or two
+/// tensor dims, a tensor of ≥ 1 dims that fully_shard left alone while it sharded others, a
+/// name with '*' or a space, a sharding that PlanSharding does not give back.
+ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
+                             const std::vector<PlacedTensor>& tensors);
+
 }  // namespace reshard
