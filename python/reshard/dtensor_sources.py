@@ -2,16 +2,14 @@
 another complete layout of OUT (any world size, FSDP2, FSDP1 or another mesh / plan), or a
 Hugging Face checkpoint directory (or a model id in the local cache). The rank's part is planned
 by the C++ core exactly as `reshard convert --mesh ... --plan ...` would plan the missing rank
-file (reshard._C.SourceRankView with a mesh and a plan), under a parallel plan written from the
-job's own DTensors (formats/parallel-plan.md: one rule per parameter, its exact name, its live
-placements; `fsdp` the mesh dim fully_shard used), so every check of the load is the same and
-only this rank's bytes are read; nothing is stored."""
+file (reshard._C.SourceRankView with a mesh and a plan), under the parallel plan of the job's
+own placements (PlanOfShardings, formats/parallel-plan.md "Saved plans": reshard.save records a
+job by the same plan), so every check of the load is the same and only this rank's bytes are
+read; nothing is stored."""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from typing import Any, Dict, Optional
 
 from torch import nn
@@ -19,59 +17,49 @@ from torch import nn
 from . import _C
 from .errors import UnsupportedError
 from .load_dtensor import DTensorJob, live_placements
+from .model import clean_name
 from .sources import JobSource, checkpoint_manifest, hf_source, other_layout, target_policy, whole_names
 
 PLAN_WHAT = "the job's own placements (a parallel plan written from its DTensors)"
-_SHARD_DIM = re.compile(r"_?S\((\d+)")
+PLAN_NAME = "live"  # the plan of a rank planned for a live job's placements
 
 
-def job_plan(job: DTensorJob, params: Dict[str, Any], prefix: str) -> Dict[str, Any]:
-    """The parallel plan of the live job: a rule per parameter with a placement other than R
-    off the fully_shard mesh dim (its name with and without the base model prefix, as
-    checkpoints spell it), and `fsdp` the mesh dim (and tensor dim) fully_shard sharded every
-    parameter over. Raises UnsupportedError when no plan file can say it: fully_shard over two
-    mesh dims, or over some parameters and not others."""
-    rules = []
-    fsdp, fsdp_of, without = None, None, None
-    for name, p in params.items():
-        live, fdim = live_placements(job, name, p)
-        if fdim is not None:
-            dim = int(_SHARD_DIM.match(live[fdim]).group(1))
-            this = (job.names[fdim], dim)
-            if fsdp is None:
-                fsdp, fsdp_of = this, name
-            elif this != fsdp:
-                raise UnsupportedError(
-                    f"parameter {name} is sharded by fully_shard over mesh dim {this[0]} (tensor dim {this[1]}), "
-                    f"{fsdp_of} over {fsdp[0]} (tensor dim {fsdp[1]}): no parallel plan says both; load from a "
-                    "DTensor layout converted for this job (reshard convert ... --mesh ... --plan ...)")
-        elif without is None and p.dim() > 0:
-            without = name
-        placements = {job.names[m]: pl for m, pl in enumerate(live) if m != fdim and pl != "R"}
-        if not placements:
-            continue
-        names = {name}
+def job_plan(job: DTensorJob, params: Dict[str, Any], buffers, prefix: str, command: str) -> str:
+    """The parallel plan (canonical JSON) that gives every parameter of the live job its
+    placements and fully_shard mesh dim, persistent buffers whole: the native
+    PlanOfShardings (as reshard.save records a job), each name also with / without the base
+    model prefix, as checkpoints spell it. Raises UnsupportedError naming the parameter when no
+    plan can say the job's placements, with the convert command that fits."""
+    tensors, seen = [], set()
+
+    def add(name, ndim, whole, placements, fsdp):
+        names = [name]  # the model's own name first: errors name it
         if prefix:
-            names.add(name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
-        for n in sorted(names):
-            rules.append({"pattern": n, "placements": placements})
-    if fsdp is not None and without is not None:
-        raise UnsupportedError(
-            f"parameter {without} is not sharded by fully_shard, {fsdp_of} is (over mesh dim {fsdp[0]}): no "
-            "parallel plan says both; load from a DTensor layout converted for this job "
-            "(reshard convert ... --mesh ... --plan ...)")
-    plan: Dict[str, Any] = {"format": "reshard.parallel-plan", "format_version": 1, "name": "live", "rules": rules}
-    if fsdp is not None:
-        plan["fsdp"] = {"mesh_dim": fsdp[0], "dim": fsdp[1]}
+            names.append(name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
+        for n in [n for n in names if n not in seen]:
+            seen.add(n)
+            tensors.append((n, ndim, whole, placements, fsdp))
+
+    for name, p in params.items():
+        placements, fsdp = live_placements(job, name, p)
+        add(name, p.dim(), False, placements, -1 if fsdp is None else fsdp)
+    for name, ndim in buffers:
+        add(name, ndim, True, ["R"] * len(job.names), -1)
+    try:
+        _, _, _, plan = _C.plan_of_placements(PLAN_NAME, list(job.names), list(job.shape), tensors)
+    except UnsupportedError as e:
+        raise UnsupportedError(f"reshard.load: this job's rank cannot be planned over another layout or a "
+                               f"checkpoint: {e}. Convert a DTensor layout with this job's plan: {command}") from e
     return plan
 
 
 def open_dtensor_view(out: str, manifest: Optional[Dict[str, Any]], job: DTensorJob, model: nn.Module,
-                      params: Dict[str, Any], live_dtype, buffer_names) -> Optional[JobSource]:
+                      params: Dict[str, Any], live_dtype, buffer_names, command: str) -> Optional[JobSource]:
     """The job's rank planned over what is there: a complete layout of OUT (manifest given) or
     OUT as a Hugging Face checkpoint. None when neither is there."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    plan = json.dumps(job_plan(job, params, prefix))
+    buffers = dict((clean_name(n), b.dim()) for n, b in model.named_buffers())
+    plan = job_plan(job, params, [(n, buffers[n]) for n in sorted(buffer_names) if n in buffers], prefix, command)
     policy = target_policy(live_dtype)
     whole = whole_names(buffer_names, prefix)
     if manifest is not None:

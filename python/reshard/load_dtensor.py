@@ -190,7 +190,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
     persistent = {clean_name(n) for n in persistent_buffer_names(model)}
-    view = open_dtensor_view(out, manifest, job, model, params, live_dtype, persistent)
+    view = open_dtensor_view(out, manifest, job, model, params, live_dtype, persistent, command)
     if view is None:
         if manifest is None:
             raise NotFoundError(f"{out}: no reshard.json (not a reshard output directory) and not a Hugging "

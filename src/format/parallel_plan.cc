@@ -210,7 +210,7 @@ ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
            what + ": fully_shard sharded \"" + first_fsdp->name + "\" as " + describe(*first_fsdp) +
                " and \"" + t.name + "\" as " + describe(t) +
                ": a parallel plan (formats/parallel-plan.md) has one fsdp mesh dim and tensor dim, "
-               "so reshard.save cannot record this job's layout");
+               "so no DTensor layout can record this job's placements");
     }
   }
   for (const PlacedTensor& t : tensors) {
@@ -244,7 +244,7 @@ ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
                                        ", not this one: fully_shard the module holding it too, e.g. the root, "
                                        "fully_shard(model, mesh=mesh[\"" + *plan.fsdp_mesh_dim + "\"]))"
                                  : "") +
-               "; reshard.save records a DTensor layout only when one parallel plan gives every tensor its placements");
+               "; a DTensor layout records a job only when one parallel plan gives every tensor its placements");
     }
   }
   return plan;
