@@ -338,8 +338,11 @@ def dtensor_save_layout(model: nn.Module, job: DTensorJob) -> DTensorSave:
         if name in persistent and name not in placed:
             placed[name] = (["R"] * len(job.names), -1)
             tensors.append((name, b.dim(), True, placed[name][0], -1))
-    key, plan_name, xxh3, plan_json = _C.plan_of_placements(SAVED_PLAN_NAME, list(job.names), list(job.shape),
-                                                           tensors)
+    try:
+        key, plan_name, xxh3, plan_json = _C.plan_of_placements(SAVED_PLAN_NAME, list(job.names),
+                                                               list(job.shape), tensors)
+    except UnsupportedError as e:
+        raise UnsupportedError(f"reshard.save cannot record this job's layout: {e}") from e
     return DTensorSave(job, key, plan_name, xxh3, plan_json, placed)
 
 
