@@ -251,7 +251,9 @@ class ReaderLane {
     Fail(ErrorCode::kDataLoss,
          *source_.path + ": tensor \"" + e.name + "\" chunk " + std::to_string(k.chunk) +
              ": checksum mismatch: data hashes to " + Hex16(hash) + ", header says " +
-             Hex16(e.chunk_xxh3[k.chunk]) + " (the file is corrupt; convert again)");
+             Hex16(e.chunk_xxh3[k.chunk]) +
+             " (the file is corrupt: `reshard verify` on its directory lists every damaged file; "
+             "convert again, or restore a saved checkpoint from a copy)");
   }
 
   // The span's file bytes [from, to), from its staging slot: its planned copies clipped.
