@@ -158,6 +158,11 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     manifest = read_manifest(out) if os.path.isdir(out) else None
     params = {clean_name(n): p for n, p in model.named_parameters()}
     prefix = getattr(model, "base_model_prefix", "") or ""
+    # Expert parallel (torchtitan): parameters fully_shard'ed alone over a mesh dim outside this
+    # mesh load as an FSDP2 job of their own (reshard.load_ep), checked before any byte moves.
+    from .load_ep import split_dense, with_dense
+
+    params, dense = split_dense(job, params)
     mesh = {"names": list(job.names), "shape": list(job.shape)}
     command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
                "(the parallel plan of this job, formats/parallel-plan.md)")
@@ -173,9 +178,11 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         entries = {t.name: t for t in rank_file.tensors}
         why = _mismatch(job, params, entries, prefix, path)
         if why is None:
-            return _load_file(model, rank_file, key, job, entries, params, prefix, path, command,
-                              threads=threads, verify=verify, io=io, strict_buffers=strict_buffers,
-                              source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})")
+            return with_dense(model, out, job, dense, prefix, lambda: _load_file(
+                model, rank_file, key, job, entries, params, prefix, path, command, threads=threads,
+                verify=verify, io=io, strict_buffers=strict_buffers,
+                source=f"layout {key} (mesh {job.mesh_flag()}, coordinate {list(job.coordinate)})"),
+                threads=threads, verify=verify, io=io)
         reasons.append(f"{key}: {why}")
     # No layout of this job's own: plan its rank over what is there, as convert would.
     from .dtensor_sources import open_dtensor_view
@@ -204,8 +211,10 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     if why is not None:  # the planner and the live job disagree: say so, do not load
         raise LayoutMismatchError(f"{view.path}: planned for this job's placements, but {why}. "
                                   f"Convert with this job's plan instead: {command}")
-    return _load_file(model, view.reader, view.key, job, entries, params, prefix, view.path, command,
-                      threads=threads, verify=verify, io=io, strict_buffers=strict_buffers, source=view.source)
+    return with_dense(model, out, job, dense, prefix, lambda: _load_file(
+        model, view.reader, view.key, job, entries, params, prefix, view.path, command, threads=threads,
+        verify=verify, io=io, strict_buffers=strict_buffers, source=view.source),
+        threads=threads, verify=verify, io=io)
 
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
