@@ -27,7 +27,7 @@ from .model import clean_name
 
 @dataclasses.dataclass
 class DensePart:
-    """The parameters that load from an FSDP2 layout, checked and ready to move."""
+    """The parameters that load as an FSDP2 job of their own, checked and ready to move."""
     names: List[str]
     mesh_dim: str            # the mesh dim fully_shard sharded them over
     world_size: int          # its size
@@ -42,7 +42,8 @@ class DensePart:
     device_index: Optional[int]
 
 
-def _shard_coordinate(name: str, p) -> Tuple[str, int, int]:
+def _shard_coordinate(p) -> Tuple[str, int, int]:
+    """(mesh dim name, its size, this rank's coordinate) of an FSDP2-shaped DTensor's Shard(0)."""
     mesh = p.device_mesh
     i = next(i for i, pl in enumerate(p.placements) if pl.is_shard())
     return mesh.mesh_dim_names[i], mesh.size(i), mesh.get_local_rank(i)
@@ -75,9 +76,9 @@ def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], pre
     from .sources import open_job_source
 
     first = next(iter(dense))
-    mesh_dim, ws, coord = _shard_coordinate(first, dense[first])
+    mesh_dim, ws, coord = _shard_coordinate(dense[first])
     for name, p in dense.items():
-        this = _shard_coordinate(name, p)
+        this = _shard_coordinate(p)
         if this != (mesh_dim, ws, coord):
             raise UnsupportedError(
                 f"parameters {first} and {name} are fully_shard'ed outside the mesh {job.mesh_flag()} on "
