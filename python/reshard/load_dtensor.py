@@ -157,6 +157,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
 
     manifest = read_manifest(out) if os.path.isdir(out) else None
     params = {clean_name(n): p for n, p in model.named_parameters()}
+    _refuse_split_ties(model, job)
     prefix = getattr(model, "base_model_prefix", "") or ""
     mesh = {"names": list(job.names), "shape": list(job.shape)}
     command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
@@ -206,6 +207,30 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
                                   f"Convert with this job's plan instead: {command}")
     return _load_file(model, view.reader, view.key, job, entries, params, prefix, view.path, command,
                       threads=threads, verify=verify, io=io, strict_buffers=strict_buffers, source=view.source)
+
+
+def _refuse_split_ties(model: nn.Module, job: DTensorJob) -> None:
+    """Names transformers ties (all_tied_weights_keys: lm_head.weight and the input embeddings
+    under tie_word_embeddings) must be one parameter of a DTensor job: parallelize_module gives
+    each module it parallelizes a new Parameter, so a plan that touches one name of a tie leaves
+    two parameters, which would load alike and then train apart. Refused before any byte moves."""
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(ties, dict) or not ties:
+        return
+    live = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+    for target, source in ties.items():
+        a, b = live.get(clean_name(str(target))), live.get(clean_name(str(source)))
+        if a is None or b is None or a is b:
+            continue
+        pa, pb = live_placements(job, target, a)[0], live_placements(job, source, b)[0]
+        raise LayoutMismatchError(
+            f"parameter {target} is tied to {source} (the model ties them: all_tied_weights_keys, e.g. "
+            f"tie_word_embeddings), but this job holds two parameters, placements {pa} and {pb} on mesh "
+            f"{job.mesh_flag()}: parallelize_module gave the module it parallelized a new Parameter. Give both "
+            f"names one placement (transformers' plan has embed_tokens: embedding_rowwise and lm_head: colwise, "
+            f"both S(0)), and after parallelize_module and before fully_shard tie them again "
+            f"({target} = {source}, i.e. setattr the owner module's parameter); "
+            f"reshard.parallel_plan.parallelize(model, tp_mesh) does both")
 
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
