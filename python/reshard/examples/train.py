@@ -739,7 +739,13 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
     else:
         if tp_mesh is not None:
-            mesh_flag = tensor_parallel(model, tp_mesh, weights)
+            try:
+                mesh_flag = tensor_parallel(model, tp_mesh, weights)
+            except reshard.ReshardError as e:  # the same on every rank
+                if rank == 0:
+                    print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+                dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
+                raise JobError(e, 0, world, printed=True) from None
         units = shard_model(model, mesh, mp)
         model.to_empty(device=device)
     live_dtype = next(model.parameters()).dtype
@@ -949,9 +955,9 @@ class JobError(Exception):
     """A refusal on some rank(s) of the job: `error` as raised on rank `rank`, the lowest of the
     `count` ranks that failed. That rank prints it; every rank exits with its code."""
 
-    def __init__(self, error: Exception, rank: int, count: int):
+    def __init__(self, error: Exception, rank: int, count: int, printed: bool = False):
         super().__init__(str(error))
-        self.error, self.rank, self.count = error, rank, count
+        self.error, self.rank, self.count, self.printed = error, rank, count, printed
 
 
 EXIT_USAGE, EXIT_FAILED = 2, 3  # as the reshard CLI: bad usage, the operation failed
@@ -972,7 +978,7 @@ def cli(argv=None) -> None:
         code = main(argv)
     except JobError as e:
         # One line, from one rank, instead of a traceback per rank.
-        if rank == e.rank:
+        if rank == e.rank and not e.printed:
             more = f" (and {e.count - 1} other rank(s))" if e.count > 1 else ""
             print(f"reshard.train: rank {e.rank}{more}: {e.error}", file=sys.stderr, flush=True)
         code = _exit_code(e.error)
