@@ -156,8 +156,8 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     import os
 
     manifest = read_manifest(out) if os.path.isdir(out) else None
+    _refuse_split_ties(model, job)  # may tie plain tensors again: before the parameters are listed
     params = {clean_name(n): p for n, p in model.named_parameters()}
-    _refuse_split_ties(model, job)
     prefix = getattr(model, "base_model_prefix", "") or ""
     mesh = {"names": list(job.names), "shape": list(job.shape)}
     command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
@@ -213,15 +213,27 @@ def _refuse_split_ties(model: nn.Module, job: DTensorJob) -> None:
     """Names transformers ties (all_tied_weights_keys: lm_head.weight and the input embeddings
     under tie_word_embeddings) must be one parameter of a DTensor job: parallelize_module gives
     each module it parallelizes a new Parameter, so a plan that touches one name of a tie leaves
-    two parameters, which would load alike and then train apart. Refused before any byte moves."""
+    two parameters, which would load alike and then train apart. Refused before any byte moves.
+    Two plain (not DTensor) tensors are tied again, as reshard.load does for a plain model
+    (nn.Module.to_empty unties them)."""
+    from torch.distributed.tensor import DTensor
+
     ties = getattr(model, "all_tied_weights_keys", None)
     if not isinstance(ties, dict) or not ties:
         return
-    live = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
-    for target, source in ties.items():
-        a, b = live.get(clean_name(str(target))), live.get(clean_name(str(source)))
-        if a is None or b is None or a is b:
-            continue
+
+    def split():
+        live = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+        pairs = [(str(t), str(s), live.get(clean_name(str(t))), live.get(clean_name(str(s))))
+                 for t, s in ties.items()]
+        return [(t, s, a, b) for t, s, a, b in pairs if a is not None and b is not None and a is not b]
+
+    pairs = split()
+    if pairs and hasattr(model, "tie_weights") and \
+            not any(isinstance(a, DTensor) or isinstance(b, DTensor) for _, _, a, b in pairs):
+        model.tie_weights()
+        pairs = split()
+    for target, source, a, b in pairs:
         pa, pb = live_placements(job, target, a)[0], live_placements(job, source, b)[0]
         raise LayoutMismatchError(
             f"parameter {target} is tied to {source} (the model ties them: all_tied_weights_keys, e.g. "

@@ -17,6 +17,9 @@ Plans ("plan"), written here from the styles' definitions (not from reshard's he
   replicated output, embedding_rowwise -> RowwiseParallel with replicated input and output);
   tied names tied again after parallelize_module;
 * "hf-untied": as "hf" but the tie left as parallelize_module leaves it: must be refused;
+* "hf-layers": transformers' plan of the decoder layers only: the tied embeddings / head stay
+  plain tensors (to_empty unties them on a mesh without fully_shard; reshard.load ties them
+  again);
 * "torchtitan": torchtitan's Llama tensor + sequence parallel plan under the Hugging Face names
   (embeddings RowwiseParallel to sequence-sharded output, norms SequenceParallel, attention /
   MLP inputs gathered, o_proj / down_proj RowwiseParallel to sequence-sharded output, head
@@ -62,12 +65,14 @@ def apply_manual(model, tp):
             "mlp.down_proj": RowwiseParallel()})
 
 
-def apply_hf(model, tp, tie=True):
+def apply_hf(model, tp, tie=True, layers_only=False):
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
     plan = {f"model.{k}": styles[v]() for k, v in model.config.base_model_tp_plan.items()}
     plan.update({k: styles[v]() for k, v in type(model)._tp_plan.items()})
+    if layers_only:
+        plan = {k: v for k, v in plan.items() if k.startswith("model.layers.")}
     parallelize_module(model, tp, plan)
     if tie:
         retie(model)
@@ -108,6 +113,8 @@ def run_case(case, mesh, rank):
         apply_manual(model, tp)
     elif plan in ("hf", "hf-untied"):
         apply_hf(model, tp, tie=plan == "hf")
+    elif plan == "hf-layers":
+        apply_hf(model, tp, tie=False, layers_only=True)
     elif plan == "torchtitan":
         apply_torchtitan(model, tp)
     else:

@@ -159,6 +159,14 @@ def test_dtensor_jobs_load_exactly_train_and_refuse(sources, cli, tmp_path, mesh
             _capture(sources[arch], plans / f"{name}.json", "--tp-plan", style, *extra)
             cases.append({"name": f"{arch}-{plan}", "src": str(sources[arch]), "out": convert(sources[arch], name),
                           "plan": plan, "train": True})
+    # transformers' plan of the decoder layers alone: the tie is two plain tensors after
+    # to_empty on tp=4 (no fully_shard), one again after reshard.load.
+    layers = json.loads((plans / "qwen2_hf.json").read_text())
+    layers["name"] = "qwen2_layers"
+    layers["rules"] = [r for r in layers["rules"] if r["pattern"].startswith("model.layers.")]
+    (plans / "qwen2_layers.json").write_text(json.dumps(layers))
+    cases.append({"name": "qwen2-layers", "src": str(sources["qwen2"]), "out": convert(sources["qwen2"], "qwen2_layers"),
+                  "plan": "hf-layers"})
     # transformers' plan applied without tying lm_head and embed_tokens again: refused.
     qwen2_hf = next(c["out"] for c in cases if c["name"] == "qwen2-hf")
     cases.append({"name": "qwen2-split-tie", "src": str(sources["qwen2"]), "out": qwen2_hf,
@@ -207,6 +215,10 @@ def test_dtensor_jobs_load_exactly_train_and_refuse(sources, cli, tmp_path, mesh
                     assert pl["model.embed_tokens.weight"] == k, (what, pl)  # vocab-parallel
                     assert pl["lm_head.weight"] == k, (what, pl)
                 _check_logits(r, what)
+    for r in recs("qwen2-layers"):
+        assert "error" not in r, r.get("error")
+        assert r["differ"] == [] and r["params"] == r["checked"], r
+        assert r["tied"] == [["lm_head.weight", "model.embed_tokens.weight", True]], r["tied"]
     for r in recs("qwen2-split-tie"):
         err = r.get("error", "")
         assert err.startswith("LayoutMismatchError"), r
