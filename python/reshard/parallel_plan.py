@@ -206,9 +206,9 @@ def capture_plan(model: nn.Module, name: str, tp_dim: str = "tp", fsdp: Optional
 
 
 def tied_groups(model: nn.Module) -> List[List[str]]:
-    """The names transformers ties (all_tied_weights_keys, or tie_word_embeddings' lm_head /
-    input embeddings), one list per tied group, as named_parameters(remove_duplicate=False)
-    spells them."""
+    """The names transformers ties (the model's all_tied_weights_keys, e.g. lm_head.weight ->
+    model.embed_tokens.weight under tie_word_embeddings), one list per tied group, the source
+    first."""
     ties = getattr(model, "all_tied_weights_keys", None)
     pairs = list(ties.items()) if isinstance(ties, dict) else []
     groups: List[List[str]] = []
