@@ -4,8 +4,8 @@ on the meta device, applies a tensor-parallel plan over mesh dim `tp` with torch
 styles, fully_shard over `dp_shard` on every decoder layer and the root (when the mesh has it),
 to_empty, then:
 
-1. with "other": reshard.load of that OUT, which holds only a layout of another plan: must be
-   refused before any byte moves (the message is recorded);
+1. with "other": reshard.load of that OUT, which holds only a layout of another plan: planned
+   for this job's placements over it, read, compared bit for bit with from_pretrained;
 2. reshard.load of "out": every parameter's full_tensor() and every buffer bit-equal to
    from_pretrained("src") (the independent reference), and tied names still one parameter;
 3. with "train": the logits of a fixed batch against from_pretrained's, and 10 AdamW steps.
@@ -105,6 +105,25 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def compare(model, ref):
+    """(names whose full tensor or buffer is not bit-equal to from_pretrained's, placements)."""
+    want = dict(ref.named_parameters())
+    differ, placements = [], {}
+    for name, p in model.named_parameters():
+        name = reshard.model.clean_name(name)
+        got = full(p).detach()
+        if isinstance(p, DTensor):
+            placements[name] = [str(x) for x in p.placements]
+        if got.shape != want[name].shape or not torch.equal(bits(got), bits(want[name])):
+            differ.append(name)
+    ref_b = dict(ref.named_buffers())
+    for name, b in model.named_buffers():
+        name = reshard.model.clean_name(name)
+        if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
+            differ.append("buffer " + name)
+    return differ, placements
+
+
 def run_case(case, mesh, rank):
     model = reshard.empty_model(case["out"])
     tp = mesh["tp"]
@@ -125,12 +144,18 @@ def run_case(case, mesh, rank):
         fully_shard(model, mesh=mesh["dp_shard"])
     model.to_empty(device="cpu")
     rec = {"rank": rank}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(case["src"], dtype=torch.bfloat16)
     if case.get("other"):
+        # OUT_OTHER holds only a layout of another plan: reshard.load plans this job's rank over
+        # it (nothing stored); bit-exact too. Then every parameter is zeroed for the load of OUT.
         try:
-            reshard.load(model, case["other"])
-            rec["other"] = "loaded"
-        except reshard.LayoutMismatchError as e:
-            rec["other"] = str(e)
+            report = reshard.load(model, case["other"])
+            rec["other"] = {"source": report.source, "layout": report.layout, "differ": compare(model, ref)[0]}
+        except reshard.ReshardError as e:
+            rec["other"] = {"error": f"{type(e).__name__}: {e}"}
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).zero_()
     try:
         report = reshard.load(model, case["out"])
     except reshard.ReshardError as e:
@@ -139,21 +164,8 @@ def run_case(case, mesh, rank):
     rec["source"] = report.source
     rec["layout"] = report.layout
     rec["bytes"] = report.bytes
-    ref = transformers.AutoModelForCausalLM.from_pretrained(case["src"], dtype=torch.bfloat16)
     want = dict(ref.named_parameters())
-    differ, placements = [], {}
-    for name, p in model.named_parameters():
-        name = reshard.model.clean_name(name)
-        got = full(p).detach()
-        if isinstance(p, DTensor):
-            placements[name] = [str(x) for x in p.placements]
-        if got.shape != want[name].shape or not torch.equal(bits(got), bits(want[name])):
-            differ.append(name)
-    ref_b = dict(ref.named_buffers())
-    for name, b in model.named_buffers():
-        name = reshard.model.clean_name(name)
-        if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
-            differ.append("buffer " + name)
+    differ, placements = compare(model, ref)
     rec["params"] = len(want)
     rec["checked"] = len(placements) + sum(1 for p in model.parameters() if not isinstance(p, DTensor))
     rec["differ"] = differ
