@@ -56,13 +56,14 @@ transformers' own tp plan of the model is applied with torch's parallel styles
 the head's colwise_gather_output -> ColwiseParallel with replicated logits, embedding_rowwise ->
 a vocab-parallel embedding; tied embeddings stay one parameter), then ``fully_shard`` over
 ``dp_shard`` as above, and ``reshard.load`` reads the DTensor layout of OUT for that mesh and
-plan. Make it first (SRC: the checkpoint OUT comes from; the plan file as parallel_plan writes it):
+plan, one file per rank, made by (SRC: the checkpoint OUT comes from):
 
     python -m reshard.parallel_plan SRC -o PLAN.json --fsdp dp_shard
     reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json
 
-Without it the trainer refuses, printing those two commands for the job's mesh. Ranks of one
-tp group train on the same batches (drawn by their dp_shard index); gradients are clipped by the
+Without it (OUT holds another layout, or is the Hugging Face checkpoint itself) each rank's part
+is planned while loading and read from what is there, nothing stored; the trainer says so and
+prints those two commands for the job's mesh. Ranks of one tp group train on the same batches (drawn by their dp_shard index); gradients are clipped by the
 norm over all shards. Not with --fsdp1, --lora, --save-dir or --resume (reshard.save does not
 write tensor-parallel jobs yet).
 
@@ -355,9 +356,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--use-orig-params", action="store_true", help="FSDP1 use_orig_params=True")
     ap.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor parallel over N ranks with transformers' tp plan of the model, FSDP2 over "
-                         "the rest (mesh dp_shard x tp, dp_shard = world size / N); OUT needs the DTensor "
-                         "layout of that mesh: python -m reshard.parallel_plan SRC -o PLAN.json --fsdp "
-                         "dp_shard; reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json")
+                         "the rest (mesh dp_shard x tp, dp_shard = world size / N); loads fastest from OUT's "
+                         "DTensor layout of that mesh: python -m reshard.parallel_plan SRC -o PLAN.json "
+                         "--fsdp dp_shard; reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json "
+                         "(without it, from what OUT holds)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
@@ -481,25 +483,24 @@ def tp_commands(out: str, mesh_flag: str, model_type: str) -> Tuple[str, str]:
             f"reshard convert SRC -o {shlex.quote(out)} --mesh {mesh_flag} --plan {plan}")
 
 
-def tensor_parallel(model: nn.Module, mesh, out: str) -> str:
-    """Applies transformers' tp plan of `model` over mesh dim tp (reshard.parallel_plan.parallelize)
-    after checking that OUT has a DTensor layout of this mesh; raises LayoutMismatchError with
-    the commands that make it otherwise. Returns the mesh as --mesh spells it."""
+def tensor_parallel(model: nn.Module, mesh, out: str, log0) -> str:
+    """Applies transformers' tp plan of `model` over mesh dim tp (reshard.parallel_plan.parallelize).
+    When OUT has no DTensor layout of this mesh, says so with the commands that store one
+    (reshard.load then plans each rank over what OUT holds, nothing stored). Returns the mesh as
+    --mesh spells it."""
     from reshard.layout import read_manifest
     from reshard.parallel_plan import parallelize
 
     names, shape = list(mesh.mesh_dim_names), list(mesh.shape)
     flag = ",".join(f"{n}={s}" for n, s in zip(names, shape))
-    manifest = read_manifest(out) or {}
+    manifest = (read_manifest(out) if os.path.isdir(out) else None) or {}
     have = [k for k, v in manifest.get("layouts", {}).items()
             if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == {"names": names, "shape": shape}]
     if not have:
         capture, convert = tp_commands(out, flag, getattr(model.config, "model_type", ""))
-        layouts = ", ".join(sorted(manifest.get("layouts", {}))) or "none"
-        raise reshard.LayoutMismatchError(
-            f"{out}: no DTensor layout for the mesh {flag} of --tp {shape[-1]} (layouts: {layouts}). Make it "
-            f"from the checkpoint OUT was converted from (SRC), with transformers' tp plan of the model, "
-            f"which this trainer applies: {capture} && {convert}")
+        log0(f"tp: {out} has no DTensor layout of the mesh {flag}: each rank reads its part of what is there "
+             f"(planned while loading, nothing stored). To store this job's layout (one file per rank, the "
+             f"fastest load), from the checkpoint OUT comes from (SRC): {capture} && {convert}")
     try:
         parallelize(model, mesh["tp"])
     except ValueError as e:
@@ -740,7 +741,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     else:
         if tp_mesh is not None:
             try:
-                mesh_flag = tensor_parallel(model, tp_mesh, weights)
+                mesh_flag = tensor_parallel(model, tp_mesh, weights, log0)
             except reshard.ReshardError as e:  # the same on every rank
                 if rank == 0:
                     print(f"reshard.train: {e}", file=sys.stderr, flush=True)
