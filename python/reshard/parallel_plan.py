@@ -6,7 +6,6 @@ parameters:
 |---|---|---|
 | `colwise`, `colwise_gather_output` (ColwiseParallel) | weight `S(0)`, bias `S(0)` | `S(1)` |
 | `rowwise`, `embedding_rowwise` (RowwiseParallel) | weight `S(1)`, bias `R` | `S(0)` |
-| `sequence_parallel` (SequenceParallel, norms) | `R` | |
 
 Two plans (`--tp-plan`):
 

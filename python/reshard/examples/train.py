@@ -63,9 +63,9 @@ plan, one file per rank, made by (SRC: the checkpoint OUT comes from):
 
 Without it (OUT holds another layout, or is the Hugging Face checkpoint itself) each rank's part
 is planned while loading and read from what is there, nothing stored; the trainer says so and
-prints those two commands for the job's mesh. Ranks of one tp group train on the same batches (drawn by their dp_shard index); gradients are clipped by the
-norm over all shards. Not with --fsdp1, --lora, --save-dir or --resume (reshard.save does not
-write tensor-parallel jobs yet).
+prints those two commands for the job's mesh. Ranks of one tp group train on the same batches
+(drawn by their dp_shard index); gradients are clipped by the norm over all shards. Not with
+--fsdp1, --lora, --save-dir or --resume (reshard.save does not write tensor-parallel jobs yet).
 
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
@@ -762,7 +762,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
         "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
         "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
-        "tp": args.tp, "mesh": mesh_flag if tp_mesh is not None else f"fsdp={world}",
+        "tp": args.tp, "mesh": mesh_flag,
     }
     rss_before = current_rss_bytes()
     peak_before = peak_rss_bytes()
