@@ -7,9 +7,9 @@ transformers' own tp plan and torchtitan's Llama plan, both captured by
 torchrun (tests/python/dtensor_load_worker.py). Reference: from_pretrained of the same
 checkpoint, bit for bit (parameters' full tensors, buffers). From a layout of another plan
 alone, reshard.load plans the job's rank over it (bit-exact too). A tie that parallelize_module
-split into two parameters is refused before any byte moves, naming both. With the captured plans, the logits are
-compared with from_pretrained's within a tolerance (see _check_logits) and 10 AdamW steps lower
-the loss; tied names stay one parameter throughout."""
+split into two parameters is refused before any byte moves, naming both. With the captured
+plans, the logits are compared with from_pretrained's within a tolerance (see _check_logits)
+and 10 AdamW steps lower the loss; tied names stay one parameter throughout."""
 
 import glob
 import json
