@@ -559,7 +559,9 @@ def test_trainer_tensor_parallel_tp2_four_ranks(tmp_path, reshard_bin):
     trainer prints the two commands that store the job's layout; after running them
     (parallel_plan + convert into the same OUT) the weights equal from_pretrained's bit for bit,
     the tied head and embeddings stay one parameter (check-weights), greedy generation equals
-    from_pretrained's, and the loss falls, step by step as FSDP2 alone on two ranks makes it."""
+    from_pretrained's, and the loss falls, step by step as FSDP2 alone on two ranks makes it;
+    saved at step 8 (reshard.save of the DTensor job) and resumed, the losses are the
+    uninterrupted run's bit for bit."""
     import transformers
 
     src = tmp_path / "qwen2"
@@ -590,8 +592,9 @@ def test_trainer_tensor_parallel_tp2_four_ranks(tmp_path, reshard_bin):
     _run([reshard_bin, "convert", src, "-o", out, "--mesh", "dp_shard=2,tp=2", "--plan", plan])
     json_dir = tmp_path / "json"
     steps = ["--steps", "16", "--batch-size", "4", "--seq-len", "48", "--lr", "3e-3"]
-    proc, log = _run(train + steps + ["--check-weights", src, "--check-generate", src, "--json-out", json_dir],
-                     timeout=600)
+    save_dir = tmp_path / "saves"
+    proc, log = _run(train + steps + ["--check-weights", src, "--check-generate", src, "--json-out", json_dir,
+                                      "--save-dir", save_dir, "--save-every", "8"], timeout=600)
     reps = _reports(json_dir, 4)
     assert "no DTensor layout" not in proc.stdout, log
     for r, rep in enumerate(reps):
@@ -615,6 +618,14 @@ def test_trainer_tensor_parallel_tp2_four_ranks(tmp_path, reshard_bin):
         assert abs(a - b) < 0.03, (step, reps[0]["losses"], ref["losses"])
     for step, (a, b) in enumerate(zip(reps[0]["grad_norms"], ref["grad_norms"]), 1):
         assert abs(a - b) < 0.05 * b, (step, reps[0]["grad_norms"], ref["grad_norms"])
+    # reshard.save of the DTensor job at step 8, resumed: the uninterrupted losses, bit for bit.
+    saved = json.loads((save_dir / "step-00000008" / "reshard.json").read_text())["layouts"]
+    assert any(k.startswith("dtensor-dp_shard2.tp2-saved.") for k in saved), saved
+    res_dir = tmp_path / "json-resumed"
+    _run(train + steps + ["--resume", save_dir / "step-00000008", "--json-out", res_dir], timeout=600)
+    resumed = _reports(res_dir, 4)
+    assert resumed[0]["first_step"] == 9 and resumed[0]["losses"] == reps[0]["losses"][8:], \
+        (resumed[0]["losses"], reps[0]["losses"])
     print(f"\ntrainer --tp 2 on 4 ranks: loss {first:.3f} -> {last:.3f}; FSDP2 on 2 ranks: "
           f"{ref['losses'][0]:.4f} -> {ref['losses'][-1]:.4f}, --tp: {reps[0]['losses'][0]:.4f} -> "
           f"{reps[0]['losses'][-1]:.4f}")
@@ -623,7 +634,7 @@ def test_trainer_tensor_parallel_tp2_four_ranks(tmp_path, reshard_bin):
 def test_trainer_tp_refuses_what_it_does_not_run():
     from reshard.examples import train
 
-    for extra in (["--fsdp1"], ["--lora", "4"], ["--save-dir", "x"], ["--resume", "x"]):
+    for extra in (["--fsdp1"], ["--lora", "4"]):
         with pytest.raises(SystemExit):
             train.parse_args(["out", "--tp", "2", *extra])
     with pytest.raises(SystemExit):

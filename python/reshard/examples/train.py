@@ -64,8 +64,8 @@ plan, one file per rank, made by (SRC: the checkpoint OUT comes from):
 Without it (OUT holds another layout, or is the Hugging Face checkpoint itself) each rank's part
 is planned while loading and read from what is there, nothing stored; the trainer says so and
 prints those two commands for the job's mesh. Ranks of one tp group train on the same batches
-(drawn by their dp_shard index); gradients are clipped by the norm over all shards. Not with
---fsdp1, --lora, --save-dir or --resume (reshard.save does not write tensor-parallel jobs yet).
+(drawn by their dp_shard index); gradients are clipped by the norm over all shards. Checkpoints
+(--save-dir, --resume) are reshard.save's DTensor layouts of the job. Not with --fsdp1 or --lora.
 
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
@@ -397,11 +397,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tp < 1:
         ap.error("--tp must be at least 1")
     if args.tp > 1:
-        for flag, on in (("--fsdp1", args.fsdp1), ("--lora", args.lora), ("--save-dir", args.save_dir),
-                         ("--resume", args.resume)):
+        for flag, on in (("--fsdp1", args.fsdp1), ("--lora", args.lora)):
             if on:
-                ap.error(f"--tp {args.tp} with {flag}: the tensor-parallel trainer runs FSDP2 without "
-                         "adapters, and reshard.save does not write tensor-parallel (DTensor) jobs yet")
+                ap.error(f"--tp {args.tp} with {flag}: the tensor-parallel trainer runs FSDP2 (fully_shard) "
+                         "without adapters")
     if args.lora and args.fsdp1:
         ap.error("--lora runs under FSDP2 (reshard loads PEFT models under fully_shard), not --fsdp1")
     if args.lora and (args.check_weights or args.check_generate):
