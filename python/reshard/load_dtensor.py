@@ -156,6 +156,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     import os
 
     manifest = read_manifest(out) if os.path.isdir(out) else None
+    _refuse_split_ties(model, job)  # may tie plain tensors again: before the parameters are listed
     params = {clean_name(n): p for n, p in model.named_parameters()}
     prefix = getattr(model, "base_model_prefix", "") or ""
     # Expert parallel (torchtitan): parameters fully_shard'ed alone over a mesh dim outside this
@@ -215,6 +216,42 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         model, view.reader, view.key, job, entries, params, prefix, view.path, command, threads=threads,
         verify=verify, io=io, strict_buffers=strict_buffers, source=view.source),
         threads=threads, verify=verify, io=io)
+
+
+def _refuse_split_ties(model: nn.Module, job: DTensorJob) -> None:
+    """Names transformers ties (all_tied_weights_keys: lm_head.weight and the input embeddings
+    under tie_word_embeddings) must be one parameter of a DTensor job: parallelize_module gives
+    each module it parallelizes a new Parameter, so a plan that touches one name of a tie leaves
+    two parameters, which would load alike and then train apart. Refused before any byte moves.
+    Two plain (not DTensor) tensors are tied again, as reshard.load does for a plain model
+    (nn.Module.to_empty unties them)."""
+    from torch.distributed.tensor import DTensor
+
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(ties, dict) or not ties:
+        return
+
+    def split():
+        live = {clean_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
+        pairs = [(str(t), str(s), live.get(clean_name(str(t))), live.get(clean_name(str(s))))
+                 for t, s in ties.items()]
+        return [(t, s, a, b) for t, s, a, b in pairs if a is not None and b is not None and a is not b]
+
+    pairs = split()
+    if pairs and hasattr(model, "tie_weights") and \
+            not any(isinstance(a, DTensor) or isinstance(b, DTensor) for _, _, a, b in pairs):
+        model.tie_weights()
+        pairs = split()
+    for target, source, a, b in pairs:
+        pa, pb = live_placements(job, target, a)[0], live_placements(job, source, b)[0]
+        raise LayoutMismatchError(
+            f"parameter {target} is tied to {source} (the model ties them: all_tied_weights_keys, e.g. "
+            f"tie_word_embeddings), but this job holds two parameters, placements {pa} and {pb} on mesh "
+            f"{job.mesh_flag()}: parallelize_module gave the module it parallelized a new Parameter. Give both "
+            f"names one placement (transformers' plan has embed_tokens: embedding_rowwise and lm_head: colwise, "
+            f"both S(0)), and after parallelize_module and before fully_shard tie them again "
+            f"({target} = {source}, i.e. setattr the owner module's parameter); "
+            f"reshard.parallel_plan.parallelize(model, tp_mesh) does both")
 
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,

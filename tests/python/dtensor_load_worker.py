@@ -1,18 +1,31 @@
-"""One rank of a DTensor job (torchrun, gloo, CPU): a Llama built by reshard.empty_model on the
-meta device, tensor parallel over mesh dim `tp` (torch's ColwiseParallel / RowwiseParallel, the
-plan of tests/python/test_dtensor_load.py's plan file), fully_shard over `dp_shard` on every
-decoder layer and the root, to_empty, then:
+"""One rank of DTensor jobs (torchrun, gloo, CPU), one per case of CASES.json, all on the mesh
+MESH (e.g. "dp_shard=2,tp=2" or "tp=4"). Each case builds its model with reshard.empty_model
+on the meta device, applies a tensor-parallel plan over mesh dim `tp` with torch's parallel
+styles, fully_shard over `dp_shard` on every decoder layer and the root (when the mesh has it),
+to_empty, then:
 
-With TP_PLAN "hf", the tensor parallelism is transformers' own base_model_tp_plan / _tp_plan
-applied with torch's styles (colwise -> ColwiseParallel, rowwise -> RowwiseParallel).
+1. with "other": reshard.load of that OUT, which holds only a layout of another plan: planned
+   for this job's placements over it, read, compared bit for bit with from_pretrained;
+2. reshard.load of "out": every parameter's full_tensor() and every buffer bit-equal to
+   from_pretrained("src") (the independent reference), and tied names still one parameter;
+3. with "train": the logits of a fixed batch against from_pretrained's, and 10 AdamW steps.
 
-1. reshard.load of OUT_OTHER, which holds only a layout of another plan: must be refused before
-   any byte moves, naming the parameter, both placements and the convert command;
-2. reshard.load of OUT: every parameter's full_tensor() and every buffer bit-equal to
-   from_pretrained(SRC) (the independent reference);
-3. with TP_PLAN "hf": the logits of a fixed batch against from_pretrained's, and 10 AdamW steps.
+Plans ("plan"), written here from the styles' definitions (not from reshard's helpers):
+* "manual": every projection and the head column/row-wise, embeddings ColwiseParallel (S(1));
+* "hf": transformers' own base_model_tp_plan / _tp_plan with torch's styles (colwise ->
+  ColwiseParallel, rowwise -> RowwiseParallel, colwise_gather_output -> ColwiseParallel with
+  replicated output, embedding_rowwise -> RowwiseParallel with replicated input and output);
+  tied names tied again after parallelize_module;
+* "hf-untied": as "hf" but the tie left as parallelize_module leaves it: must be refused;
+* "hf-layers": transformers' plan of the decoder layers only: the tied embeddings / head stay
+  plain tensors (to_empty unties them on a mesh without fully_shard; reshard.load ties them
+  again);
+* "torchtitan": torchtitan's Llama tensor + sequence parallel plan under the Hugging Face names
+  (embeddings RowwiseParallel to sequence-sharded output, norms SequenceParallel, attention /
+  MLP inputs gathered, o_proj / down_proj RowwiseParallel to sequence-sharded output, head
+  ColwiseParallel from sequence-sharded input).
 
-Writes RESULT/rank-<r>.json."""
+Writes RESULT/<case name>/rank-<r>.json."""
 
 import json
 import os
@@ -23,8 +36,9 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 
 import reshard
 
@@ -33,87 +47,170 @@ def bits(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def main():
-    src, out, out_other, mesh_spec, result = sys.argv[1:6]
-    tp_plan = sys.argv[6] if len(sys.argv) > 6 else "manual"
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    dims = [kv.split("=") for kv in mesh_spec.split(",")]
-    mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
-    model = reshard.empty_model(out)
-    tp = mesh["tp"]
-    if tp_plan == "hf":
-        # What a user does with transformers' own plan: its styles as torch's parallel styles.
-        styles = {"colwise": ColwiseParallel, "colwise_gather_output": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = {f"model.{k}": styles[v]() for k, v in model.config.base_model_tp_plan.items()}
-        # colwise_gather_output: the head's vocab-sharded output gathered (full logits).
-        plan.update({k: ColwiseParallel(output_layouts=Replicate()) if v == "colwise_gather_output" else styles[v]()
-                     for k, v in type(model)._tp_plan.items()})
-        parallelize_module(model, tp, plan)
-    else:
-        parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
-        for layer in model.model.layers:
-            parallelize_module(layer, tp, {
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()})
-    if "dp_shard" in mesh.mesh_dim_names:
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
-    model.to_empty(device="cpu")
-    rec = {"rank": rank}
-    try:
-        reshard.load(model, out_other)
-        rec["other"] = "loaded"
-    except reshard.LayoutMismatchError as e:
-        rec["other"] = str(e)
-    report = reshard.load(model, out)
-    rec["source"] = report.source
-    rec["layout"] = report.layout
-    rec["bytes"] = report.bytes
-    ref = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+def retie(model):
+    """Every name transformers ties points at one parameter again (the last name's: lm_head's)."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        keep = model.get_parameter(target)
+        owner, _, pname = source.rpartition(".")
+        setattr(model.get_submodule(owner), pname, keep)
+
+
+def apply_manual(model, tp):
+    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+
+
+def apply_hf(model, tp, tie=True, layers_only=False):
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    plan = {f"model.{k}": styles[v]() for k, v in model.config.base_model_tp_plan.items()}
+    plan.update({k: styles[v]() for k, v in type(model)._tp_plan.items()})
+    if layers_only:
+        plan = {k: v for k, v in plan.items() if k.startswith("model.layers.")}
+    parallelize_module(model, tp, plan)
+    if tie:
+        retie(model)
+
+
+def apply_torchtitan(model, tp):
+    # torchtitan's apply_tp (llama3), module by module under the Hugging Face names.
+    parallelize_module(model, tp, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    retie(model)
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def compare(model, ref):
+    """(names whose full tensor or buffer is not bit-equal to from_pretrained's, placements)."""
     want = dict(ref.named_parameters())
     differ, placements = [], {}
     for name, p in model.named_parameters():
         name = reshard.model.clean_name(name)
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        got = full(p).detach()
         if isinstance(p, DTensor):
             placements[name] = [str(x) for x in p.placements]
-        if full.shape != want[name].shape or not torch.equal(bits(full), bits(want[name])):
+        if got.shape != want[name].shape or not torch.equal(bits(got), bits(want[name])):
             differ.append(name)
     ref_b = dict(ref.named_buffers())
     for name, b in model.named_buffers():
         name = reshard.model.clean_name(name)
         if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
             differ.append("buffer " + name)
+    return differ, placements
+
+
+def run_case(case, mesh, rank):
+    model = reshard.empty_model(case["out"])
+    tp = mesh["tp"]
+    plan = case["plan"]
+    if plan == "manual":
+        apply_manual(model, tp)
+    elif plan in ("hf", "hf-untied"):
+        apply_hf(model, tp, tie=plan == "hf")
+    elif plan == "hf-layers":
+        apply_hf(model, tp, tie=False, layers_only=True)
+    elif plan == "torchtitan":
+        apply_torchtitan(model, tp)
+    else:
+        raise ValueError(plan)
+    if "dp_shard" in mesh.mesh_dim_names:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+    model.to_empty(device="cpu")
+    rec = {"rank": rank}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(case["src"], dtype=torch.bfloat16)
+    if case.get("other"):
+        # OUT_OTHER holds only a layout of another plan: reshard.load plans this job's rank over
+        # it (nothing stored); bit-exact too. Then every parameter is zeroed for the load of OUT.
+        try:
+            report = reshard.load(model, case["other"])
+            rec["other"] = {"source": report.source, "layout": report.layout, "differ": compare(model, ref)[0]}
+        except reshard.ReshardError as e:
+            rec["other"] = {"error": f"{type(e).__name__}: {e}"}
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).zero_()
+    try:
+        report = reshard.load(model, case["out"])
+    except reshard.ReshardError as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+    rec["source"] = report.source
+    rec["layout"] = report.layout
+    rec["bytes"] = report.bytes
+    want = dict(ref.named_parameters())
+    differ, placements = compare(model, ref)
     rec["params"] = len(want)
+    rec["checked"] = len(placements) + sum(1 for p in model.parameters() if not isinstance(p, DTensor))
     rec["differ"] = differ
     rec["placements"] = placements
-    if tp_plan == "hf":
-        # Logits of a fixed batch against the unsharded reference (the TP reductions sum in
+    rec["tied"] = [[t, s, model.get_parameter(t) is model.get_parameter(s)]
+                   for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()]
+    if case.get("train"):
+        # Logits of a fixed batch against the unsharded reference (TP sums partial products in
         # another order: compared within a tolerance), then 10 AdamW steps on it: the loss falls.
         ids = torch.arange(2 * 24).reshape(2, 24) % model.config.vocab_size
         with torch.no_grad():
-            want_logits = ref(input_ids=ids).logits.float()
-            got_logits = model(input_ids=ids).logits
-            got_logits = (got_logits.full_tensor() if isinstance(got_logits, DTensor) else got_logits).float()
+            want_logits = ref(input_ids=ids, use_cache=False).logits.float()
+            got_logits = full(model(input_ids=ids, use_cache=False).logits).float()
         rec["logits_max_abs_diff"] = float((got_logits - want_logits).abs().max())
         rec["logits_scale"] = float(want_logits.abs().max())
         rec["argmax_agree"] = float((got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for _ in range(10):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+            losses.append(float(full(loss)))
         rec["losses"] = losses
-    with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:
-        json.dump(rec, f)
-    dist.barrier()
+        rec["tied_after_training"] = [model.get_parameter(t) is model.get_parameter(s)
+                                      for t, s in (getattr(model, "all_tied_weights_keys", None) or {}).items()]
+    return rec
+
+
+def main():
+    cases_file, mesh_spec, result = sys.argv[1:4]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dims = [kv.split("=") for kv in mesh_spec.split(",")]
+    mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    with open(cases_file) as f:
+        cases = json.load(f)
+    for case in cases:
+        rec = run_case(case, mesh, rank)
+        d = os.path.join(result, case["name"])
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"rank-{rank}.json"), "w") as f:
+            json.dump(rec, f)
+        dist.barrier()
     dist.destroy_process_group()
 
 

@@ -49,6 +49,24 @@ hold the adapters (``reshard export CKPT -o DIR --adapter`` gives a PEFT adapter
 checkpoint too, so that it alone exports and resumes; ``--resume`` loads the base from OUT and
 the adapters from the checkpoint.
 
+With ``--tp N`` the job is tensor parallel over N ranks and FSDP2 over the rest: a device mesh
+``dp_shard x tp`` (dp_shard = world size / N, mesh dim names ``dp_shard`` and ``tp``);
+transformers' own tp plan of the model is applied with torch's parallel styles
+(``reshard.parallel_plan.parallelize``: colwise -> ColwiseParallel, rowwise -> RowwiseParallel,
+the head's colwise_gather_output -> ColwiseParallel with replicated logits, embedding_rowwise ->
+a vocab-parallel embedding; tied embeddings stay one parameter), then ``fully_shard`` over
+``dp_shard`` as above, and ``reshard.load`` reads the DTensor layout of OUT for that mesh and
+plan, one file per rank, made by (SRC: the checkpoint OUT comes from):
+
+    python -m reshard.parallel_plan SRC -o PLAN.json --fsdp dp_shard
+    reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json
+
+Without it (OUT holds another layout, or is the Hugging Face checkpoint itself) each rank's part
+is planned while loading and read from what is there, nothing stored; the trainer says so and
+prints those two commands for the job's mesh. Ranks of one tp group train on the same batches
+(drawn by their dp_shard index); gradients are clipped by the norm over all shards. Checkpoints
+(--save-dir, --resume) are reshard.save's DTensor layouts of the job. Not with --fsdp1 or --lora.
+
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
 fsdp1 layout of the job and resumed from it the same way.
@@ -336,6 +354,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "_no_split_modules) instead of FSDP2; OUT needs a matching fsdp1 layout "
                          "(reshard convert --layout fsdp1 ...)")
     ap.add_argument("--use-orig-params", action="store_true", help="FSDP1 use_orig_params=True")
+    ap.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallel over N ranks with transformers' tp plan of the model, FSDP2 over "
+                         "the rest (mesh dp_shard x tp, dp_shard = world size / N); loads fastest from OUT's "
+                         "DTensor layout of that mesh: python -m reshard.parallel_plan SRC -o PLAN.json "
+                         "--fsdp dp_shard; reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json "
+                         "(without it, from what OUT holds)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
@@ -370,6 +394,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.lora < 0:
         ap.error("--lora must be at least 0")
+    if args.tp < 1:
+        ap.error("--tp must be at least 1")
+    if args.tp > 1:
+        for flag, on in (("--fsdp1", args.fsdp1), ("--lora", args.lora)):
+            if on:
+                ap.error(f"--tp {args.tp} with {flag}: the tensor-parallel trainer runs FSDP2 (fully_shard) "
+                         "without adapters")
     if args.lora and args.fsdp1:
         ap.error("--lora runs under FSDP2 (reshard loads PEFT models under fully_shard), not --fsdp1")
     if args.lora and (args.check_weights or args.check_generate):
@@ -439,6 +470,66 @@ def shard_model(model: nn.Module, mesh, mp_policy) -> int:
             units += 1
     fully_shard(model, **kwargs)
     return units + 1
+
+
+def tp_commands(out: str, mesh_flag: str, model_type: str) -> Tuple[str, str]:
+    """The two commands that give OUT the DTensor layout a --tp job loads (SRC: the checkpoint
+    OUT was converted from)."""
+    import shlex
+
+    plan = f"{model_type or 'model'}_tp.json"
+    return (f"python -m reshard.parallel_plan SRC -o {plan} --fsdp dp_shard",
+            f"reshard convert SRC -o {shlex.quote(out)} --mesh {mesh_flag} --plan {plan}")
+
+
+def tensor_parallel(model: nn.Module, mesh, out: str, log0) -> str:
+    """Applies transformers' tp plan of `model` over mesh dim tp (reshard.parallel_plan.parallelize).
+    When OUT has no DTensor layout of this mesh, says so with the commands that store one
+    (reshard.load then plans each rank over what OUT holds, nothing stored). Returns the mesh as
+    --mesh spells it."""
+    from reshard.layout import read_manifest
+    from reshard.parallel_plan import parallelize
+
+    names, shape = list(mesh.mesh_dim_names), list(mesh.shape)
+    flag = ",".join(f"{n}={s}" for n, s in zip(names, shape))
+    manifest = (read_manifest(out) if os.path.isdir(out) else None) or {}
+    have = [k for k, v in manifest.get("layouts", {}).items()
+            if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == {"names": names, "shape": shape}]
+    if not have:
+        capture, convert = tp_commands(out, flag, getattr(model.config, "model_type", ""))
+        log0(f"tp: {out} has no DTensor layout of the mesh {flag}: each rank reads its part of what is there "
+             f"(planned while loading, nothing stored). To store this job's layout (one file per rank, the "
+             f"fastest load), from the checkpoint OUT comes from (SRC): {capture} && {convert}")
+    try:
+        parallelize(model, mesh["tp"])
+    except ValueError as e:
+        raise reshard.UnsupportedError(f"--tp: {e}") from None
+    return flag
+
+
+def clip_grad_norm_dtensor(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over gradients that are DTensors of different meshes (a --tp job:
+    TP'd parameters on dp_shard x tp, the others on dp_shard alone): the norm of each mesh's
+    gradients in full, combined, then every gradient scaled as clip_grad_norm_ scales them.
+    Returns the total norm."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    by_mesh: Dict[object, List[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    total_sq = torch.zeros((), dtype=torch.float32)
+    for group in by_mesh.values():
+        n = torch.nn.utils.get_total_norm(group, 2.0)
+        n = n.full_tensor() if isinstance(n, DTensor) else n
+        total_sq = total_sq + n.detach().float().cpu() ** 2
+    total = total_sq.sqrt()
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
+    return total
 
 
 def is_fsdp1(model: nn.Module) -> bool:
@@ -619,7 +710,16 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             print(msg, flush=True)
 
     torch.manual_seed(args.seed)
-    mesh = init_device_mesh(device.type, (world,))
+    tp_mesh, mesh_flag = None, None  # --tp: the job's mesh dp_shard x tp, as --mesh spells it
+    dp_rank, dp_world = rank, world  # which batches a rank draws; how many distinct ones a step has
+    if args.tp > 1:
+        if world % args.tp:
+            raise reshard.InvalidArgumentError(f"--tp {args.tp}: the world size {world} is not a multiple of it")
+        tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
+        mesh = tp_mesh["dp_shard"]
+        dp_rank, dp_world = mesh.get_local_rank(), world // args.tp
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     mp = mixed_precision_policy(args.bf16, device, log0)
     resume = resolve_checkpoint(args.resume) if args.resume else None
     # Where the model is loaded from; with --lora the base from OUT, the adapters from `resume`.
@@ -638,12 +738,22 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     if args.fsdp1:
         model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
     else:
+        if tp_mesh is not None:
+            try:
+                mesh_flag = tensor_parallel(model, tp_mesh, weights, log0)
+            except reshard.ReshardError as e:  # the same on every rank
+                if rank == 0:
+                    print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+                dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
+                raise JobError(e, 0, world, printed=True) from None
         units = shard_model(model, mesh, mp)
         model.to_empty(device=device)
     live_dtype = next(model.parameters()).dtype
     compute_dtype = torch.bfloat16 if mp is not None else live_dtype
     log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-         f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s), {device.type}/{dist.get_backend()}, parameters "
+         f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s)"
+         f"{f' (mesh {mesh_flag}, tensor parallel: transformers tp plan)' if tp_mesh is not None else ''}, "
+         f"{device.type}/{dist.get_backend()}, parameters "
          f"{live_dtype}, compute {compute_dtype}{' (mixed precision bf16/fp32)' if mp else ''}")
 
     result: Dict[str, object] = {
@@ -651,6 +761,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
         "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
         "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
+        "tp": args.tp, "mesh": mesh_flag,
     }
     rss_before = current_rss_bytes()
     peak_before = peak_rss_bytes()
@@ -672,6 +783,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                               **({"adapter": resume} if args.lora and resume else {}))
     except reshard.ReshardError as e:
         err = (e.code, str(e))
+        if tp_mesh is not None and isinstance(e, reshard.LayoutMismatchError):
+            capture, convert = tp_commands(weights, mesh_flag, getattr(model.config, "model_type", ""))
+            err = (e.code, f"{e} (this trainer applies transformers' tp plan of the model: {capture} && {convert})")
     # Every rank learns at once whether any rank's load was refused (a rank that went on alone
     # would wait in the first collective until the job's timeout).
     errs: List[Optional[Tuple[str, str]]] = [None] * world
@@ -712,7 +826,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     t0 = time.perf_counter()
     stream = token_stream(docs, encode, eos_id, model.config.vocab_size)
-    batches = Batches(stream, args.batch_size, args.seq_len, args.seed, rank)
+    batches = Batches(stream, args.batch_size, args.seq_len, args.seed, dp_rank)  # one tp group: one stream
     log0(f"data: {args.data or DEFAULT_CORPUS}: {len(docs)} document(s), {stream.numel()} tokens "
          f"({time.perf_counter() - t0:.2f} s)")
 
@@ -744,7 +858,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     result["first_step"] = start_step + 1
     result["checkpoints"] = []
     checkpoints = Checkpoints(args, rank, weights, log0)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * dp_world
     losses: List[float] = []
     grad_norms: List[float] = []
     step_times: List[float] = []
@@ -770,6 +884,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         if args.max_grad_norm > 0:
             if args.fsdp1:  # FSDP1's own: the norm over all ranks' shards
                 norm = model.clip_grad_norm_(args.max_grad_norm)
+            elif tp_mesh is not None:
+                norm = clip_grad_norm_dtensor(trainable, args.max_grad_norm)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -839,9 +955,9 @@ class JobError(Exception):
     """A refusal on some rank(s) of the job: `error` as raised on rank `rank`, the lowest of the
     `count` ranks that failed. That rank prints it; every rank exits with its code."""
 
-    def __init__(self, error: Exception, rank: int, count: int):
+    def __init__(self, error: Exception, rank: int, count: int, printed: bool = False):
         super().__init__(str(error))
-        self.error, self.rank, self.count = error, rank, count
+        self.error, self.rank, self.count, self.printed = error, rank, count, printed
 
 
 EXIT_USAGE, EXIT_FAILED = 2, 3  # as the reshard CLI: bad usage, the operation failed
@@ -862,7 +978,7 @@ def cli(argv=None) -> None:
         code = main(argv)
     except JobError as e:
         # One line, from one rank, instead of a traceback per rank.
-        if rank == e.rank:
+        if rank == e.rank and not e.printed:
             more = f" (and {e.count - 1} other rank(s))" if e.count > 1 else ""
             print(f"reshard.train: rank {e.rank}{more}: {e.error}", file=sys.stderr, flush=True)
         code = _exit_code(e.error)
