@@ -239,6 +239,15 @@ def parallelize(model: nn.Module, tp_mesh) -> Dict[str, Any]:
     if bad or not tp:
         raise ValueError(f"{type(model).__name__}: transformers' tp plan {bad or tp} has styles reshard does "
                          f"not apply with torch's styles (supported: {', '.join(sorted(make))})")
+    # Column-wise q/k/v give each rank heads / tp heads: attention reshapes by whole heads.
+    n = tp_mesh.size()
+    config = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % n:
+            raise ValueError(f"{type(model).__name__}: config.{key} = {heads} is not divisible by the tensor-"
+                             f"parallel size {n}: each rank must hold whole attention heads (choose a tp "
+                             f"size that divides {heads})")
     plan = {k: make[v]() for k, v in tp.items()}
     groups = tied_groups(model)
     parallelize_module(model, tp_mesh, plan)

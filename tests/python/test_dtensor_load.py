@@ -243,3 +243,25 @@ def test_a_style_without_one_placement_per_parameter_is_refused_by_name(tmp_path
         gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match=r"no module 'model\.embed_tokens'.*--tp-plan transformers"):
         capture_plan(gpt2, "gpt2_tt", tp_plan="torchtitan")
+
+
+def test_parallelize_refuses_a_tp_size_that_splits_attention_heads():
+    """Column-wise q/k/v give each rank heads / tp heads: 2 key-value heads cannot go to 4 ranks
+    (torch would fail later inside attention's reshape); refused before anything is placed."""
+    from reshard.parallel_plan import parallelize
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+
+    class Mesh:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    with pytest.raises(ValueError, match="num_key_value_heads = 2 is not divisible by the tensor-parallel size 4"):
+        parallelize(model, Mesh(4))
+    assert not any(hasattr(p, "placements") for p in model.parameters())  # nothing placed
