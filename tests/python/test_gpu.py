@@ -348,12 +348,14 @@ def test_fsdp2_one_process_cuda_straight_from_hugging_face(llama_bf16, tmp_path)
     run_ranks(llama_bf16, llama_bf16, 1, tmp_path, "--device", "cuda")
 
 
-@pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2", "tp=4"])
-def test_dtensor_layout_each_coordinate_into_cuda(tmp_path, cli, mesh):
+@pytest.mark.parametrize("mesh,source", [("dp_shard=2,tp=2", "layout"), ("tp=4", "layout"),
+                                         ("dp_shard=2,tp=2", "hf")])
+def test_dtensor_layout_each_coordinate_into_cuda(tmp_path, cli, mesh, source):
     """A DTensor layout (issue 22) loads onto CUDA: each mesh coordinate of the job in turn, one
     process each (a fake process group: torch's own placements and local shapes, no collective,
     as reshard.load needs none), every parameter's CUDA to_local() and every buffer equal to
-    from_pretrained's tensors split by torch's own functions (dtensor_gpu_worker.py)."""
+    from_pretrained's tensors split by torch's own functions (dtensor_gpu_worker.py). "hf": the
+    job loads straight from the Hugging Face files (planned for its placements, nothing stored)."""
     _require_cuda()
     from dist_util import dist_env
     from test_dtensor_load import PLAN
@@ -370,13 +372,15 @@ def test_dtensor_layout_each_coordinate_into_cuda(tmp_path, cli, mesh):
     cli("convert", src, "-o", out, "--mesh", mesh, "--plan", tmp_path / "llama_tp.json", rc=0)
     for rank in range(4):
         p = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "dtensor_gpu_worker.py"),
-                            str(src), str(out), mesh, str(rank), "cuda"], capture_output=True, text=True,
+                            str(src), str(out if source == "layout" else src), mesh, str(rank), "cuda"],
+                           capture_output=True, text=True,
                            timeout=300, env=dist_env())
         assert p.returncode == 0, p.stderr[-4000:]
         rec = json.loads(p.stdout.strip().splitlines()[-1])
         assert rec["differ"] == [], rec
         assert rec["devices"] == ["cuda"], rec
         assert rec["params"] > 0 and rec["bytes"] == rec["local_bytes"] > 0, rec
-        assert rec["layout"].startswith("dtensor-") and "llama_tp" in rec["layout"], rec
+        assert rec["layout"].startswith("dtensor-") and ("llama_tp" if source == "layout" else "-live.") in \
+            rec["layout"], rec
         q = rec["placements"]["model.layers.0.self_attn.q_proj.weight"]
         assert q == (["_S(0, 2)", "S(0)"] if fsdp else ["S(0)"]), q
