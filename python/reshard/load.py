@@ -327,6 +327,9 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
     hf_model = names.inner if names is not None else model
     rename = names.base_name if names is not None else _identity
     from .load_dtensor import dtensor_job, load_dtensor
+    from .model import require_fsdp2_sharded
+
+    require_fsdp2_sharded(model, "reshard.load")
 
     dt_job = dtensor_job(model)
     if dt_job is not None:  # tensor / expert parallel on a mesh of several dims

@@ -70,9 +70,12 @@ def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
     from torch.distributed.tensor import DTensor
 
     dts = [p for p in model.parameters() if isinstance(p, DTensor)]
-    if not dts or all(_fsdp2_shaped(p) for p in dts):
+    placed = [p for p in dts if not _fsdp2_shaped(p)]
+    if not placed:
         return None
-    mesh = max((p.device_mesh for p in dts), key=lambda m: m.ndim)
+    # The mesh of the parameters FSDP2 alone did not place (TP / EP): with expert parallel, the
+    # dense parameters' FSDP2 mesh may have as many dims (HSDP) and is not the job's.
+    mesh = max((p.device_mesh for p in placed), key=lambda m: m.ndim)
     names = mesh.mesh_dim_names
     if not names:
         raise UnsupportedError("a DTensor job whose device mesh has no dim names: name them "
@@ -140,7 +143,9 @@ def _mismatch(job: DTensorJob, params, entries, prefix: str, path: str) -> Optio
             return f"parameter {name} is not in {path}"
         live, fsdp_dim = live_placements(job, name, p)
         e = entries[k]
-        if list(e.placements or []) != live or (fsdp_dim is not None and e.fsdp_mesh_dim != fsdp_dim):
+        # The fsdp mesh dim is compared either way: fully_shard's chunk and the left-to-right
+        # reading of the same placements hold different elements for uneven sizes.
+        if list(e.placements or []) != live or e.fsdp_mesh_dim != fsdp_dim:
             return (f"parameter {name}: placements {live} (fully_shard over mesh dim "
                     f"{'none' if fsdp_dim is None else job.names[fsdp_dim]}) in the model, "
                     f"{list(e.placements or [])} (fsdp mesh dim "
@@ -167,8 +172,19 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     mesh = {"names": list(job.names), "shape": list(job.shape)}
     command = (f"reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
                "(the parallel plan of this job, formats/parallel-plan.md)")
-    keys = sorted(k for k, v in (manifest or {}).get("layouts", {}).items()
-                  if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh)
+    # A layout of the live dtype first, then the checkpoint's own dtypes (as FSDP2's
+    # find_rank_file); a layout converted to another dtype is no exact match: read through a view.
+    from .load import local_tensor
+    from .sources import target_policy
+
+    float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
+    live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+    policy = target_policy(live_dtype)
+    layouts = (manifest or {}).get("layouts", {})
+    keys = sorted((k for k, v in layouts.items()
+                   if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh
+                   and v.get("dtype", "keep") in (policy, "keep")),
+                  key=lambda k: (layouts[k].get("dtype", "keep") != policy, k))
     reasons = []
     for key in keys:
         path = layout_rank_file(out, key, job.rank, job.world_size, manifest)
@@ -187,7 +203,6 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         reasons.append(f"{key}: {why}")
     # No layout of this job's own: plan its rank over what is there, as convert would.
     from .dtensor_sources import open_dtensor_view
-    from .load import local_tensor
     from .model import persistent_buffer_names
 
     if manifest is None and not os.path.exists(out):
@@ -195,8 +210,6 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
 
         if hf_source(out) is None:
             raise NotFoundError(f"{out}: no such directory (nor a model id in the local Hugging Face cache)")
-    float_dtypes = {local_tensor(p).dtype for p in params.values() if p.is_floating_point()}
-    live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
     persistent = {clean_name(n) for n in persistent_buffer_names(model)}
     view = open_dtensor_view(out, manifest, job, model, params, live_dtype, persistent, command)
     if view is None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .engine import open_rank_file, prepare_quietly
-from .errors import CorruptFileError, NotFoundError
+from .errors import CorruptFileError, NotFoundError, UnsupportedError
 from .hub import resolve_source
 from .layout import read_manifest, torch_dtype
 
@@ -275,3 +275,28 @@ def build_dtype(model: nn.Module) -> Optional[torch.dtype]:
         if isinstance(dtype, torch.dtype):
             return dtype
     return None
+
+
+def require_fsdp2_sharded(model: nn.Module, what: str) -> None:
+    """Raises UnsupportedError naming the fully_shard'ed modules of `model` whose parameters are
+    not in their sharded state now. FSDP2 leaves them gathered after a forward without backward
+    (an eval, generate; the root always, and every module with reshard_after_forward=False);
+    named_parameters() then lists the gathered tensors, which reshard() discards: bytes
+    written into them (a load) or read from them as shards (a save) would be lost or wrong."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    gathered = []
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is not None and not group.is_sharded:
+            gathered.append(name or "the root module")
+    if gathered:
+        more = f" and {len(gathered) - 3} more" if len(gathered) > 3 else ""
+        raise UnsupportedError(
+            f"{what}: the parameters of {', '.join(gathered[:3])}{more} are gathered, not sharded (FSDP2 "
+            "leaves them so after a forward without backward, e.g. an eval or generate, and with "
+            "reshard_after_forward=False): call model.reshard() first")

@@ -9,7 +9,8 @@ Arguments: SRC MESH RESULT SOURCE... ; a SOURCE is NAME=PATH. For NAME starting 
 load must raise a ReshardError (its text recorded). With NAME "partial", only the decoder layers
 are fully_shard'ed (not the root): embed_tokens / lm_head / norm stay TP-only, which no parallel
 plan can say next to fully_shard'ed layers -- the load must be refused naming the parameter.
-Writes RESULT/rank-<r>.json."""
+With NAME "unsharded", the root's parameters are gathered first (model.unshard(), as after a
+forward without backward): the load must be refused, then succeed after model.reshard(). Writes RESULT/rank-<r>.json."""
 
 import json
 import math
@@ -67,6 +68,19 @@ def main():
     for name, path in sources:
         model = build(src, mesh, root=name != "partial")
         entry = {}
+        if name == "unsharded":
+            # The root's parameters gathered, as FSDP2 leaves them after a forward without
+            # backward (it does not reshard the root after forward; this job's hand-written TP
+            # plan gathers no activations, so unshard() stands in for the forward): a load into
+            # them would be thrown away by the next reshard(). Refused; after model.reshard()
+            # the load goes on.
+            model.unshard()
+            try:
+                reshard.load(model, path)
+                entry["gathered"] = "loaded"
+            except reshard.ReshardError as e:
+                entry["gathered"] = f"{type(e).__name__}: {e}"
+            model.reshard()
         try:
             report = reshard.load(model, path)
             entry.update(source=report.source, layout=report.layout, bytes=report.bytes)

@@ -83,13 +83,17 @@ def main():
     differ, placements, on_device, local_bytes = [], {}, set(), 0
     for name, p in model.named_parameters():
         name = reshard.model.clean_name(name)
-        assert isinstance(p, DTensor), name
-        local = p.to_local()
+        if isinstance(p, DTensor):
+            local = p.to_local()
+            placements[name] = [str(x) for x in p.placements]
+            # fully_shard of the root covers every parameter: TP's mesh dims first, FSDP2's
+            # chunk last. Without fully_shard (tp alone) the norms are plain tensors, whole.
+            exp = expected_local(want[name].detach(), p.placements, tuple(mesh.shape), coord, fsdp_dim)
+        else:
+            assert not fsdp, f"{name}: a plain tensor under fully_shard"
+            local, exp = p.detach(), want[name].detach()
         on_device.add(local.device.type)
         local_bytes += local.numel() * local.element_size()
-        placements[name] = [str(x) for x in p.placements]
-        # fully_shard of the root covers every parameter: TP's mesh dims first, FSDP2's chunk last.
-        exp = expected_local(want[name].detach(), p.placements, tuple(mesh.shape), coord, fsdp_dim)
         if tuple(local.shape) != tuple(exp.shape) or not torch.equal(bits(local.cpu()), bits(exp)):
             differ.append(name)
     ref_b = dict(ref.named_buffers())

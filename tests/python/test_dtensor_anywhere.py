@@ -4,7 +4,8 @@ written from its DTensors) over a Hugging Face checkpoint directory, another wor
 layout, or a DTensor layout of another plan, and read from there; nothing is stored. 4 gloo
 processes, 2x2 (dp_shard x tp, FSDP2 over TP) and 1x4 (tp). Reference: from_pretrained, bit
 for bit (full_tensor() of every parameter, every buffer). A flipped byte in a chunk a rank
-reads is caught; a job no parallel plan can describe is refused naming the parameter."""
+reads is caught; a job no parallel plan can describe is refused naming the parameter, and so
+is a load into parameters FSDP2 holds gathered (after a forward without backward)."""
 
 import glob
 import json
@@ -73,7 +74,7 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
     result.mkdir()
     sources = [f"hf={llama_src}", f"ws3={ws3}", f"other={other}", f"bad_corrupt={bad}"]
     if fsdp:
-        sources.append(f"partial={llama_src}")
+        sources += [f"partial={llama_src}", f"unsharded={ws3}"]
     torchrun(4, WORKER, llama_src, mesh, result, *sources, timeout=600)
     recs = [json.load(open(f)) for f in sorted(glob.glob(str(result / "rank-*.json")))]
     assert len(recs) == 4
@@ -94,6 +95,10 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
             err = loads["partial"].get("error", "")
             assert "UnsupportedError" in err and "fully_shard the module holding it" in err, err
             assert "model.embed_tokens.weight" in err or "lm_head.weight" in err, err
+            got = loads["unsharded"]
+            assert got["gathered"].startswith("UnsupportedError") and "the root module" in got["gathered"] \
+                and "model.reshard()" in got["gathered"], got
+            assert "error" not in got and got["differ"] == [] and "fsdp2-ws3" in got["source"], got
             assert "reshard convert" in err and "--mesh" in err, err
     # Nothing was stored: each OUT holds the layouts it had.
     assert sorted(json.loads((ws3 / "reshard.json").read_text())["layouts"]) == ["fsdp2-ws3"]
