@@ -35,6 +35,11 @@ struct RelayoutOptions {
   std::optional<std::vector<std::string>> wrap;
   std::optional<bool> use_orig_params;
   std::optional<std::string> param_dtype;
+  /// DTensor targets (both or neither): the device mesh (world_size 0 or its size) and the
+  /// parallel plan file giving the placements, as `reshard convert --mesh M --plan FILE`.
+  /// Without them the kind defaults to fsdp2 when the source is a DTensor layout.
+  std::optional<MeshSpec> mesh;
+  std::optional<std::filesystem::path> plan_file;
   /// The layout to read (a key of OUT's manifest); unset: the only complete one that is not
   /// the target (with optimizer state, when several are and exactly one has it).
   std::optional<std::string> from;
@@ -71,7 +76,8 @@ struct RelayoutResult {
 
 /// Throws reshard::Error: kNotFound (no manifest, no such layout, a missing optimizer file),
 /// kMismatch (an incomplete source layout, files of another save), kInvalidArgument (the
-/// target is the source, bad ranks), kUnsupported (optimizer state across layout kinds).
+/// target is the source, bad ranks, --mesh without --plan), kUnsupported (optimizer state
+/// across layout kinds other than fsdp2 <-> dtensor).
 RelayoutResult Relayout(const RelayoutOptions& options);
 
 struct RelayoutProblem {
