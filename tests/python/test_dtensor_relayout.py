@@ -6,15 +6,17 @@ state (dtensor_relayout_worker.py).
 
 * The job on tp=4 loads the relayouted layout (not a view over the saved one) and restores the
   optimizer state: every parameter's and state's full_tensor() equals the saved job's bit for
-  bit. The next two steps' losses are those of the uninterrupted 2x2 job within 2% and the loss
-  goes down. They cannot be bit-identical across meshes: at tp=4 the row-wise layers' partial
-  sums are all-reduced over 4 ranks in place of 2, and the gradients of the replicated
-  parameters (norms) are reduced over other groups, so the bf16/fp32 rounding differs, and
-  AdamW carries that on.
+  bit. The next two steps' losses are those of the uninterrupted 2x2 job within 1e-3
+  (relative; about 7e-5 seen) and the loss goes down. They cannot be bit-identical across
+  meshes even though the weights are: at tp=4 the row-wise layers' (o_proj, down_proj, the
+  embeddings) partial sums are all-reduced over 4 ranks in place of 2, so the bf16 forward
+  already rounds differently (the first resumed loss differs), and the gradients of the
+  replicated parameters (norms) are summed over other groups; AdamW carries that on.
 * `reshard verify SAVED` compares the new layout with the saved one element for element
   (optimizer state too); a flipped byte or an edited plan file fails it.
-* The reverse: the saved DTensor layout into an FSDP2 layout of world size 4, optimizer state
-  included (both hold one tensor per parameter, placed like it), verified.
+* The reverse: the saved DTensor layout into an FSDP2 layout of world size 3, optimizer state
+  included (both hold one tensor per parameter, placed like it), and that FSDP2 layout into a
+  DTensor layout again; the tp=4 layout split over two `--ranks` runs; all verified.
 * SIGKILL mid-way leaves no listed layout (nothing loads or verifies it); a re-run completes it.
 """
 
@@ -129,7 +131,7 @@ def test_dtensor_relayout_resume(trained, cli, tmp_path):
     got, want = recs[0]["next"], train[0]["next"]
     assert got[1] < got[0] < train[0]["losses"][-1], (got, train[0]["losses"])
     for g, w in zip(got, want):
-        assert abs(g - w) <= 0.02 * abs(w), (got, want)
+        assert abs(g - w) <= 1e-3 * abs(w), (got, want)
 
     # verify compares element for element: one flipped byte of a new optimizer file fails it,
     # as does a plan file that is not the layout's.
@@ -150,13 +152,26 @@ def test_dtensor_relayout_resume(trained, cli, tmp_path):
 
 
 def test_dtensor_relayout_to_fsdp2_and_refusals(trained, cli, tmp_path):
-    _, _, saved0, _, plan, _ = trained
+    d, _, saved0, _, plan, _ = trained
     saved = _copy(saved0, tmp_path, "saved")
     # The reverse: a DTensor layout into FSDP2 (the default kind without --mesh), with the state.
     r = json.loads(cli("relayout", saved, "--world-size", 3, "--json", rc=0).out)
     assert r["layout"] == "fsdp2-ws3" and r["optimizer"] and r["committed"], r
     h = _header(str(saved / "fsdp2-ws3" / "optim" / "rank-00002-of-00003.reshard"))
     assert all(t["shard"] for t in h["tensors"] if t["global_shape"]), h["tensors"][:2]
+    cli("verify", saved, rc=0)
+    # From an FSDP2 layout (the one just made) into a DTensor layout of the 2x2 mesh under the
+    # plan file (not the saved plan: another key), compared with fsdp2-ws3 by verify.
+    c = json.loads(cli("relayout", saved, "--mesh", MESH0, "--plan", d / "plan-fsdp.json", "--from", "fsdp2-ws3",
+                       "--json", rc=0).out)
+    assert c["layout"].startswith("dtensor-dp_shard2.tp2-llama_tp_rowemb.") and c["optimizer"] and c["committed"], c
+    assert _layouts(saved)[c["layout"]]["from"] == "fsdp2-ws3"
+    # Split: two processes' --ranks of the tp=4 layout; the second one commits.
+    a = json.loads(cli("relayout", saved, "--mesh", MESH1, "--plan", plan, "--ranks", "0-1", "--json", rc=0).out)
+    assert a["ranks_written"] == [0, 1] and not a["committed"] and a["ranks_missing"] == [2, 3], a
+    assert a["layout"] not in _layouts(saved)
+    b = json.loads(cli("relayout", saved, "--mesh", MESH1, "--plan", plan, "--ranks", "2-3", "--json", rc=0).out)
+    assert b["ranks_written"] == [2, 3] and b["committed"], b
     cli("verify", saved, rc=0)
     # Refusals name what is wrong.
     e = cli("relayout", saved, "--mesh", MESH1, rc=None)

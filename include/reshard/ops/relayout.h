@@ -1,7 +1,8 @@
 // `reshard relayout` (alias `reshard reshard`): another layout of a checkpoint OUT already
 // holds, made from one of its layouts: a training checkpoint saved by reshard.save at world
 // size N (weights and, when saved, optimizer state: KEY/optim/) turned into the layout of
-// world size M, or a conversion's layout into another. Offline, CPU only, host memory bounded
+// world size M, or into the DTensor layout of another device mesh and parallel plan (a
+// tensor-parallel job resumed on another mesh), or a conversion's layout into another. Offline, CPU only, host memory bounded
 // by a few chunk buffers per thread; every source chunk is checked against its chunk_xxh3
 // before any of its bytes is used; atomic as convert (rank files under temporary names, then
 // renamed; optimizer.json and the manifest's entry for the new layout written last, under
