@@ -2,7 +2,8 @@
 mesh dp_shard=2,tp=2, 4 gloo processes) trained 5 AdamW steps and saved with its optimizer
 state, resumed offline on another mesh (tp=4: TP over all 4 ranks, no FSDP). The saved layout
 `dtensor-dp_shard2.tp2-saved.<h>` is planned for the new mesh and plan: weights and optimizer
-state (dtensor_relayout_worker.py).
+state (dtensor_relayout_worker.py). Also dp_shard=1,tp=4 (1x4: fully_shard over a dim of
+size 1), with the plan file's fsdp member.
 
 * The job on tp=4 loads the relayouted layout (not a view over the saved one) and restores the
   optimizer state: every parameter's and state's full_tensor() equals the saved job's bit for
@@ -95,32 +96,45 @@ def _layouts(out):
     return rf.read_manifest(str(out))["layouts"]
 
 
-def test_dtensor_relayout_resume(trained, cli, tmp_path):
-    _, out, saved0, res0, plan, train = trained
+# The new meshes: TP over all 4 ranks, as a 1-D mesh (no FSDP) and as 1x4 (fully_shard over a
+# dp_shard dim of size 1: FSDP2's placements on it, _StridedShard where TP shards dim 0 too).
+NEW_MESHES = {  # mesh: (plan file, key prefix, o_proj's placements, norm's placements)
+    "tp=4": ("plan.json", "dtensor-tp4-llama_tp_rowemb.", ["S(1)"], ["R"]),
+    "dp_shard=1,tp=4": ("plan-fsdp.json", "dtensor-dp_shard1.tp4-llama_tp_rowemb.", ["S(0)", "S(1)"], ["S(0)", "R"]),
+}
+
+
+@pytest.mark.parametrize("mesh", list(NEW_MESHES))
+def test_dtensor_relayout_resume(trained, cli, tmp_path, mesh):
+    d, out, saved0, res0, _, train = trained
+    plan_name, prefix, o_proj, norm = NEW_MESHES[mesh]
+    plan = d / plan_name
+    dims = [kv.split("=") for kv in mesh.split(",")]
     saved = _copy(saved0, tmp_path, "saved")
     res = _copy(res0, tmp_path, "res")
     src_key = train[0]["layout"]
     assert src_key.startswith("dtensor-dp_shard2.tp2-saved."), src_key
-    r = json.loads(cli("relayout", saved, "--mesh", MESH1, "--plan", plan, "--json", rc=0).out)
+    r = json.loads(cli("relayout", saved, "--mesh", mesh, "--plan", plan, "--json", rc=0).out)
     key = r["layout"]
     assert r["from"] == src_key and r["optimizer"] and r["committed"] and r["world_size"] == 4, r
-    assert key.startswith("dtensor-tp4-llama_tp_rowemb."), key
+    assert key.startswith(prefix), key
     entry = _layouts(saved)[key]
-    assert entry["complete"] and entry["from"] == src_key and entry["mesh"] == {"names": ["tp"], "shape": [4]}
+    assert entry["complete"] and entry["from"] == src_key and entry["mesh"] == {"names": [n for n, _ in dims],
+                                                                                "shape": [int(x) for _, x in dims]}
     meta = json.load(open(saved / key / "optim" / "optimizer.json"))
     assert meta["layout"] == key
     # The new files are placed by the plan: the state as its parameter.
     h = _header(str(saved / key / "rank-00001-of-00004.reshard"))
     oh = _header(str(saved / key / "optim" / "rank-00001-of-00004.reshard"))
     placed = {t["name"]: t["placements"] for t in h["tensors"]}
-    assert placed["model.layers.0.self_attn.o_proj.weight"] == ["S(1)"]
-    assert placed["model.norm.weight"] == ["R"]
+    assert placed["model.layers.0.self_attn.o_proj.weight"] == o_proj
+    assert placed["model.norm.weight"] == norm
     for t in oh["tensors"]:
         param = t["name"].rsplit("#", 1)[0]
-        assert t["placements"] == (placed[param] if t["global_shape"] else ["R"]), t
+        assert t["placements"] == (placed[param] if t["global_shape"] else ["R"] * len(dims)), t
     cli("verify", saved, rc=0)
 
-    torchrun(4, WORKER, "resume", out, saved, MESH1, res, timeout=300)
+    torchrun(4, WORKER, "resume", out, saved, mesh, res, timeout=300)
     recs = [json.load(open(f)) for f in sorted(glob.glob(str(res / "resume-rank-*.json")))]
     assert len(recs) == 4
     for rec in recs:
