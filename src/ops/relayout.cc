@@ -20,6 +20,7 @@
 #include "reshard/base/version.h"
 #include "reshard/format/manifest.h"
 #include "reshard/format/model_manifest.h"
+#include "reshard/format/parallel_plan.h"
 #include "reshard/io/file_io.h"
 #include "reshard/io/parallel_for.h"
 #include "reshard/io/manifest.h"
@@ -40,6 +41,18 @@ namespace {
 constexpr size_t kMaxOpenRankFiles = 64;
 constexpr std::string_view kOptimDir = "optim";
 constexpr std::string_view kOptimJson = "optimizer.json";
+// DTensor targets: the plan's canonical form beside the rank files, so that verify plans the
+// layout again (its xxh3 is the layout's plan.xxh3).
+constexpr std::string_view kPlanJson = "parallel-plan.json";
+
+// Optimizer state moves between two layout kinds when both hold one tensor per original
+// parameter (FSDP2 and DTensor layouts: state elementwise, shaped and placed like its
+// parameter), not across flat parameters (FSDP1) or use_orig_params.
+bool OptimizerMoves(const LayoutSpec& a, const LayoutSpec& b) {
+  auto per_param = [](const LayoutSpec& l) { return l.kind == LayoutKind::kFsdp2 || l.kind == LayoutKind::kDTensor; };
+  if (per_param(a) && per_param(b)) return true;
+  return a.kind == b.kind && a.use_orig_params == b.use_orig_params;
+}
 
 // The source layout: its key, unless --from names it, is the one complete layout of OUT that
 // is not the target (preferring the ones with optimizer state).
@@ -170,24 +183,44 @@ std::optional<ModelManifest> ModelManifestOf(const RelayoutOptions& o) {
 // opened as virtual checkpoints, and each target rank file's job (header and byte maps).
 struct RelayoutPlanner {
   RelayoutPlanner(const fs::path& out, const Manifest& manifest, const std::string& from,
-                  const LayoutSpec& target, const std::optional<ModelManifest>& model, uint64_t chunk_size)
-      : out_(out), manifest_(manifest), target_(target), chunk_size_(chunk_size) {
+                  const LayoutSpec& target, const std::optional<ModelManifest>& model, uint64_t chunk_size,
+                  std::optional<ParallelPlan> plan = std::nullopt, std::string plan_path = "")
+      : out_(out), manifest_(manifest), target_(target), chunk_size_(chunk_size), plan_(std::move(plan)),
+        plan_path_(std::move(plan_path)) {
+    if (target.kind == LayoutKind::kDTensor && !plan_) {
+      Fail(ErrorCode::kInvalidArgument, "layout " + target.Key() + ": a DTensor layout needs its parallel plan (--plan)");
+    }
     const LayoutSpec source_spec = manifest.layouts.at(from).Layout();
     OpenLayout(out, manifest, from, src);
     const RankFileHeader& model0 = src.bytes.readers.front().header();
     optim = OpenOptim(src.dir, from, manifest, model0, so);
-    if (optim && (source_spec.kind != target.kind || source_spec.use_orig_params != target.use_orig_params)) {
+    if (optim && !OptimizerMoves(source_spec, target)) {
       Fail(ErrorCode::kUnsupported,
            so.meta_path + ": optimizer state of layout " + from + " (" + source_spec.KindName() +
                (source_spec.use_orig_params ? ", use_orig_params" : "") + ") into " + target.Key() + " (" +
                target.KindName() + (target.use_orig_params ? ", use_orig_params" : "") +
                "): the optimizer's parameters differ between these kinds (flat parameters or original "
-               "ones), which this version does not translate; reshard to a layout of the same kind");
+               "ones), which this version does not translate; reshard to a layout of the same kind, "
+               "or between fsdp2 and dtensor");
     }
     // Tensors stored whole in the source (buffers) stay whole in an FSDP2 target, as do the
     // model manifest's persistent buffers.
+    // A DTensor source: Replicate everywhere outside fully_shard is a buffer only when
+    // fully_shard sharded the other tensors (it shards every parameter of a job, formats/
+    // parallel-plan.md); else a replicated parameter, sharded in an FSDP2 target.
+    bool fsdp = false;
+    for (const TensorEntry& e : model0.tensors) fsdp = fsdp || (e.dtensor && e.dtensor->fsdp_mesh_dim >= 0);
     for (const TensorEntry& e : model0.tensors) {
-      if (!e.sharded && !e.flat && !e.global_shape.empty()) whole_.insert(e.name);
+      if (e.flat || e.global_shape.empty()) continue;
+      if (e.dtensor) {
+        const auto& pl = e.dtensor->placements;
+        if (fsdp && e.dtensor->fsdp_mesh_dim < 0 &&
+            std::none_of(pl.begin(), pl.end(), [](const Placement& x) { return x.IsShard(); })) {
+          whole_.insert(e.name);
+        }
+      } else if (!e.sharded) {
+        whole_.insert(e.name);
+      }
     }
     if (model) {
       for (const ModelBuffer& b : model->buffers) {
@@ -212,7 +245,9 @@ struct RelayoutPlanner {
 
   // The model rank file of rank r: planned entries and their (checked) maps.
   RankFileJob ModelJob(uint32_t r) const {
-    const RankPlan plan = units_ ? PlanRank(src.view, target_, *units_, r) : PlanRank(src.view, target_, r, whole_);
+    const RankPlan plan = units_ ? PlanRank(src.view, target_, *units_, r)
+                          : plan_  ? PlanRank(src.view, target_, *plan_, r, whole_, plan_path_)
+                                   : PlanRank(src.view, target_, r, whole_);
     RankFileJob job;
     job.rank = r;
     job.path = out_ / target_.Key() / RankFileName(r, target_.world_size);
@@ -262,6 +297,8 @@ struct RelayoutPlanner {
   uint64_t chunk_size_;
   std::set<std::string> whole_;
   std::optional<Fsdp1Plan> units_;
+  std::optional<ParallelPlan> plan_;
+  std::string plan_path_;
 };
 
 }  // namespace
@@ -320,8 +357,29 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
     Fail(ErrorCode::kNotFound, mpath + ": no such file: " + o.out.string() +
                                    " is not a complete checkpoint (reshard.save) or conversion");
   }
-  if (o.world_size == 0 || o.world_size > 99999) {
-    Fail(ErrorCode::kInvalidArgument, "--world-size " + std::to_string(o.world_size) + ": expected 1 to 99999");
+  // DTensor targets: the mesh gives the world size, the plan the placements.
+  std::optional<ParallelPlan> parallel;
+  uint32_t world_size = o.world_size;
+  if (o.mesh.has_value() != o.plan_file.has_value()) {
+    Fail(ErrorCode::kInvalidArgument, o.mesh ? "--mesh needs --plan FILE (formats/parallel-plan.md), as reshard convert"
+                                             : "--plan needs --mesh (a DTensor layout), e.g. --mesh dp_shard=1,tp=4");
+  }
+  if (o.mesh) {
+    o.mesh->Check("--mesh " + o.mesh->Flag());
+    if (o.world_size != 0 && o.world_size != o.mesh->Size()) {
+      Fail(ErrorCode::kInvalidArgument, "--world-size " + std::to_string(o.world_size) + " with --mesh " +
+                                            o.mesh->Flag() + " of " + std::to_string(o.mesh->Size()) +
+                                            " ranks: give --mesh alone");
+    }
+    if (o.kind && *o.kind != LayoutKind::kDTensor) {
+      Fail(ErrorCode::kInvalidArgument, "--layout " + std::string(o.kind == LayoutKind::kFsdp1 ? "fsdp1" : "fsdp2") +
+                                            " with --mesh: a mesh makes a DTensor layout; drop one of them");
+    }
+    world_size = static_cast<uint32_t>(std::min<uint64_t>(o.mesh->Size(), 100000));
+    parallel = ParseParallelPlan(ReadWholeFile(*o.plan_file, 64ull << 20), o.plan_file->string());
+  }
+  if (world_size == 0 || world_size > 99999) {
+    Fail(ErrorCode::kInvalidArgument, "--world-size " + std::to_string(world_size) + ": expected 1 to 99999");
   }
   if (o.chunk_size == 0 || o.chunk_size % kDataAlignment != 0 || o.chunk_size > kMaxConvertChunkSize) {
     Fail(ErrorCode::kInvalidArgument, "--chunk-size " + std::to_string(o.chunk_size) +
@@ -331,12 +389,22 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   std::optional<ModelManifest> model = ModelManifestOf(o);
   auto target_of = [&](const LayoutSpec* src) {
     LayoutSpec t;
-    t.kind = o.kind ? *o.kind : src ? src->kind : LayoutKind::kFsdp2;
-    if (t.kind == LayoutKind::kDTensor) {
-      Fail(ErrorCode::kUnsupported, "relayout into a DTensor layout is not supported yet: give --layout "
-                                    "fsdp2 or fsdp1, or convert the source with --mesh and --plan");
+    // The source's kind unless given; a DTensor layout needs a mesh and a plan, so without
+    // --mesh a DTensor source becomes FSDP2.
+    t.kind = o.mesh ? LayoutKind::kDTensor
+             : o.kind ? *o.kind
+             : src && src->kind != LayoutKind::kDTensor ? src->kind
+                                                        : LayoutKind::kFsdp2;
+    if (t.kind == LayoutKind::kDTensor && !o.mesh) {
+      Fail(ErrorCode::kInvalidArgument, "--layout dtensor needs --mesh and --plan: reshard relayout " +
+                                            o.out.string() + " --mesh dp_shard=1,tp=4 --plan PLAN.json");
     }
-    t.world_size = o.world_size;
+    t.world_size = world_size;
+    if (parallel) {
+      t.mesh = *o.mesh;
+      t.plan_name = parallel->name;
+      t.plan_xxh3 = parallel->xxh3;
+    }
     t.dtype = src ? src->dtype : "keep";
     const bool same_kind = src && src->kind == t.kind;
     if (t.kind == LayoutKind::kFsdp1) {
@@ -363,8 +431,8 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   const std::string key = target.Key();
   if (key == from) {
     Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + key + " is the source layout " + from +
-                                          " (--world-size " + std::to_string(o.world_size) +
-                                          " and the same kind): nothing to do");
+                                          " (the same world size, kind" + (o.mesh ? ", mesh and plan" : "") +
+                                          "): nothing to do");
   }
   uint32_t first = 0, last = target.world_size - 1;
   if (o.ranks) {
@@ -381,7 +449,8 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
                                    "HF_DIR -o " + (o.out / kModelManifestName).string() + ", or pass --model-manifest");
   }
 
-  RelayoutPlanner planner(o.out, *manifest, from, target, model, o.chunk_size);
+  RelayoutPlanner planner(o.out, *manifest, from, target, model, o.chunk_size, parallel,
+                          o.plan_file ? o.plan_file->string() : "");
   const bool optim = planner.optim;
   const SourceLookup& model_lookup = planner.model_lookup;
   const SourceLookup& optim_lookup = planner.optim_lookup;
@@ -486,6 +555,7 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
     if (!ok) result.ranks_missing.push_back(r);
   }
   if (result.ranks_missing.empty()) {
+    if (parallel) WriteFileAtomic(dir / kPlanJson, CanonicalPlanJson(*parallel) + "\n");
     if (optim) {
       nlohmann::json meta = so.meta;
       meta["layout"] = key;
@@ -555,7 +625,24 @@ std::vector<RelayoutProblem> CheckRelayout(const fs::path& out, const std::strin
                                      "\", a layout the manifest does not list (the layout " + key +
                                      " was made from it and cannot be compared)");
     }
-    RelayoutPlanner planner(out, *manifest, ml.from, target, model, kDefaultChunkSize);
+    // A DTensor layout: planned again from the plan relayout left beside its rank files.
+    std::optional<ParallelPlan> parallel;
+    const fs::path plan_path = out / (ml.dir.empty() ? key : ml.dir) / kPlanJson;
+    if (target.kind == LayoutKind::kDTensor) {
+      if (!fs::is_regular_file(plan_path, ec)) {
+        Fail(ErrorCode::kNotFound, plan_path.string() + ": missing: the parallel plan of layout " + key +
+                                       " (plan " + target.plan_name + ", xxh3 " + Hex16(target.plan_xxh3) +
+                                       "); run reshard relayout " + out.string() + " --mesh " + target.mesh.Flag() +
+                                       " --plan PLAN.json again");
+      }
+      parallel = ParseParallelPlan(ReadWholeFile(plan_path, 64ull << 20), plan_path.string());
+      if (parallel->name != target.plan_name || parallel->xxh3 != target.plan_xxh3) {
+        Fail(ErrorCode::kMismatch, plan_path.string() + ": plan " + parallel->name + " of xxh3 " +
+                                       Hex16(parallel->xxh3) + "; the layout " + key + " names plan " +
+                                       target.plan_name + " of xxh3 " + Hex16(target.plan_xxh3));
+      }
+    }
+    RelayoutPlanner planner(out, *manifest, ml.from, target, model, kDefaultChunkSize, parallel, plan_path.string());
     const std::string against = "layout " + ml.from;
     struct Item {
       size_t file, entry;
@@ -589,9 +676,12 @@ std::vector<RelayoutProblem> CheckRelayout(const fs::path& out, const std::strin
         if (t.name != w.name || t.dtype != w.dtype || t.sharded != w.sharded || t.global_shape != w.global_shape ||
             t.local_shape != w.local_shape || (t.sharded && !(t.rows == w.rows)) ||
             (t.flat == nullptr) != (w.flat == nullptr) || (t.flat && !(*t.flat == *w.flat)) ||
+            t.dtensor.has_value() != w.dtensor.has_value() ||
+            (t.dtensor && (t.dtensor->placements != w.dtensor->placements ||
+                           t.dtensor->fsdp_mesh_dim != w.dtensor->fsdp_mesh_dim)) ||
             t.nbytes != job.maps[i].nbytes) {
           problem(path, t.name, "entry " + std::to_string(i) + " is not the one " + against + " gives (\"" +
-                                    w.name + "\": name, dtype, shapes, rows or flat parameter differ)");
+                                    w.name + "\": name, dtype, shapes, rows, flat parameter or placements differ)");
           return;
         }
         for (uint64_t c = 0; c < t.ChunkCount(h.chunk_size); ++c) items.push_back({jobs.size(), i, c});

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "reshard/base/error.h"
+#include "reshard/format/shape.h"
 #include "reshard/plan/rank_plan.h"
 
 namespace reshard {
@@ -174,6 +175,52 @@ std::vector<PlannedState> PlanOptimizerRank(const Checkpoint& view, const Layout
     s.param = param, s.key = key, s.kind = "whole";
     out.push_back(std::move(s));
   };
+  if (layout.kind == LayoutKind::kDTensor) {
+    // Each state tensor placed as its parameter is in the model rank file (elementwise state,
+    // shaped like the parameter); 0-dim state Replicate everywhere. Source order (file, offset).
+    std::unordered_map<std::string_view, const TensorEntry*> model_entry;
+    for (const TensorEntry& e : model_rank.tensors) model_entry.emplace(e.name, &e);
+    const std::vector<uint32_t> coordinate = layout.mesh.Coordinate(rank);
+    std::vector<const SourceTensor*> order;
+    for (const SourceTensor& t : view.tensors) order.push_back(&t);
+    std::stable_sort(order.begin(), order.end(), [](const SourceTensor* a, const SourceTensor* b) {
+      return a->file_index != b->file_index ? a->file_index < b->file_index : a->offset < b->offset;
+    });
+    for (const SourceTensor* t : order) {
+      PlannedState s;
+      SplitStateName(t->name, s.param, s.key);
+      const std::string what = path + ": optimizer state \"" + t->name + "\"";
+      ElementBytes(t->dtype, what);
+      s.entry.name = t->name;
+      s.entry.dtype = t->dtype;
+      s.entry.global_shape = t->shape;
+      DTensorSharding sharding;
+      if (t->shape.empty()) {
+        sharding.placements.assign(layout.mesh.ndim(), Placement::Replicate());
+        sharding.mesh_shape = layout.mesh.shape;
+        s.kind = "whole";
+      } else {
+        const auto it = model_entry.find(s.param);
+        if (it == model_entry.end() || !it->second->dtensor) {
+          Fail(ErrorCode::kMismatch, what + ": its parameter \"" + s.param + "\" is no tensor of the model " +
+                                         "rank file of layout " + layout.Key() + "; expected state of its parameters");
+        }
+        if (it->second->global_shape != t->shape) {
+          Fail(ErrorCode::kMismatch, what + ": shape " + ShapeText(t->shape) + ", its parameter's " +
+                                         ShapeText(it->second->global_shape) +
+                                         "; a DTensor layout places state shaped like its parameter, or 0-dim");
+        }
+        sharding = *it->second->dtensor;
+        s.kind = "sharded";
+      }
+      s.entry.local_shape = DTensorLocalShape(t->shape, sharding, layout.mesh.shape, coordinate, what);
+      s.entry.dtensor = std::move(sharding);
+      s.entry.nbytes = CheckedMul(NumelOf(s.entry.local_shape, what), ElementBytes(t->dtype, what), what);
+      s.map = MapEntry(s.entry, layout.kind, layout.world_size, rank, path);
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
   if (layout.kind != LayoutKind::kFsdp1) {
     LayoutSpec keep = layout;
     keep.dtype = "keep";  // state is stored in its own dtype

@@ -401,21 +401,26 @@ int RunCli(int argc, char** argv) {
   std::string relayout_out, relayout_layout, relayout_ranks, relayout_compress, relayout_from, relayout_manifest;
   std::vector<std::string> relayout_wrap;
   bool relayout_orig = false, relayout_json = false, relayout_split = false;
-  std::string relayout_param_dtype;
+  std::string relayout_param_dtype, relayout_mesh, relayout_plan;
   auto* relayout = app.add_subcommand(
       "relayout",
-      "Add another layout (world size, FSDP kind) to a saved checkpoint or a conversion, made "
+      "Add another layout (world size, FSDP kind, DTensor mesh) to a saved checkpoint or a conversion, made "
       "from one of its layouts: weights and optimizer state (KEY/optim/), offline.");
   relayout->alias("reshard");
   relayout->add_option("OUT", relayout_out,
                        "the checkpoint directory: a reshard.save output (weights, optimizer "
                        "state) or a reshard convert output")
       ->required();
-  relayout->add_option("--world-size", ro.world_size, "number of shards of the new layout")
-      ->required()
+  auto* relayout_ws = relayout->add_option("--world-size", ro.world_size, "number of shards of the new layout")
       ->check(CLI::Range(1u, 99999u));
+  auto* relayout_mesh_opt = relayout->add_option(
+      "--mesh", relayout_mesh,
+      "a DTensor layout of this device mesh, e.g. dp_shard=1,tp=4 (its size is the world size); needs --plan");
+  relayout->add_option("--plan", relayout_plan,
+                       "with --mesh: the parallel plan file giving the placements (formats/parallel-plan.md)");
+  relayout_ws->excludes(relayout_mesh_opt);
   relayout->add_option("--layout", relayout_layout,
-                       "fsdp2 or fsdp1 (default: the source layout's kind)")
+                       "fsdp2 or fsdp1 (default: the source layout's kind; fsdp2 from a DTensor layout without --mesh)")
       ->check(CLI::IsMember({"fsdp2", "fsdp1"}));
   relayout->add_option("--wrap", relayout_wrap, "fsdp1: wrapped module classes (default: the source's, "
                                                 "else the model's _no_split_modules)");
@@ -452,6 +457,7 @@ int RunCli(int argc, char** argv) {
       "  reshard relayout ./ckpt/step-00001000 --world-size 48      # saved at 64, resume at 48\n"
       "  reshard relayout ./ckpt/step-00001000 --world-size 6 --from fsdp1-ws4-LlamaDecoderLayer\n"
       "  torchrun --nproc-per-node 8 --no-python reshard relayout ./ckpt --world-size 64 --split-from-env\n"
+      "  reshard relayout ./ckpt/step-00001000 --mesh dp_shard=1,tp=4 --plan llama_tp.json   # 2x2 -> 1x4\n"
       "The new layout's rank files (and optim/, with optimizer.json) are written beside the\n"
       "source's; reshard.json lists the layout only once every one of them is there. Then:\n"
       "reshard verify OUT; in the job: reshard.load(model, OUT), reshard.load_optimizer(opt, model, OUT).");
@@ -720,6 +726,14 @@ int RunCli(int argc, char** argv) {
       if (!relayout_param_dtype.empty()) ro.param_dtype = relayout_param_dtype;
       if (!relayout_from.empty()) ro.from = relayout_from;
       if (!relayout_manifest.empty()) ro.model_manifest = relayout_manifest;
+      if (relayout_mesh.empty() && ro.world_size == 0) {
+        throw CLI::ValidationError("--world-size", "or --mesh (with --plan) is required: the new layout");
+      }
+      if (!relayout_mesh.empty()) {
+        ro.mesh = reshard::ParseMeshFlag(relayout_mesh);
+        ro.world_size = static_cast<uint32_t>(std::min<uint64_t>(ro.mesh->Size(), 100000));
+      }
+      if (!relayout_plan.empty()) ro.plan_file = relayout_plan;
       if (!relayout_ranks.empty() && relayout_split) {
         throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
       }

@@ -1,7 +1,8 @@
 // `reshard relayout` (alias `reshard reshard`): another layout of a checkpoint OUT already
 // holds, made from one of its layouts: a training checkpoint saved by reshard.save at world
 // size N (weights and, when saved, optimizer state: KEY/optim/) turned into the layout of
-// world size M, or a conversion's layout into another. Offline, CPU only, host memory bounded
+// world size M, or into the DTensor layout of another device mesh and parallel plan (a
+// tensor-parallel job resumed on another mesh), or a conversion's layout into another. Offline, CPU only, host memory bounded
 // by a few chunk buffers per thread; every source chunk is checked against its chunk_xxh3
 // before any of its bytes is used; atomic as convert (rank files under temporary names, then
 // renamed; optimizer.json and the manifest's entry for the new layout written last, under
@@ -35,6 +36,11 @@ struct RelayoutOptions {
   std::optional<std::vector<std::string>> wrap;
   std::optional<bool> use_orig_params;
   std::optional<std::string> param_dtype;
+  /// DTensor targets (both or neither): the device mesh (world_size 0 or its size) and the
+  /// parallel plan file giving the placements, as `reshard convert --mesh M --plan FILE`.
+  /// Without them the kind defaults to fsdp2 when the source is a DTensor layout.
+  std::optional<MeshSpec> mesh;
+  std::optional<std::filesystem::path> plan_file;
   /// The layout to read (a key of OUT's manifest); unset: the only complete one that is not
   /// the target (with optimizer state, when several are and exactly one has it).
   std::optional<std::string> from;
@@ -71,7 +77,8 @@ struct RelayoutResult {
 
 /// Throws reshard::Error: kNotFound (no manifest, no such layout, a missing optimizer file),
 /// kMismatch (an incomplete source layout, files of another save), kInvalidArgument (the
-/// target is the source, bad ranks), kUnsupported (optimizer state across layout kinds).
+/// target is the source, bad ranks, --mesh without --plan), kUnsupported (optimizer state
+/// across layout kinds other than fsdp2 <-> dtensor).
 RelayoutResult Relayout(const RelayoutOptions& options);
 
 struct RelayoutProblem {

@@ -226,5 +226,116 @@ TEST(OptimState, RefusesStateThatDoesNotFit) {
       ErrorCode::kMismatch, {"parameter u.b has no optimizer state \"exp_avg\""}));
 }
 
+// DTensor layouts (reshard relayout --mesh): state placed exactly as its parameter's entry in
+// the model rank file, 0-dim state Replicate everywhere. Mesh dp_shard=2,tp=2: a [5, 3] is
+// S(0) over dp_shard and S(1) over tp (distribute_tensor order), b [5] fully_shard'ed over
+// dp_shard (fsdp mesh dim 0) and replicated over tp.
+MeshSpec Mesh22() {
+  MeshSpec m;
+  m.names = {"dp_shard", "tp"};
+  m.shape = {2, 2};
+  return m;
+}
+
+RankFileHeader DTensorModelRank(uint32_t rank) {
+  RankFileHeader h;
+  h.kind = LayoutKind::kDTensor;
+  h.mesh = Mesh22();
+  h.world_size = 4;
+  h.rank = rank;
+  h.layout_key = "test";
+  auto entry = [&](const std::string& name, std::vector<uint64_t> shape, std::vector<Placement> pl, int fsdp) {
+    TensorEntry e;
+    e.name = name;
+    e.dtype = DType::kF32;
+    e.global_shape = shape;
+    DTensorSharding d;
+    d.placements = std::move(pl);
+    d.fsdp_mesh_dim = fsdp;
+    d.mesh_shape = h.mesh.shape;
+    e.local_shape = DTensorLocalShape(shape, d, h.mesh.shape, h.mesh.Coordinate(rank), name);
+    e.dtensor = d;
+    h.tensors.push_back(e);
+  };
+  entry("a", {5, 3}, {Placement::Shard(0), Placement::Shard(1)}, -1);
+  entry("b", {5}, {Placement::Shard(0), Placement::Replicate()}, 0);
+  return h;
+}
+
+TEST(OptimState, DTensorStatePlacedLikeItsParameter) {
+  State s;
+  std::vector<float> a(15);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i);
+  s.Add("a#exp_avg", {5, 3}, a);
+  s.Add("b#exp_avg", {5}, {10, 11, 12, 13, 14});
+  s.Add("a#step", {}, {7});
+  LayoutSpec layout;
+  layout.kind = LayoutKind::kDTensor;
+  layout.mesh = Mesh22();
+  layout.world_size = 4;
+  std::vector<RankFileHeader> headers;
+  std::vector<std::vector<std::vector<char>>> bytes;
+  for (uint32_t r = 0; r < 4; ++r) {
+    const RankFileHeader model = DTensorModelRank(r);
+    RankFileHeader h = model;
+    h.tensors.clear();
+    std::vector<std::vector<char>> entries;
+    std::vector<char> scratch;
+    for (const PlannedState& st : PlanOptimizerRank(s.view, layout, r, model, "rank " + std::to_string(r))) {
+      const TensorEntry* m = nullptr;
+      for (const TensorEntry& e : model.tensors) {
+        if (e.name == st.param) m = &e;
+      }
+      if (st.entry.global_shape.empty()) {
+        EXPECT_EQ(st.kind, "whole");
+        EXPECT_EQ(st.entry.dtensor->placements, (std::vector<Placement>{Placement::Replicate(), Placement::Replicate()}));
+        EXPECT_EQ(st.entry.dtensor->fsdp_mesh_dim, -1);
+      } else {
+        ASSERT_NE(m, nullptr) << st.entry.name;
+        EXPECT_EQ(st.kind, "sharded");
+        EXPECT_EQ(st.entry.dtensor->placements, m->dtensor->placements) << st.entry.name;
+        EXPECT_EQ(st.entry.dtensor->fsdp_mesh_dim, m->dtensor->fsdp_mesh_dim) << st.entry.name;
+        EXPECT_EQ(st.entry.local_shape, m->local_shape) << st.entry.name;
+      }
+      EXPECT_EQ(CheckSources(st.map, s.Lookup()), "") << st.entry.name;
+      std::vector<char> buf(st.entry.nbytes, 'x');
+      FillEntry(st.map, s.Lookup(), s.Read(), 0, buf.size(), buf.data(), scratch);
+      h.tensors.push_back(st.entry);
+      entries.push_back(std::move(buf));
+    }
+    headers.push_back(std::move(h));
+    bytes.push_back(std::move(entries));
+  }
+  // Rank 3 = coordinate (1, 1): rows [3, 5) of a, column 2; b's elements [3, 5).
+  std::map<std::string, std::vector<float>> r3;
+  for (size_t i = 0; i < headers[3].tensors.size(); ++i) r3[headers[3].tensors[i].name] = Floats(bytes[3][i]);
+  EXPECT_EQ(r3["a#exp_avg"], (std::vector<float>{11, 14}));
+  EXPECT_EQ(r3["b#exp_avg"], (std::vector<float>{13, 14}));
+  EXPECT_EQ(r3["a#step"], std::vector<float>{7});
+  // Described back (as relayout reads a DTensor source): every element, once.
+  std::vector<const RankFileHeader*> hp;
+  std::vector<std::string> paths;
+  for (const auto& h : headers) hp.push_back(&h), paths.push_back("rank " + std::to_string(h.rank));
+  const std::vector<TensorLocation> locs = DescribeOptimizerTensors(DTensorModelRank(0), hp, paths);
+  ASSERT_EQ(locs.size(), 3u);
+  for (const TensorLocation& l : locs) {
+    std::vector<char> full(l.nbytes, 'y');
+    for (const TensorPiece& piece : l.pieces) {
+      std::memcpy(full.data() + piece.dst_offset, bytes[piece.rank][piece.entry].data() + piece.src_offset,
+                  piece.length);
+    }
+    EXPECT_EQ(Floats(full), s.Values(l.name)) << l.name;
+  }
+  // State not shaped like its parameter, or of no parameter of the model rank file: refused.
+  State odd;
+  odd.Add("b#exp_avg", {4}, {1, 2, 3, 4});
+  EXPECT_TRUE(ThrowsError([&] { PlanOptimizerRank(odd.view, layout, 0, DTensorModelRank(0), "f"); },
+                          ErrorCode::kMismatch, {"f: optimizer state \"b#exp_avg\": shape [4], its parameter's [5]"}));
+  State stray;
+  stray.Add("c#exp_avg", {5}, {1, 2, 3, 4, 5});
+  EXPECT_TRUE(ThrowsError([&] { PlanOptimizerRank(stray.view, layout, 0, DTensorModelRank(0), "f"); },
+                          ErrorCode::kMismatch, {"its parameter \"c\" is no tensor of the model rank file"}));
+}
+
 }  // namespace
 }  // namespace reshard
