@@ -220,7 +220,8 @@ def test_dtensor_relayout_killed(trained, cli, reshard_bin, tmp_path):
         if key in _layouts(saved):
             break
         unlisted += 1
-        assert not (saved / key / "optim" / "optimizer.json").exists()
+        # (optimizer.json may be there already: it is written just before the manifest's entry,
+        # and nothing finds a layout the manifest does not list.)
         cli("verify", saved, rc=0)  # the save itself, untouched; the unlisted layout is not checked
     assert unlisted >= 1, "every kill came after the commit: the test proved nothing"
     r = json.loads(cli("relayout", saved, *flags[:4], "--chunk-size", 4096, "--json", rc=0).out)

