@@ -40,6 +40,10 @@ class DensePart:
     direct: list
     converted: list
     device_index: Optional[int]
+    # (key, buffer) of the persistent buffers the source holds whole: read from it after the
+    # DTensor part (a reshard.save of an EP job stores them here only; a conversion stores the
+    # same values in both layouts)
+    buffers: list = dataclasses.field(default_factory=list)
 
 
 def _shard_coordinate(p) -> Tuple[str, int, int]:
@@ -66,6 +70,21 @@ def split_dense(job, params: Dict[str, object]) -> Tuple[Dict[str, object], Dict
     return on_mesh, dense
 
 
+def dense_shard(job, dense: Dict[str, object]) -> Tuple[str, int, int]:
+    """(mesh dim, its size, this rank's coordinate) that every `dense` parameter is
+    fully_shard'ed over; raises naming two parameters sharded over different mesh dims."""
+    first = next(iter(dense))
+    mesh_dim, ws, coord = _shard_coordinate(dense[first])
+    for name, p in dense.items():
+        this = _shard_coordinate(p)
+        if this != (mesh_dim, ws, coord):
+            raise UnsupportedError(
+                f"parameters {first} and {name} are fully_shard'ed outside the mesh {job.mesh_flag()} on "
+                f"different mesh dims ({mesh_dim} of {ws} at {coord}, {this[0]} of {this[1]} at {this[2]}); "
+                "reshard loads and saves such parameters as one FSDP2 job: fully_shard them over one mesh dim")
+    return mesh_dim, ws, coord
+
+
 def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix: str) -> DensePart:
     """This rank's FSDP2 source for the `dense` parameters (OUT's FSDP2 layout of their shard dim,
     else another complete layout of OUT or OUT as a Hugging Face checkpoint, resharded while
@@ -75,15 +94,7 @@ def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], pre
     from .model import persistent_buffer_names
     from .sources import open_job_source
 
-    first = next(iter(dense))
-    mesh_dim, ws, coord = _shard_coordinate(dense[first])
-    for name, p in dense.items():
-        this = _shard_coordinate(p)
-        if this != (mesh_dim, ws, coord):
-            raise UnsupportedError(
-                f"parameters {first} and {name} are fully_shard'ed outside the mesh {job.mesh_flag()} on "
-                f"different mesh dims ({mesh_dim} of {ws} at {coord}, {this[0]} of {this[1]} at {this[2]}); "
-                "reshard loads such parameters as one FSDP2 job: fully_shard them over one mesh dim")
+    mesh_dim, ws, coord = dense_shard(job, dense)
     names = list(dense)
     what = (f"parameters {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({len(names)}) are "
             f"fully_shard'ed over mesh dim {mesh_dim} ({ws} ranks), outside the mesh {job.mesh_flag()} of the "
@@ -109,8 +120,14 @@ def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], pre
             direct.append(t)
         elif kind == "converted":
             converted.append(t)
+    buffers = []
+    for bname, b in model.named_buffers():
+        bname = clean_name(bname)
+        k = file_key(bname, entries, prefix) if bname in persistent else None
+        if k is not None and (entries[k].shard is None or entries[k].local_shape == entries[k].global_shape):
+            buffers.append((k, b))
     return DensePart(names, mesh_dim, ws, coord, src.path, src.key, src.reader, src.source, entries, direct,
-                     converted, device_index)
+                     converted, device_index, buffers)
 
 
 def with_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix: str,
@@ -124,7 +141,7 @@ def with_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix
     part = prepare_dense(model, out, job, dense, prefix)
     report = load()
     r = finish_load(model, part.reader, part.key, part.world_size, part.coord, part.entries, part.direct,
-                    part.converted, [], [], part.device_index, threads=threads, verify=verify, io=io,
+                    part.converted, part.buffers, [], part.device_index, threads=threads, verify=verify, io=io,
                     strict_buffers=True, source=part.source)
     where = r.file if r.source == "rank file" else r.source
     b, s = report.bytes + r.bytes, report.seconds + r.seconds
