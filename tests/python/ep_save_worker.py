@@ -10,7 +10,8 @@ fsdp=4 mesh of the same ranks: dtensor_moe_worker.build) saved with its optimize
    (full) recorded, then one more step: the uninterrupted loss and parameters;
 2. a fresh job: reshard.load(SAVE) + reshard.load_optimizer: every parameter and state tensor
    bit-equal to the saved job's, the step count and hyper-parameters restored; one more step:
-   the loss and the parameters after it bit-equal to the uninterrupted job's;
+   the loss and the parameters after it bit-equal to the uninterrupted job's; the rotary
+   inv_freq, made a persistent buffer and changed before the save, restored from SAVE;
 3. a job whose experts are placed otherwise (Shard(1) over ep): load_optimizer refused before
    any state is replaced, naming the parameter.
 
@@ -94,6 +95,13 @@ def build_shard1(out, dense, sparse):
     return model
 
 
+def persistent_rope(model):
+    """The rotary inv_freq made a persistent buffer (Mixtral has none): saved once, whole, in the
+    FSDP2 layout of the dense parameters, and read back from there."""
+    model.model.rotary_emb._non_persistent_buffers_set.discard("inv_freq")
+    return model
+
+
 def main():
     result, src, save = sys.argv[1:4]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
@@ -104,20 +112,24 @@ def main():
     rec = {"rank": rank}
     ids = torch.arange(2 * 24).reshape(2, 24) * 7 % 37
 
-    model = build(src, dense["fsdp"], sparse)
+    model = persistent_rope(build(src, dense["fsdp"], sparse))
     reshard.load(model, src)
+    with torch.no_grad():  # a value of its own: what the fresh job gets is the saved one
+        model.model.rotary_emb.inv_freq.mul_(1.5)
     ep_forward(model, sparse["ep"])
     opt = adamw(model)
     rec["losses"] = [step(model, opt, ids) for _ in range(3)]
     r = reshard.save(model, save, optimizer=opt, step=3)
-    rec["save"] = {"layout": r.layout, "files": [os.path.relpath(f, save) for f in r.files], "bytes": r.bytes}
+    rec["save"] = {"layout": r.layout, "files": [os.path.relpath(f, save) for f in r.files], "bytes": r.bytes,
+                   "save_id": r.save_id}
     saved_params, saved_state = params_of(model), state_of(model, opt)
+    saved_rope = model.model.rotary_emb.inv_freq.clone()
     if rank == 0:
         torch.save(saved_params, os.path.join(result, "saved.pt"))
     rec["uninterrupted"] = step(model, opt, ids)
     after = params_of(model)
 
-    model2 = build(save, dense["fsdp"], sparse)
+    model2 = persistent_rope(build(save, dense["fsdp"], sparse))
     with torch.no_grad():  # NaN first: a tensor the load misses cannot pass
         for p in model2.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))
@@ -127,6 +139,7 @@ def main():
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0, foreach=False)  # hyper-parameters come from SAVE
     rec["restored"] = reshard.load_optimizer(opt2, model2, save)
     rec["param_differ"] = differ(saved_params, params_of(model2))
+    rec["buffer_differ"] = differ({"inv_freq": saved_rope}, {"inv_freq": model2.model.rotary_emb.inv_freq})
     rec["state_differ"] = differ(saved_state, state_of(model2, opt2))
     rec["state_params"] = len(saved_state)
     rec["lr"] = opt2.param_groups[0]["lr"]
