@@ -11,7 +11,10 @@ their own. So a DTensor job whose parameters include FSDP2-shaped ones (one `Sha
 an FSDP2 job (OUT's layout `fsdp2-wsN` for their shard dim's size N, else another complete
 layout or the Hugging Face checkpoint, resharded while reading), and the rest as any DTensor
 job (`--mesh efsdp=..,ep=.. --plan PLAN.json`); both sources are checked before any byte
-moves."""
+moves. Persistent buffers the FSDP2 source holds whole are read from it after the DTensor part
+(a reshard.save of such a job stores them there only). reshard.save writes such a job back in
+the same two layouts (split_dense / dense_shard decide which parameter goes where) and
+reshard.load_optimizer restores the state from both."""
 
 from __future__ import annotations
 

@@ -37,6 +37,13 @@ the DTensors report, as a rank file of the job's DTensor layout; the layout's pl
 those placements (``dtensor_save_layout``, formats/parallel-plan.md *Saved plans*), and
 optimizer state shaped like its parameter is stored placed like it.
 
+Expert parallel as torchtitan arranges it (the experts on the job's mesh, the other parameters
+fully_shard'ed alone over a 1-D mesh dim outside it: reshard.load_ep.split_dense, the split
+reshard.load uses): two layouts in one OUT, the experts (and their state) as the DTensor layout
+of their mesh, the rest (and their state, and the persistent buffers, whole) as the FSDP2
+layout ``fsdp2-wsN`` of their mesh dim; one rename of the manifest, which rank 0 builds for
+both layouts in a private directory, commits both (``_commit_layouts``).
+
 formats/manifest.md (*Saved checkpoints*) and formats/rank-file.md (``source.saved``)
 describe what is written.
 """
@@ -611,7 +618,10 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     OUT/KEY/rank-<coord>-of-N.reshard from its local shards, KEY being fsdp2-wsN (FSDP2 and
     plain modules), the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
     fsdp1-wsN-LlamaDecoderLayer-orig-pbf16) or, for a DTensor job (every mesh coordinate
-    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan); with `optimizer`, also
+    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan; an expert-parallel
+    job in torchtitan's arrangement writes both that key, for the experts, and fsdp2-wsN, for the
+    parameters fully_shard'ed over the dense mesh and the buffers: report.layout "KEY + KEY",
+    report.files every file written); with `optimizer`, also
     OUT/KEY/optim/rank-<coord>-of-N.reshard (FSDP2: state tensors sharded like their
     parameters; FSDP1: this rank's state tensors as they are) and, from rank 0,
     OUT/KEY/optim/optimizer.json. Rank 0 then copies the config and tokenizer files (and
