@@ -720,6 +720,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     d_entries: list = []       # an expert-parallel job's dense part (FSDP2 layout)
     d_opt_entries: list = []
     d_meta: dict = {}
+    nd = nod = None  # where the dense part's items start in entries / opt_entries
     aux: List[Tuple[str, bytes]] = []
     device = 0
     where, snap_bytes = "none", 0
@@ -747,14 +748,15 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
                 d_meta["step"] = step
                 d_meta["layout"] = dense.key
                 meta["parts"] = d_meta["parts"] = [key, dense.key]
-        entries += d_entries  # one list for the checks and the snapshot; split again below
+        nd, nod = len(entries), len(opt_entries)  # one list for the checks and the snapshot; split below
+        entries += d_entries
         opt_entries += d_opt_entries
         devices = {it.tensor.device.index for it in entries + opt_entries if it.tensor.device.type == "cuda"}
         if len(devices) > 1:
             raise InvalidArgumentError("tensors on several CUDA devices; reshard.save expects one device per rank")
         device = devices.pop() if devices else 0
         if not writes:  # an HSDP replica other than the first: checked, writes nothing
-            entries, opt_entries, d_entries, d_opt_entries = [], [], [], []
+            entries, opt_entries, nd, nod = [], [], 0, 0
         if any(it.tensor.device.type == "cuda" for it in entries + opt_entries):
             torch.cuda.synchronize(device)  # the copier's stream must see finished updates
         if not blocking:
@@ -770,7 +772,8 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         err = _error_record(e)
 
     # The layouts written: the job's own; for an expert-parallel job also the dense FSDP2 one.
-    nd, nod = len(entries) - len(d_entries), len(opt_entries) - len(d_opt_entries)
+    if nd is None:  # failed before (err is set: nothing is written)
+        nd, nod = len(entries), len(opt_entries)
     parts = [_Part(key, world, coord, entries[:nd], opt_entries[:nod] if optimizer is not None else None, meta,
                    dict(fsdp1=job.fsdp1 if job is not None else None,
                         dtensor=dt.native() if dt is not None else None))]
