@@ -11,7 +11,10 @@ their own. So a DTensor job whose parameters include FSDP2-shaped ones (one `Sha
 an FSDP2 job (OUT's layout `fsdp2-wsN` for their shard dim's size N, else another complete
 layout or the Hugging Face checkpoint, resharded while reading), and the rest as any DTensor
 job (`--mesh efsdp=..,ep=.. --plan PLAN.json`); both sources are checked before any byte
-moves."""
+moves. Persistent buffers the FSDP2 source holds whole are read from it after the DTensor part
+(a reshard.save of such a job stores them there only). reshard.save writes such a job back in
+the same two layouts (split_dense / dense_shard decide which parameter goes where) and
+reshard.load_optimizer restores the state from both."""
 
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ class DensePart:
     direct: list
     converted: list
     device_index: Optional[int]
+    # (key, buffer) of the persistent buffers the source holds whole: read from it after the
+    # DTensor part (a reshard.save of an EP job stores them here only; a conversion stores the
+    # same values in both layouts)
+    buffers: list = dataclasses.field(default_factory=list)
 
 
 def _shard_coordinate(p) -> Tuple[str, int, int]:
@@ -66,6 +73,21 @@ def split_dense(job, params: Dict[str, object]) -> Tuple[Dict[str, object], Dict
     return on_mesh, dense
 
 
+def dense_shard(job, dense: Dict[str, object]) -> Tuple[str, int, int]:
+    """(mesh dim, its size, this rank's coordinate) that every `dense` parameter is
+    fully_shard'ed over; raises naming two parameters sharded over different mesh dims."""
+    first = next(iter(dense))
+    mesh_dim, ws, coord = _shard_coordinate(dense[first])
+    for name, p in dense.items():
+        this = _shard_coordinate(p)
+        if this != (mesh_dim, ws, coord):
+            raise UnsupportedError(
+                f"parameters {first} and {name} are fully_shard'ed outside the mesh {job.mesh_flag()} on "
+                f"different mesh dims ({mesh_dim} of {ws} at {coord}, {this[0]} of {this[1]} at {this[2]}); "
+                "reshard loads and saves such parameters as one FSDP2 job: fully_shard them over one mesh dim")
+    return mesh_dim, ws, coord
+
+
 def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix: str) -> DensePart:
     """This rank's FSDP2 source for the `dense` parameters (OUT's FSDP2 layout of their shard dim,
     else another complete layout of OUT or OUT as a Hugging Face checkpoint, resharded while
@@ -75,15 +97,7 @@ def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], pre
     from .model import persistent_buffer_names
     from .sources import open_job_source
 
-    first = next(iter(dense))
-    mesh_dim, ws, coord = _shard_coordinate(dense[first])
-    for name, p in dense.items():
-        this = _shard_coordinate(p)
-        if this != (mesh_dim, ws, coord):
-            raise UnsupportedError(
-                f"parameters {first} and {name} are fully_shard'ed outside the mesh {job.mesh_flag()} on "
-                f"different mesh dims ({mesh_dim} of {ws} at {coord}, {this[0]} of {this[1]} at {this[2]}); "
-                "reshard loads such parameters as one FSDP2 job: fully_shard them over one mesh dim")
+    mesh_dim, ws, coord = dense_shard(job, dense)
     names = list(dense)
     what = (f"parameters {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({len(names)}) are "
             f"fully_shard'ed over mesh dim {mesh_dim} ({ws} ranks), outside the mesh {job.mesh_flag()} of the "
@@ -109,8 +123,14 @@ def prepare_dense(model: nn.Module, out: str, job, dense: Dict[str, object], pre
             direct.append(t)
         elif kind == "converted":
             converted.append(t)
+    buffers = []
+    for bname, b in model.named_buffers():
+        bname = clean_name(bname)
+        k = file_key(bname, entries, prefix) if bname in persistent else None
+        if k is not None and (entries[k].shard is None or entries[k].local_shape == entries[k].global_shape):
+            buffers.append((k, b))
     return DensePart(names, mesh_dim, ws, coord, src.path, src.key, src.reader, src.source, entries, direct,
-                     converted, device_index)
+                     converted, device_index, buffers)
 
 
 def with_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix: str,
@@ -124,7 +144,7 @@ def with_dense(model: nn.Module, out: str, job, dense: Dict[str, object], prefix
     part = prepare_dense(model, out, job, dense, prefix)
     report = load()
     r = finish_load(model, part.reader, part.key, part.world_size, part.coord, part.entries, part.direct,
-                    part.converted, [], [], part.device_index, threads=threads, verify=verify, io=io,
+                    part.converted, part.buffers, [], part.device_index, threads=threads, verify=verify, io=io,
                     strict_buffers=True, source=part.source)
     where = r.file if r.source == "rank file" else r.source
     b, s = report.bytes + r.bytes, report.seconds + r.seconds

@@ -43,8 +43,10 @@ def param_names(model: nn.Module, fsdp1: bool) -> Dict[str, torch.Tensor]:
 
 
 def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1: bool = False,
-                      dtensor: Optional[Dict[str, Tuple[List[str], int]]] = None):
+                      dtensor: Optional[Dict[str, Tuple[List[str], int]]] = None, only: Optional[set] = None):
     """Save items of the optimizer's state tensors and its description (optimizer.json).
+    `only`: the state of these parameters (clean names) alone (an expert-parallel save writes
+    the experts' state and the dense parameters' state into two layouts; param_groups whole).
     `dtensor`: a DTensor job's placements (clean parameter name -> (placements, fsdp mesh dim)):
     state shaped like its parameter is stored as the parameter's local tensor with its
     placements (AdamW's exp_avg / exp_avg_sq are DTensors placed like it), 0-dim state whole."""
@@ -75,6 +77,8 @@ def optimizer_entries(optimizer, model: nn.Module, world: int, coord: int, fsdp1
         name = names.get(id(p))
         if name is None:
             raise InvalidArgumentError("optimizer state for a tensor that is not a parameter of the model")
+        if only is not None and clean_name(name) not in only:
+            continue
         desc = {"tensors": {}, "scalars": {}}
         for k, v in sorted(st.items()):
             if not isinstance(v, torch.Tensor):
@@ -160,10 +164,10 @@ def check_optimizer_files(out: str, key: str, world: int, save_id: int, step) ->
         raise NotFoundError(f"{os.path.join(out, key, OPTIM_DIR, OPTIM_JSON)}: missing")
 
 
-def _dtensor_optim_layout(out: str, model: nn.Module, job) -> str:
+def _dtensor_optim_layout(out: str, model: nn.Module, job, params: Optional[dict] = None) -> str:
     """The DTensor layout of OUT, of this job's mesh, that holds optimizer state (reshard.save
-    of a DTensor job writes one); of several, the one whose parameters are placed as the live
-    ones."""
+    of a DTensor job writes one); of several, the one whose parameters (`params`, clean name
+    -> parameter: those on the job's mesh; default all) are placed as the live ones."""
     from .layout import layout_rank_file
     from .load_dtensor import live_placements
 
@@ -180,7 +184,8 @@ def _dtensor_optim_layout(out: str, model: nn.Module, job) -> str:
                             "was it saved with reshard.save(model, OUT, optimizer=...) by a job on this mesh?")
     if len(keys) == 1:
         return keys[0]
-    params = {clean_name(n): p for n, p in model.named_parameters()}
+    if params is None:
+        params = {clean_name(n): p for n, p in model.named_parameters()}
     for key in keys:
         f = open_rank_file(layout_rank_file(out, key, job.rank, job.world_size, manifest))
         entries = {t.name: t for t in f.tensors}
@@ -196,29 +201,82 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     coordinate: every state tensor (DTensors sharded like their parameters, 0-dim tensors
     whole; FSDP1: this rank's tensors as saved, which needs the same fsdp1 layout), the
     scalars, and the param_groups' hyper-parameters. `optimizer` must hold the model's
-    parameters in the same groups, in the same order, as when saved. Returns the number of
-    parameters whose state was restored. Raises ReshardError on any mismatch."""
+    parameters in the same groups, in the same order, as when saved. An expert-parallel job
+    (torchtitan's arrangement, reshard.load_ep): the experts' state from the DTensor layout of
+    their mesh, the dense parameters' from the FSDP2 layout of their mesh dim, both checked
+    (placements per parameter) before any byte moves. Returns the number of parameters whose
+    state was restored. Raises ReshardError on any mismatch."""
     out = os.fspath(out)  # a pathlib.Path too
     from torch.distributed.tensor import DTensor
 
-
-    from .load_dtensor import dtensor_job, live_placements
+    from .load_dtensor import dtensor_job
 
     job = fsdp1_job(model, "reshard.load_optimizer")
     dt_job = dtensor_job(model) if job is None else None
+    # The layouts holding the state: (key, world, coord, the parameters whose state it holds or
+    # None for all, the DTensor job whose placements it is checked against or None).
+    parts: List[Tuple[str, int, int, Optional[set], Any]] = []
     if job is not None:
-        world, coord, key = job.world, job.coord, job.key
+        parts.append((job.key, job.world, job.coord, None, None))
     elif dt_job is not None:  # a DTensor job: the DTensor layout of its mesh that holds optimizer state
-        world, coord = dt_job.world_size, dt_job.rank
-        key = _dtensor_optim_layout(out, model, dt_job)
+        from .load_ep import dense_shard, split_dense
+
+        on_mesh, dense = split_dense(dt_job, {clean_name(n): p for n, p in model.named_parameters()})
+        key = _dtensor_optim_layout(out, model, dt_job, on_mesh)
+        parts.append((key, dt_job.world_size, dt_job.rank, set(on_mesh) if dense else None, dt_job))
+        if dense:  # expert parallel: the dense parameters' state as an FSDP2 job's
+            _, ws, c = dense_shard(dt_job, dense)
+            parts.append((layout_key(ws), ws, c, set(dense), None))
     else:
         world, coord = shard_coordinate(model)
-        key = layout_key(world)
+        parts.append((layout_key(world), world, coord, None, None))
+    if read_manifest(out) is None:
+        raise NotFoundError(f"{out}: no reshard.json; not a complete checkpoint")
+    plans = [_plan_part(optimizer, model, out, job, *part) for part in parts]
+    if len(plans) > 1:  # one save's two layouts, each naming both
+        keys = [part[0] for part in parts]
+        for (_, _, _, _, meta, meta_path) in plans:
+            if meta.get("parts") != keys:
+                raise LayoutMismatchError(
+                    f"{meta_path}: saved with the layouts {meta.get('parts')}, this expert-parallel job needs "
+                    f"the optimizer state of {keys} (one reshard.save of a job on this mesh and plan)")
+    for rank_file, targets, device_index, _, _, _ in plans:  # every part checked: the bytes move
+        if targets:
+            load_tensors(rank_file, targets, device=device_index or 0, threads=default_threads(),
+                         io="buffered")
+        if device_index is not None:
+            torch.cuda.synchronize(device_index)
+    new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
+    for _, _, _, state, _, _ in plans:
+        new_state.update(state)
+    for p, st in new_state.items():  # sharded state becomes DTensors like its parameter
+        if isinstance(p, DTensor):
+            for k, t in st.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    st[k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+    meta = plans[0][4]
+    for saved, g in zip(meta["param_groups"], optimizer.param_groups):
+        for k, v in saved.items():
+            if k == "params":
+                continue
+            g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+    optimizer.state.clear()
+    for p, st in new_state.items():
+        optimizer.state[p] = st
+    return len(new_state)
+
+
+def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int, coord: int,
+               only: Optional[set], dt_job):
+    """One layout's optimizer state for this rank, checked, nothing moved: (rank file, load
+    targets, device index, parameter -> state (tensors not yet filled), optimizer.json,
+    its path). `only`: the parameters (clean names) whose state this layout must hold."""
+    from .load_dtensor import live_placements
+
     odir = os.path.join(out, key, OPTIM_DIR)
     meta_path = os.path.join(odir, OPTIM_JSON)
     path = os.path.join(odir, rank_file_name(coord, world))
-    if read_manifest(out) is None:
-        raise NotFoundError(f"{out}: no reshard.json; not a complete checkpoint")
     for p in (meta_path, path):
         if not os.path.exists(p):
             others = sorted(d for d in os.listdir(out)
@@ -230,7 +288,7 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                     cmd += " --use-orig-params" + (f" --param-dtype {job.param_dtype}" if job.param_dtype else "")
             has = (f"; {out} holds optimizer state for layout(s) {', '.join(others)} only, "
                    f"another layout than this job's {key}: make this job's layout from it offline with "
-                   f"{cmd} (weights and optimizer state)" if others else "")
+                   f"{cmd} (weights and optimizer state)" if others and only is None else "")
             raise NotFoundError(f"{p}: missing; was {out} saved with reshard.save(..., optimizer=...) "
                                f"by a job of this layout ({key}, world size {world})?{has}")
     try:
@@ -283,6 +341,11 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     for name, desc in state_desc.items():
         if name not in params:
             raise LayoutMismatchError(f"{meta_path}: state for {name}, which the model does not have")
+        if only is not None and clean_name(name) not in only:
+            raise LayoutMismatchError(
+                f"{meta_path}: state for {name}, which this expert-parallel job does not place in layout {key} "
+                f"(the experts' state is in the DTensor layout of their mesh, the dense parameters' in the "
+                f"FSDP2 layout of theirs): the job's split differs from the saved one")
         p = params[name]
         local_p = local_tensor(p)
         g = optimizer.param_groups[group_of[id(p)]]
@@ -314,7 +377,9 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                         raise LayoutMismatchError(
                             f"{path}: {tname} is placed {list(e.placements or [])} (fsdp mesh dim "
                             f"{e.fsdp_mesh_dim}), the live parameter {name} {live} (fsdp mesh dim {fsdp}): "
-                            f"this job's placements differ from those saved in layout {key}")
+                            f"this job's placements differ from those saved in layout {key}. Build the job "
+                            f"with the saved placements (`reshard inspect {os.path.join(path)}` lists them), or "
+                            "train this one from its weights alone (reshard.load without load_optimizer)")
                 if e.global_shape != list(p.shape) or e.local_shape != list(local_p.shape):
                     raise LayoutMismatchError(f"{path}: {tname} has shape {e.global_shape} (local "
                                        f"{e.local_shape}); the parameter {list(p.shape)} (local "
@@ -327,23 +392,4 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                 targets.append(target(tname, t, e.nbytes, on_dev))
             st[k] = t
         new_state[p] = st
-    if targets:
-        load_tensors(rank_file, targets, device=device_index or 0, threads=default_threads(),
-                     io="buffered")
-    if device_index is not None:
-        torch.cuda.synchronize(device_index)
-    for p, st in new_state.items():  # sharded state becomes DTensors like its parameter
-        if isinstance(p, DTensor):
-            for k, t in st.items():
-                if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    st[k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
-    for saved, g in zip(meta["param_groups"], optimizer.param_groups):
-        for k, v in saved.items():
-            if k == "params":
-                continue
-            g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-    optimizer.state.clear()
-    for p, st in new_state.items():
-        optimizer.state[p] = st
-    return len(new_state)
+    return rank_file, targets, device_index, new_state, meta, meta_path

@@ -37,6 +37,13 @@ the DTensors report, as a rank file of the job's DTensor layout; the layout's pl
 those placements (``dtensor_save_layout``, formats/parallel-plan.md *Saved plans*), and
 optimizer state shaped like its parameter is stored placed like it.
 
+Expert parallel as torchtitan arranges it (the experts on the job's mesh, the other parameters
+fully_shard'ed alone over a 1-D mesh dim outside it: reshard.load_ep.split_dense, the split
+reshard.load uses): two layouts in one OUT, the experts (and their state) as the DTensor layout
+of their mesh, the rest (and their state, and the persistent buffers, whole) as the FSDP2
+layout ``fsdp2-wsN`` of their mesh dim; one rename of the manifest, which rank 0 builds for
+both layouts in a private directory, commits both (``_commit_layouts``).
+
 formats/manifest.md (*Saved checkpoints*) and formats/rank-file.md (``source.saved``)
 describe what is written.
 """
@@ -89,6 +96,23 @@ class SaveReport:
     # layout's key names, synthesized from the live placements; written to a file, it lets
     # `reshard convert --mesh ... --plan FILE` make this layout from any checkpoint.
     plan: Optional[str] = None
+    # Every rank file this rank wrote (model, then optimizer, per layout): an expert-parallel
+    # job's save writes two layouts (`layout` then reads "KEY + KEY").
+    files: List[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Part:
+    """One layout a save writes: its key, this rank's rank file (world size, coordinate), what
+    goes in it and in its optim/ file, optimizer.json's content, and the layout's fsdp1= /
+    dtensor= arguments of _C.save and the manifest."""
+    key: str
+    world: int
+    coord: int
+    entries: list
+    opt_entries: Optional[list]
+    meta: dict
+    native: dict
 
 
 def _replica_index(model: nn.Module) -> int:
@@ -320,19 +344,24 @@ class DTensorSave:
         return (list(self.job.names), list(self.job.shape), self.plan_name, self.plan_xxh3)
 
 
-def dtensor_save_layout(model: nn.Module, job: DTensorJob) -> DTensorSave:
+def dtensor_save_layout(model: nn.Module, job: DTensorJob, names: Optional[set] = None,
+                        buffers: bool = True) -> DTensorSave:
     """The layout key, plan and per-tensor placements of a save of DTensor job `model`: the
     placements every parameter reports (those fully_shard gave it included), persistent
-    buffers whole (R on every mesh dim, as convert stores them). Raises UnsupportedError
-    naming the parameter when no parallel plan can say the job's placements."""
+    buffers whole (R on every mesh dim, as convert stores them). `names`: only these
+    parameters (clean names; an expert-parallel job's parameters on the job's mesh), and
+    `buffers=False`: no buffers (they go to the FSDP2 layout of the dense parameters). Raises
+    UnsupportedError naming the parameter when no parallel plan can say the job's placements."""
     tensors, placed = [], {}
     for name, p in model.named_parameters():
         name = clean_name(name)
+        if names is not None and name not in names:
+            continue
         pl, fsdp = live_placements(job, name, p)
         fsdp = -1 if fsdp is None else fsdp
         placed[name] = (pl, fsdp)
         tensors.append((name, p.dim(), False, pl, fsdp))
-    persistent = persistent_buffer_names(model)
+    persistent = persistent_buffer_names(model) if buffers else set()
     for name, b in model.named_buffers():
         name = clean_name(name)
         if name in persistent and name not in placed:
@@ -352,6 +381,8 @@ def _dtensor_model_entries(model: nn.Module, dt: DTensorSave):
     entries, keep = [], []
     for name, p in model.named_parameters():
         name = clean_name(name)
+        if name not in dt.placed:  # an expert-parallel job's dense parameter: in its FSDP2 layout
+            continue
         e, t = raw_save_entry(name, local_tensor(p).detach(), list(p.shape), False, 0, 0)
         e.placements, e.fsdp_mesh_dim = dt.placed[name]
         entries.append(e)
@@ -360,10 +391,60 @@ def _dtensor_model_entries(model: nn.Module, dt: DTensorSave):
     seen = {e.name for e in entries}
     for name, b in model.named_buffers():
         name = clean_name(name)
-        if name in persistent and name not in seen:
+        if name in persistent and name not in seen and name in dt.placed:
             seen.add(name)
             e, t = raw_save_entry(name, b.detach(), list(b.shape), False, 0, 0)
             e.placements, e.fsdp_mesh_dim = dt.placed[name]
+            entries.append(e)
+            keep.append(t)
+    return entries, keep
+
+
+@dataclasses.dataclass
+class DenseSave:
+    """An expert-parallel job's parameters fully_shard'ed over a 1-D mesh dim outside the
+    experts' mesh (torchtitan's dense mesh, reshard.load_ep.split_dense): saved as the FSDP2
+    layout fsdp2-wsN of that dim, with the persistent buffers (whole, as FSDP2 saves store them)."""
+    names: List[str]    # clean names
+    mesh_dim: str
+    world: int
+    coord: int
+    key: str
+
+
+def ep_dense_save(model: nn.Module, job: DTensorJob) -> Optional[DenseSave]:
+    """The FSDP2 part of a save of `job` when it is expert parallel as torchtitan arranges it
+    (some parameters fully_shard'ed over a mesh dim outside the job's mesh), else None. The
+    split is reshard.load_ep.split_dense's: what loads as an FSDP2 job is saved as one."""
+    from .load_ep import dense_shard, split_dense
+
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    _, dense = split_dense(job, params)
+    if not dense:
+        return None
+    mesh_dim, ws, coord = dense_shard(job, dense)
+    return DenseSave(list(dense), mesh_dim, ws, coord, layout_key(ws))
+
+
+def _dense_model_entries(model: nn.Module, ds: DenseSave):
+    """The dense parameters sharded as FSDP2 holds them (the FSDP2 chunk rule over ds.world),
+    then every persistent buffer whole: the entries of an FSDP2 save."""
+    want = set(ds.names)
+    entries, keep = [], []
+    for name, p in model.named_parameters():
+        name = clean_name(name)
+        if name not in want:
+            continue
+        e, t = save_entry(name, local_tensor(p).detach(), list(p.shape), ds.world, ds.coord, sharded_like_param=True)
+        entries.append(e)
+        keep.append(t)
+    persistent = persistent_buffer_names(model)
+    seen = set()
+    for name, b in model.named_buffers():
+        name = clean_name(name)
+        if name in persistent and name not in seen:
+            seen.add(name)
+            e, t = raw_save_entry(name, b.detach(), list(b.shape), False, 0, 0)
             entries.append(e)
             keep.append(t)
     return entries, keep
@@ -537,7 +618,10 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     OUT/KEY/rank-<coord>-of-N.reshard from its local shards, KEY being fsdp2-wsN (FSDP2 and
     plain modules), the job's fsdp1 layout key (FullyShardedDataParallel, e.g.
     fsdp1-wsN-LlamaDecoderLayer-orig-pbf16) or, for a DTensor job (every mesh coordinate
-    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan); with `optimizer`, also
+    writes), its DTensor key dtensor-<mesh>-saved.<h> (report.plan: the plan; an expert-parallel
+    job in torchtitan's arrangement writes both that key, for the experts, and fsdp2-wsN, for the
+    parameters fully_shard'ed over the dense mesh and the buffers: report.layout "KEY + KEY",
+    report.files every file written); with `optimizer`, also
     OUT/KEY/optim/rank-<coord>-of-N.reshard (FSDP2: state tensors sharded like their
     parameters; FSDP1: this rank's state tensors as they are) and, from rank 0,
     OUT/KEY/optim/optimizer.json. Rank 0 then copies the config and tokenizer files (and
@@ -579,6 +663,7 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
         raise UnsupportedError("reshard.save of a PEFT model under FSDP1: PEFT models are saved "
                                "under FSDP2 (fully_shard) or unsharded")
     dt: Optional[DTensorSave] = None
+    dense: Optional[DenseSave] = None  # expert parallel (torchtitan): the dense parameters' FSDP2 layout
     dt_err = None
     dt_job = dtensor_job(model) if job is None else None
     if job is not None:
@@ -589,7 +674,11 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
                                    "models are saved under FSDP2 (fully_shard) or unsharded")
         world, coord, writes = dt_job.world_size, dt_job.rank, True
         try:  # the same placements on every rank: the same outcome; rank 0 broadcasts its own
-            dt = dtensor_save_layout(model, dt_job)
+            dense = ep_dense_save(model, dt_job)
+            on_mesh = None
+            if dense is not None:  # the experts (on the job's mesh) alone; the buffers go with the dense part
+                on_mesh = {clean_name(n) for n, _ in model.named_parameters()} - set(dense.names)
+            dt = dtensor_save_layout(model, dt_job, names=on_mesh, buffers=dense is None)
             key = dt.key
         except ReshardError as e:
             dt_err, key = _error_record(e), None
@@ -607,8 +696,14 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
             if os.path.exists(os.path.join(out, "reshard.json")):
                 raise InvalidArgumentError(f"{out} already holds a checkpoint (reshard.json); save into a "
                                    "new directory")
-            os.makedirs(os.path.join(out, key, OPTIM_DIR) if optimizer is not None
-                        else os.path.join(out, key), exist_ok=True)
+            import shutil
+
+            for stale in os.listdir(out) if os.path.isdir(out) else []:  # of a save killed before its commit
+                if stale.startswith(COMMIT_DIR):
+                    shutil.rmtree(os.path.join(out, stale), ignore_errors=True)
+            for k in [key] + ([dense.key] if dense is not None else []):
+                os.makedirs(os.path.join(out, k, OPTIM_DIR) if optimizer is not None
+                            else os.path.join(out, k), exist_ok=True)
             msg = ("ok", int.from_bytes(os.urandom(8), "little"))
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             msg = ("error", _error_record(e))
@@ -622,6 +717,10 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     entries: list = []
     opt_entries: list = []
     meta: dict = {}
+    d_entries: list = []       # an expert-parallel job's dense part (FSDP2 layout)
+    d_opt_entries: list = []
+    d_meta: dict = {}
+    nd = nod = None  # where the dense part's items start in entries / opt_entries
     aux: List[Tuple[str, bytes]] = []
     device = 0
     where, snap_bytes = "none", 0
@@ -632,20 +731,32 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
             entries, _ = _fsdp1_model_entries(model, job)  # the items hold their tensors
         elif dt is not None:
             entries, _ = _dtensor_model_entries(model, dt)
+            if dense is not None:
+                d_entries, _ = _dense_model_entries(model, dense)
         else:
             entries, _ = _model_entries(model, world, coord, peft_names, base)
         if optimizer is not None:
             opt_entries, _, meta = optimizer_entries(optimizer, model, world, coord,
                                                      fsdp1=job is not None,
-                                                     dtensor=dt.placed if dt is not None else None)
+                                                     dtensor=dt.placed if dt is not None else None,
+                                                     only=set(dt.placed) if dense is not None else None)
             meta["step"] = step
             meta["layout"] = key
+            if dense is not None:  # the dense parameters' state, sharded like them (FSDP2)
+                d_opt_entries, _, d_meta = optimizer_entries(optimizer, model, dense.world, dense.coord,
+                                                             only=set(dense.names))
+                d_meta["step"] = step
+                d_meta["layout"] = dense.key
+                meta["parts"] = d_meta["parts"] = [key, dense.key]
+        nd, nod = len(entries), len(opt_entries)  # one list for the checks and the snapshot; split below
+        entries += d_entries
+        opt_entries += d_opt_entries
         devices = {it.tensor.device.index for it in entries + opt_entries if it.tensor.device.type == "cuda"}
         if len(devices) > 1:
             raise InvalidArgumentError("tensors on several CUDA devices; reshard.save expects one device per rank")
         device = devices.pop() if devices else 0
         if not writes:  # an HSDP replica other than the first: checked, writes nothing
-            entries, opt_entries = [], []
+            entries, opt_entries, nd, nod = [], [], 0, 0
         if any(it.tensor.device.type == "cuda" for it in entries + opt_entries):
             torch.cuda.synchronize(device)  # the copier's stream must see finished updates
         if not blocking:
@@ -660,12 +771,22 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     except Exception as e:  # noqa: BLE001
         err = _error_record(e)
 
+    # The layouts written: the job's own; for an expert-parallel job also the dense FSDP2 one.
+    if nd is None:  # failed before (err is set: nothing is written)
+        nd, nod = len(entries), len(opt_entries)
+    parts = [_Part(key, world, coord, entries[:nd], opt_entries[:nod] if optimizer is not None else None, meta,
+                   dict(fsdp1=job.fsdp1 if job is not None else None,
+                        dtensor=dt.native() if dt is not None else None))]
+    if dense is not None:
+        parts.append(_Part(dense.key, dense.world, dense.coord, entries[nd:],
+                           opt_entries[nod:] if optimizer is not None else None, d_meta,
+                           dict(fsdp1=None, dtensor=None)))
+    entries, opt_entries = [], []  # held by the parts
+
     def write_and_commit(group: _Group, err=None) -> SaveReport:
-        report = _write_and_commit(group, out, key, world, coord, writes, save_id, step, job, entries,
-                                   opt_entries if optimizer is not None else None, meta, aux, device,
+        report = _write_and_commit(group, out, parts, writes, save_id, step, job, aux, device,
                                    dict(chunk_size=chunk_size, device=device, staging_bytes=staging_bytes,
-                                        verify=verify, fsdp1=job.fsdp1 if job is not None else None,
-                                        dtensor=dt.native() if dt is not None else None),
+                                        verify=verify),
                                    t_call, err=err)
         if dt is not None:
             report.plan = dt.plan_json
@@ -719,38 +840,45 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     return handle
 
 
-def _write_and_commit(group: _Group, out, key, world, coord, writes, save_id, step, job, entries,
-                      opt_entries, meta, aux, device, kwargs, t_call, err=None) -> SaveReport:
-    """Every writing rank writes its files; once every rank has, rank 0 writes the optimizer
-    description, the aux files and the manifest (the commit point). Collective over `group`."""
+def _write_and_commit(group: _Group, out, parts: List[_Part], writes, save_id, step, job, aux, device,
+                      kwargs, t_call, err=None) -> SaveReport:
+    """Every writing rank writes its files (each part's rank file and optim/ file); once every
+    rank has, rank 0 writes the optimizer descriptions, the aux files and the manifest listing
+    every part's layout at once (the commit point). Collective over `group`."""
     import time
 
-    path = opt_path = None
+    paths, opt_paths = [], []
     report = {"bytes": 0, "seconds": 0.0, "staging_bytes": 0}
     if err is None:
         try:
             if writes:
-                name = rank_file_name(coord, world)
-                path = os.path.join(out, key, name)
-                files = [(path, entries)]
-                if opt_entries is not None:
-                    opt_path = os.path.join(out, key, OPTIM_DIR, name)
-                    files.append((opt_path, opt_entries))
-                for p, items in files:
-                    r = save_tensors(p, key, world, coord, save_id, step, items, **kwargs)
-                    for k in report:  # staging is reused: the peak, not a sum
-                        v = getattr(r, k)
-                        report[k] = max(report[k], v) if k == "staging_bytes" else report[k] + v
+                for part in parts:
+                    name = rank_file_name(part.coord, part.world)
+                    path = os.path.join(out, part.key, name)
+                    files = [(path, part.entries)]
+                    paths.append(path)
+                    if part.opt_entries is not None:
+                        opt_path = os.path.join(out, part.key, OPTIM_DIR, name)
+                        files.append((opt_path, part.opt_entries))
+                        opt_paths.append(opt_path)
+                    for p, items in files:
+                        r = save_tensors(p, part.key, part.world, part.coord, save_id, step, items, **kwargs,
+                                         **part.native)
+                        for k in report:  # staging is reused: the peak, not a sum
+                            v = getattr(r, k)
+                            report[k] = max(report[k], v) if k == "staging_bytes" else report[k] + v
         except Exception as e:  # noqa: BLE001
             err = _error_record(e)
-    entries.clear()  # the snapshot (or the live tensors) is no longer needed
-    if opt_entries is not None:
-        opt_entries.clear()
+    with_optimizer = parts[0].opt_entries is not None
+    for part in parts:  # the snapshot (or the live tensors) is no longer needed
+        part.entries.clear()
+        if part.opt_entries is not None:
+            part.opt_entries.clear()
     # FSDP1 optimizer state differs between shard coordinates (use_orig_params: which views
     # have elements, hence state, on this rank): each writer sends its description to rank 0.
     mine = None
-    if err is None and opt_entries is not None and job is not None and writes:
-        mine = (coord, meta["state"])
+    if err is None and with_optimizer and job is not None and writes:
+        mine = (parts[0].coord, parts[0].meta["state"])
     outcomes = group.all_gather((err, mine))
     _raise_first([e for e, _ in outcomes], "reshard.save")
 
@@ -758,24 +886,63 @@ def _write_and_commit(group: _Group, out, key, world, coord, writes, save_id, st
     err = None
     if group.rank == 0:
         try:
-            if opt_entries is not None:
-                if job is not None:
-                    by_coord = {c: st for _, m in outcomes if m is not None for c, st in [m]}
-                    meta = dict(meta)
-                    del meta["state"]
-                    meta["rank_state"] = [by_coord[c] for c in range(world)]
-                _write_atomic(os.path.join(out, key, OPTIM_DIR, OPTIM_JSON), json.dumps(meta, indent=1))
-                check_optimizer_files(out, key, world, save_id, step)
+            if with_optimizer:
+                for part in parts:
+                    meta = part.meta
+                    if job is not None:
+                        by_coord = {c: st for _, m in outcomes if m is not None for c, st in [m]}
+                        meta = dict(meta)
+                        del meta["state"]
+                        meta["rank_state"] = [by_coord[c] for c in range(part.world)]
+                    _write_atomic(os.path.join(out, part.key, OPTIM_DIR, OPTIM_JSON), json.dumps(meta, indent=1))
+                    check_optimizer_files(out, part.key, part.world, save_id, step)
             for name, data in aux:
                 _write_atomic(os.path.join(out, name), data)
-            write_saved_manifest(out, world, save_id, step, [n for n, _ in aux],
-                                 fsdp1=job.fsdp1 if job is not None else None, dtensor=kwargs.get("dtensor"))
+            if len(parts) == 1:
+                write_saved_manifest(out, parts[0].world, save_id, step, [n for n, _ in aux], **parts[0].native)
+            else:
+                _commit_layouts(out, parts, save_id, step, [n for n, _ in aux])
         except Exception as e:  # noqa: BLE001
             err = _error_record(e)
     err = group.broadcast(err)
     if err:
         raise error_class(err[0])(f"reshard.save: writing the manifest of {out} failed on rank 0: {err[1]}")
-    return SaveReport(out=out, layout=key, rank=coord, world_size=world, wrote=writes, file=path,
-                      optimizer_file=opt_path, bytes=report["bytes"], seconds=report["seconds"],
-                      staging_bytes=report["staging_bytes"], save_id=f"{save_id:016x}",
-                      durable_seconds=time.perf_counter() - t_call)
+    return SaveReport(out=out, layout=" + ".join(p.key for p in parts), rank=parts[0].coord,
+                      world_size=parts[0].world, wrote=writes, file=paths[0] if paths else None,
+                      optimizer_file=opt_paths[0] if opt_paths else None, bytes=report["bytes"],
+                      seconds=report["seconds"], staging_bytes=report["staging_bytes"],
+                      save_id=f"{save_id:016x}", durable_seconds=time.perf_counter() - t_call,
+                      files=paths + opt_paths)
+
+
+COMMIT_DIR = ".reshard-commit-"  # + hex16 of the save id: where a save of two layouts builds its manifest
+
+
+def _commit_layouts(out: str, parts: List[_Part], save_id: int, step, aux: List[str]) -> None:
+    """Commits the layouts of one save together: one rename of OUT/reshard.json that lists all
+    of them, or no manifest at all. The native writer (which reads back and checks every rank
+    file of a layout, and adds its entry to a manifest of the same save) builds the manifest in
+    a private directory OUT/.reshard-commit-<id>/ whose entries link to OUT's layout
+    directories, one layout after the other; the result, naming each layout's directory
+    relative to OUT, is then written to OUT/reshard.json atomically, and the directory removed.
+    A save killed before that rename leaves no reshard.json (load and verify refuse OUT); a
+    leftover commit directory is removed by the next save into OUT."""
+    import shutil
+
+    stage = os.path.join(out, f"{COMMIT_DIR}{save_id:016x}")
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    try:
+        for part in parts:
+            os.symlink(os.path.join("..", part.key), os.path.join(stage, part.key))
+        for part in parts:
+            write_saved_manifest(stage, part.world, save_id, step, aux, **part.native)
+        with open(os.path.join(stage, "reshard.json"), "rb") as f:
+            manifest = f.read()
+        listed = json.loads(manifest).get("layouts", {})
+        if sorted(listed) != sorted(p.key for p in parts) or not all(v.get("complete") for v in listed.values()):
+            raise LayoutMismatchError(f"{stage}/reshard.json lists layouts {sorted(listed)}, expected every one "
+                                      f"of {[p.key for p in parts]} complete")
+        _write_atomic(os.path.join(out, "reshard.json"), manifest)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
