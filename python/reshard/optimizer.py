@@ -211,6 +211,9 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
 
     from .load_dtensor import dtensor_job
 
+    from .model import require_fsdp2_sharded
+
+    require_fsdp2_sharded(model, "reshard.load_optimizer")
     job = fsdp1_job(model, "reshard.load_optimizer")
     dt_job = dtensor_job(model) if job is None else None
     # The layouts holding the state: (key, world, coord, the parameters whose state it holds or

@@ -666,6 +666,9 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
     dense: Optional[DenseSave] = None  # expert parallel (torchtitan): the dense parameters' FSDP2 layout
     dt_err = None
     dt_job = dtensor_job(model) if job is None else None
+    from .model import require_fsdp2_sharded
+
+    require_fsdp2_sharded(model, "reshard.save")  # gathered parameters are not this rank's shards
     if job is not None:
         world, coord, key = job.world, job.coord, job.key
     elif dt_job is not None:  # tensor / expert parallel: every mesh coordinate writes its file
@@ -674,6 +677,15 @@ def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None,
                                    "models are saved under FSDP2 (fully_shard) or unsharded")
         world, coord, writes = dt_job.world_size, dt_job.rank, True
         try:  # the same placements on every rank: the same outcome; rank 0 broadcasts its own
+            procs = torch.distributed.get_world_size() if group.on else 1
+            if procs != dt_job.world_size:
+                # Ranks outside the mesh (pipeline stages, replicas on top) would write the same
+                # rank files with other tensors, the last rename winning.
+                raise UnsupportedError(
+                    f"the parameters' device mesh {dt_job.mesh_flag()} has {dt_job.world_size} ranks, the job "
+                    f"{procs} processes: reshard.save writes one rank file per mesh coordinate, so the mesh must "
+                    "cover every process (name every parallel dim in it, e.g. init_device_mesh with dp_replicate "
+                    "or pp dims)")
             dense = ep_dense_save(model, dt_job)
             on_mesh = None
             if dense is not None:  # the experts (on the job's mesh) alone; the buffers go with the dense part
