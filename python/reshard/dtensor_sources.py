@@ -16,7 +16,7 @@ from torch import nn
 
 from . import _C
 from .errors import UnsupportedError
-from .load_dtensor import DTensorJob, live_placements
+from .load_dtensor import DTensorJob, placed_tensors
 from .model import clean_name
 from .sources import JobSource, checkpoint_manifest, hf_source, other_layout, target_policy, whole_names
 
@@ -30,21 +30,7 @@ def job_plan(job: DTensorJob, params: Dict[str, Any], buffers, prefix: str, comm
     PlanOfShardings (as reshard.save records a job), each name also with / without the base
     model prefix, as checkpoints spell it. Raises UnsupportedError naming the parameter when no
     plan can say the job's placements, with the convert command that fits."""
-    tensors, seen = [], set()
-
-    def add(name, ndim, whole, placements, fsdp):
-        names = [name]  # the model's own name first: errors name it
-        if prefix:
-            names.append(name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
-        for n in [n for n in names if n not in seen]:
-            seen.add(n)
-            tensors.append((n, ndim, whole, placements, fsdp))
-
-    for name, p in params.items():
-        placements, fsdp = live_placements(job, name, p)
-        add(name, p.dim(), False, placements, -1 if fsdp is None else fsdp)
-    for name, ndim in buffers:
-        add(name, ndim, True, ["R"] * len(job.names), -1)
+    tensors, _ = placed_tensors(job, params, buffers, prefix)
     try:
         _, _, _, plan = _C.plan_of_placements(PLAN_NAME, list(job.names), list(job.shape), tensors)
     except UnsupportedError as e:

@@ -132,7 +132,33 @@ def live_placements(job: DTensorJob, name: str, p) -> Tuple[List[str], Optional[
     return full, job.fsdp_dims.get(id(p))
 
 
-def _mismatch(job: DTensorJob, params, entries, prefix: str, path: str) -> Optional[str]:
+def placed_tensors(job: DTensorJob, params, buffers, prefix: str = "") -> Tuple[list, dict]:
+    """What _C.plan_of_placements takes for a live job: every parameter (clean name -> tensor)
+    with its placements and fully_shard mesh dim (-1: none), then `buffers` ((name, ndim), the
+    persistent ones) whole, R on every mesh dim; with `prefix`, each name also with / without
+    the base model prefix, as checkpoints spell it (the model's own name first: errors name it).
+    Returns (tensors, {clean name: (placements, fsdp mesh dim)})."""
+    tensors, placed = [], {}
+
+    def add(name, ndim, whole, placements, fsdp):
+        placed[name] = (placements, fsdp)
+        names = [name]
+        if prefix:
+            names.append(name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
+        tensors.extend((n, ndim, whole, placements, fsdp) for n in names)
+
+    for name, p in params.items():
+        placements, fsdp = live_placements(job, name, p)
+        add(name, p.dim(), False, placements, -1 if fsdp is None else fsdp)
+    for name, ndim in buffers:
+        if name not in placed:
+            add(name, ndim, True, ["R"] * len(job.names), -1)
+    seen = set()  # an alias that is another tensor's own name keeps the first
+    tensors = [t for t in tensors if not (t[0] in seen or seen.add(t[0]))]
+    return tensors, placed
+
+
+def placement_mismatch(job: DTensorJob, params, entries, prefix: str, path: str) -> Optional[str]:
     """Why the entries of `path` do not hold this job's parameters as it places them; None when
     they do."""
     from .load import file_key
@@ -193,7 +219,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
             raise LayoutMismatchError(f"{path}: holds mesh coordinate {rank_file.coordinate}, this rank is at "
                                       f"{list(job.coordinate)}")
         entries = {t.name: t for t in rank_file.tensors}
-        why = _mismatch(job, params, entries, prefix, path)
+        why = placement_mismatch(job, params, entries, prefix, path)
         if why is None:
             return with_dense(model, out, job, dense, prefix, lambda: _load_file(
                 model, rank_file, key, job, entries, params, prefix, path, command, threads=threads,
@@ -221,7 +247,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         raise LayoutMismatchError(f"{out}: no DTensor layout matches this job{detail} and no other complete "
                                   f"layout to read it from. Create one with: {command}")
     entries = {t.name: t for t in view.reader.tensors}
-    why = _mismatch(job, params, entries, prefix, view.path)
+    why = placement_mismatch(job, params, entries, prefix, view.path)
     if why is not None:  # the planner and the live job disagree: say so, do not load
         raise LayoutMismatchError(f"{view.path}: planned for this job's placements, but {why}. "
                                   f"Convert with this job's plan instead: {command}")

@@ -169,7 +169,7 @@ def _dtensor_optim_layout(out: str, model: nn.Module, job, params: Optional[dict
     of a DTensor job writes one); of several, the one whose parameters (`params`, clean name
     -> parameter: those on the job's mesh; default all) are placed as the live ones."""
     from .layout import layout_rank_file
-    from .load_dtensor import live_placements
+    from .load_dtensor import placement_mismatch
 
     manifest = read_manifest(out)
     if manifest is None:
@@ -188,9 +188,7 @@ def _dtensor_optim_layout(out: str, model: nn.Module, job, params: Optional[dict
         params = {clean_name(n): p for n, p in model.named_parameters()}
     for key in keys:
         f = open_rank_file(layout_rank_file(out, key, job.rank, job.world_size, manifest))
-        entries = {t.name: t for t in f.tensors}
-        if all(n in entries and list(entries[n].placements or []) == live_placements(job, n, p)[0]
-               for n, p in params.items()):
+        if placement_mismatch(job, params, {t.name: t for t in f.tensors}, "", f.path) is None:
             return key
     raise LayoutMismatchError(f"{out}: optimizer state in DTensor layouts {', '.join(keys)}, none placed as "
                               "this job's parameters")

@@ -65,7 +65,7 @@ from .errors import (InvalidArgumentError, LayoutMismatchError, NotFoundError, R
                      error_class)
 from .layout import chunk_rows, flat_entry_name, is_hf_checkpoint, layout_key, rank_file_name, read_manifest
 from .load import local_tensor, shard_coordinate
-from .load_dtensor import DTensorJob, dtensor_job, live_placements
+from .load_dtensor import DTensorJob, dtensor_job, placed_tensors
 from .load_fsdp1 import Fsdp1Job, flat_object, fsdp1_job, fsdp1_local_shard
 from .model import clean_name, persistent_buffer_names
 from .optimizer import OPTIM_DIR, OPTIM_JSON, check_optimizer_files, optimizer_entries
@@ -352,21 +352,11 @@ def dtensor_save_layout(model: nn.Module, job: DTensorJob, names: Optional[set] 
     parameters (clean names; an expert-parallel job's parameters on the job's mesh), and
     `buffers=False`: no buffers (they go to the FSDP2 layout of the dense parameters). Raises
     UnsupportedError naming the parameter when no parallel plan can say the job's placements."""
-    tensors, placed = [], {}
-    for name, p in model.named_parameters():
-        name = clean_name(name)
-        if names is not None and name not in names:
-            continue
-        pl, fsdp = live_placements(job, name, p)
-        fsdp = -1 if fsdp is None else fsdp
-        placed[name] = (pl, fsdp)
-        tensors.append((name, p.dim(), False, pl, fsdp))
+    params = {n: p for n, p in ((clean_name(n), p) for n, p in model.named_parameters())
+              if names is None or n in names}
     persistent = persistent_buffer_names(model) if buffers else set()
-    for name, b in model.named_buffers():
-        name = clean_name(name)
-        if name in persistent and name not in placed:
-            placed[name] = (["R"] * len(job.names), -1)
-            tensors.append((name, b.dim(), True, placed[name][0], -1))
+    kept = [(n, b.dim()) for n, b in ((clean_name(n), b) for n, b in model.named_buffers()) if n in persistent]
+    tensors, placed = placed_tensors(job, params, kept)
     try:
         key, plan_name, xxh3, plan_json = _C.plan_of_placements(SAVED_PLAN_NAME, list(job.names),
                                                                list(job.shape), tensors)
