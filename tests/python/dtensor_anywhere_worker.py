@@ -9,6 +9,8 @@ Arguments: SRC MESH RESULT SOURCE... ; a SOURCE is NAME=PATH. For NAME starting 
 load must raise a ReshardError (its text recorded). With NAME "partial", only the decoder layers
 are fully_shard'ed (not the root): embed_tokens / lm_head / norm stay TP-only, which no parallel
 plan can say next to fully_shard'ed layers -- the load must be refused naming the parameter.
+With NAME "save_uncovered" (2x2 only), tensor parallel alone is applied (no fully_shard) and
+reshard.save(model, PATH) must be refused: the parameters' mesh leaves out the dp_shard ranks.
 With NAME "unsharded", the root's parameters are gathered first (model.unshard(), as after a
 forward without backward): the load must be refused, then succeed after model.reshard(). Writes RESULT/rank-<r>.json."""
 
@@ -23,26 +25,16 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import reshard
+from dtensor_common import apply_llama_tp, differences
 
 
-def bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
-
-def build(like, mesh, root=True):
+def build(like, mesh, root=True, fsdp=True):
     model = reshard.empty_model(like)
-    tp = mesh["tp"]
-    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
-    if "dp_shard" in mesh.mesh_dim_names:
+    apply_llama_tp(model, mesh["tp"])
+    if fsdp and "dp_shard" in mesh.mesh_dim_names:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])
         if root:
@@ -63,11 +55,21 @@ def main():
     mesh = init_device_mesh("cpu", tuple(int(s) for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
     ref = transformers.LlamaForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     want = dict(ref.named_parameters())
-    want_b = dict(ref.named_buffers())
     rec = {"rank": rank, "loads": {}}
     for name, path in sources:
-        model = build(src, mesh, root=name != "partial")
+        model = build(src, mesh, root=name != "partial", fsdp=name != "save_uncovered")
         entry = {}
+        if name == "save_uncovered":
+            # Tensor parallel alone on a 2x2 world: the parameters' mesh (tp, 2 ranks) leaves out
+            # the dp_shard replicas, which would write the same rank files; refused.
+            try:
+                reshard.save(model, path)
+                entry["error"] = "saved"
+            except reshard.ReshardError as e:
+                entry["error"] = f"{type(e).__name__}: {e}"
+            entry["wrote"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+            rec["loads"][name] = entry
+            continue
         if name == "unsharded":
             # The root's parameters gathered, as FSDP2 leaves them after a forward without
             # backward (it does not reshard the root after forward; this job's hand-written TP
@@ -88,17 +90,7 @@ def main():
             entry["error"] = f"{type(e).__name__}: {e}"
             rec["loads"][name] = entry
             continue
-        differ = []
-        for n, p in model.named_parameters():
-            n = reshard.model.clean_name(n)
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            if full.shape != want[n].shape or not torch.equal(bits(full), bits(want[n])):
-                differ.append(n)
-        for n, b in model.named_buffers():
-            n = reshard.model.clean_name(n)
-            if b.dtype != want_b[n].dtype or not torch.equal(bits(b), bits(want_b[n])):
-                differ.append("buffer " + n)
-        entry["differ"] = differ
+        entry["differ"] = differences(model, ref)
         entry["params"] = len(want)
         rec["loads"][name] = entry
     with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:

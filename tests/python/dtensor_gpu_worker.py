@@ -21,10 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import reshard
+from dtensor_common import apply_llama_tp
 
 
 def bits(t):
@@ -57,14 +57,7 @@ def main():
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     mesh = init_device_mesh(device, shape, mesh_dim_names=tuple(n for n, _ in dims))
     model = reshard.empty_model(out)
-    tp = mesh["tp"]
-    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
+    apply_llama_tp(model, mesh["tp"])
     fsdp = "dp_shard" in mesh.mesh_dim_names
     if fsdp:
         for layer in model.model.layers:

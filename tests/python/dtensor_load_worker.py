@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 import reshard
+from dtensor_common import apply_llama_tp, differences
 
 
 def bits(t):
@@ -56,13 +57,7 @@ def retie(model):
 
 
 def apply_manual(model, tp):
-    parallelize_module(model, tp, {"model.embed_tokens": ColwiseParallel(), "lm_head": ColwiseParallel()})
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
+    apply_llama_tp(model, tp)  # test_dtensor_load.py's PLAN (dtensor_common.llama_plan)
 
 
 def apply_hf(model, tp, tie=True, layers_only=False):
@@ -107,21 +102,9 @@ def full(t):
 
 def compare(model, ref):
     """(names whose full tensor or buffer is not bit-equal to from_pretrained's, placements)."""
-    want = dict(ref.named_parameters())
-    differ, placements = [], {}
-    for name, p in model.named_parameters():
-        name = reshard.model.clean_name(name)
-        got = full(p).detach()
-        if isinstance(p, DTensor):
-            placements[name] = [str(x) for x in p.placements]
-        if got.shape != want[name].shape or not torch.equal(bits(got), bits(want[name])):
-            differ.append(name)
-    ref_b = dict(ref.named_buffers())
-    for name, b in model.named_buffers():
-        name = reshard.model.clean_name(name)
-        if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
-            differ.append("buffer " + name)
-    return differ, placements
+    placements = {reshard.model.clean_name(n): [str(x) for x in p.placements]
+                  for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return differences(model, ref), placements
 
 
 def run_case(case, mesh, rank):

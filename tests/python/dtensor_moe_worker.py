@@ -33,10 +33,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import reshard
+from dtensor_common import differences
 
-
-def bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 class _SumOverEp(torch.autograd.Function):
@@ -112,22 +110,6 @@ def build(out, dense, sparse, split_dense=None):
     model.to_empty(device="cpu")
     return model
 
-
-def differences(model, ref):
-    """Names whose full tensor (parameters) or value (buffers) is not bit-equal to `ref`'s."""
-    want = dict(ref.named_parameters())
-    differ = []
-    for name, p in model.named_parameters():
-        name = reshard.model.clean_name(name)
-        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        if full.shape != want[name].shape or not torch.equal(bits(full), bits(want[name])):
-            differ.append(name)
-    ref_b = dict(ref.named_buffers())
-    for name, b in model.named_buffers():
-        name = reshard.model.clean_name(name)
-        if b.dtype != ref_b[name].dtype or not torch.equal(bits(b), bits(ref_b[name])):
-            differ.append("buffer " + name)
-    return differ
 
 
 def main():

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor
 
 import reshard
+from dtensor_common import apply_llama_tp
 from reshard.model import clean_name
 
 
@@ -47,15 +47,7 @@ def full(t):
 
 def build(out, mesh, fsdp_root=True):
     model = reshard.empty_model(out)
-    tp = mesh["tp"]
-    parallelize_module(model, tp, {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                                   "lm_head": ColwiseParallel(output_layouts=Replicate())})
-    for layer in model.model.layers:
-        parallelize_module(layer, tp, {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel()})
+    apply_llama_tp(model, mesh["tp"], row_embeddings=True)
     if "dp_shard" in mesh.mesh_dim_names:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp_shard"])

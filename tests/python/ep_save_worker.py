@@ -30,7 +30,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import reshard
-from dtensor_moe_worker import bits, build, expert_parallel_forward
+from dtensor_common import bits
+from dtensor_moe_worker import build, expert_parallel_forward
 
 clean = reshard.model.clean_name
 

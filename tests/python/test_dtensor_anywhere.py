@@ -5,7 +5,8 @@ layout, or a DTensor layout of another plan, and read from there; nothing is sto
 processes, 2x2 (dp_shard x tp, FSDP2 over TP) and 1x4 (tp). Reference: from_pretrained, bit
 for bit (full_tensor() of every parameter, every buffer). A flipped byte in a chunk a rank
 reads is caught; a job no parallel plan can describe is refused naming the parameter, and so
-is a load into parameters FSDP2 holds gathered (after a forward without backward)."""
+is a load into parameters FSDP2 holds gathered (after a forward without backward), and a save
+of a job whose mesh leaves out some processes."""
 
 import glob
 import json
@@ -14,10 +15,9 @@ import shutil
 import struct
 
 import pytest
-import torch
-import transformers
 
 from dist_util import HERE, torchrun
+from dtensor_common import tiny_llama
 
 WORKER = os.path.join(HERE, "dtensor_anywhere_worker.py")
 
@@ -32,11 +32,7 @@ RULES = [
 def llama_src(tmp_path_factory):
     """A tiny Llama (odd sizes: uneven TP and FSDP shards) written by save_pretrained in bf16."""
     d = tmp_path_factory.mktemp("dtensor-anywhere-src")
-    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    tiny_llama(d)
     return d
 
 
@@ -74,7 +70,7 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
     result.mkdir()
     sources = [f"hf={llama_src}", f"ws3={ws3}", f"other={other}", f"bad_corrupt={bad}"]
     if fsdp:
-        sources += [f"partial={llama_src}", f"unsharded={ws3}"]
+        sources += [f"partial={llama_src}", f"unsharded={ws3}", f"save_uncovered={tmp_path / 'uncovered'}"]
     torchrun(4, WORKER, llama_src, mesh, result, *sources, timeout=600)
     recs = [json.load(open(f)) for f in sorted(glob.glob(str(result / "rank-*.json")))]
     assert len(recs) == 4
@@ -99,6 +95,10 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
             assert got["gathered"].startswith("UnsupportedError") and "the root module" in got["gathered"] \
                 and "model.reshard()" in got["gathered"], got
             assert "error" not in got and got["differ"] == [] and "fsdp2-ws3" in got["source"], got
+            got = loads["save_uncovered"]
+            assert got["error"].startswith("UnsupportedError") and "mesh tp=2 has 2 ranks, the job 4" in \
+                got["error"], got
+            assert "reshard.json" not in got["wrote"], got
             assert "reshard convert" in err and "--mesh" in err, err
     # Nothing was stored: each OUT holds the layouts it had.
     assert sorted(json.loads((ws3 / "reshard.json").read_text())["layouts"]) == ["fsdp2-ws3"]

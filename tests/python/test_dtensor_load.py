@@ -23,18 +23,11 @@ import torch
 import transformers
 
 from dist_util import HERE, dist_env, torchrun
+from dtensor_common import llama_plan
 
 WORKER = os.path.join(HERE, "dtensor_load_worker.py")
 
-PLAN = {"format": "reshard.parallel-plan", "format_version": 1, "name": "llama_tp",
-        "rules": [
-            {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.gate_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.up_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "lm_head.weight", "placements": {"tp": "S(0)"}}]}
+PLAN = llama_plan("llama_tp")
 
 MESHES = [("dp_shard=2,tp=2", True), ("tp=4", False)]
 TP_PLANS = {"hf": "transformers", "torchtitan": "torchtitan"}

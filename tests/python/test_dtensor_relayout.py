@@ -34,23 +34,14 @@ import subprocess
 import time
 
 import pytest
-import torch
-import transformers
 
 import reference_reader as rf
 from dist_util import HERE, torchrun
+from dtensor_common import llama_plan, tiny_llama
 
 WORKER = os.path.join(HERE, "dtensor_relayout_worker.py")
 # What dtensor_save_worker.build's parallelize_module gives (embeddings row-wise).
-PLAN = {"format": "reshard.parallel-plan", "format_version": 1, "name": "llama_tp_rowemb",
-        "rules": [
-            {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.gate_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.up_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "lm_head.weight", "placements": {"tp": "S(0)"}}]}
+PLAN = llama_plan("llama_tp_rowemb", row_embeddings=True)
 STEPS = 5
 MESH0, MESH1 = "dp_shard=2,tp=2", "tp=4"
 
@@ -62,11 +53,7 @@ def trained(tmp_path_factory, cli):
     file for tp=4, train records)."""
     d = tmp_path_factory.mktemp("dtensor-relayout")
     src = d / "src"
-    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=72, intermediate_size=92, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    tiny_llama(src, hidden_size=72, intermediate_size=92, num_key_value_heads=4)
     (d / "plan-fsdp.json").write_text(json.dumps(dict(PLAN, fsdp={"mesh_dim": "dp_shard"})))
     (d / "plan.json").write_text(json.dumps(PLAN))
     out, saved, res = d / "out", d / "saved", d / "res"

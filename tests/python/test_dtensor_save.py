@@ -12,24 +12,16 @@ import os
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 
 import reference_reader as rf
 from dist_util import HERE, torchrun
+from dtensor_common import llama_plan, tiny_llama
 
 WORKER = os.path.join(HERE, "dtensor_save_worker.py")
 
 # What dtensor_save_worker.py's parallelize_module gives (embeddings row-wise: vocab-sharded).
-PLAN = {"format": "reshard.parallel-plan", "format_version": 1, "name": "llama_tp_rowemb",
-        "rules": [
-            {"pattern": "model.embed_tokens.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "model.layers.*.self_attn.*_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.gate_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.up_proj.weight", "placements": {"tp": "S(0)"}},
-            {"pattern": "model.layers.*.mlp.down_proj.weight", "placements": {"tp": "S(1)"}},
-            {"pattern": "lm_head.weight", "placements": {"tp": "S(0)"}}]}
+PLAN = llama_plan("llama_tp_rowemb", row_embeddings=True)
 STEPS = 3
 
 
@@ -38,11 +30,7 @@ def llama_src(tmp_path_factory):
     """A tiny Llama written by save_pretrained in bf16: 4 KV heads (one per rank at tp=4, so that
     it trains), an odd vocabulary (uneven TP and FSDP shards of the embeddings and the head)."""
     d = tmp_path_factory.mktemp("dtensor-save-src")
-    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    tiny_llama(d, num_key_value_heads=4)
     return d
 
 

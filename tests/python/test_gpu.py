@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 
 import reshard
@@ -358,14 +357,11 @@ def test_dtensor_layout_each_coordinate_into_cuda(tmp_path, cli, mesh, source):
     job loads straight from the Hugging Face files (planned for its placements, nothing stored)."""
     _require_cuda()
     from dist_util import dist_env
-    from test_dtensor_load import PLAN
+    from dtensor_common import llama_plan, tiny_llama
 
+    PLAN = llama_plan("llama_tp")
     src = tmp_path / "src"
-    cfg = transformers.LlamaConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    tiny_llama(src)
     fsdp = mesh.startswith("dp_shard")
     (tmp_path / "llama_tp.json").write_text(json.dumps(dict(PLAN, fsdp={"mesh_dim": "dp_shard"}) if fsdp else PLAN))
     out = tmp_path / "out"
