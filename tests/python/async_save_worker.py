@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import reshard
+from dist_util import worker_main
 
 
 class MLP(nn.Module):
@@ -243,8 +244,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    # Leave without interpreter teardown (see save_worker.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    worker_main(main)

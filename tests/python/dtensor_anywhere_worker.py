@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 import reshard
 from dtensor_common import apply_llama_tp, differences
+from dist_util import worker_main
 
 
 
@@ -100,4 +101,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

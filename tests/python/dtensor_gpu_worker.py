@@ -25,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import reshard
 from dtensor_common import apply_llama_tp
+from dist_util import worker_main
 
 
 def bits(t):
@@ -102,4 +103,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import reshard
 from dtensor_common import apply_llama_tp, differences
+from dist_util import worker_main
 
 
 def bits(t):
@@ -198,4 +199,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import reshard
 from dtensor_common import differences
+from dist_util import worker_main
 
 
 
@@ -188,4 +189,4 @@ def forward_and_train(model, ref, ep_mesh, rec):
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

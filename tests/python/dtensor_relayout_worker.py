@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import reshard
 from reshard.model import clean_name
+from dist_util import worker_main
 
 LR = 1e-2
 
@@ -78,4 +79,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 import reshard
 from dtensor_common import apply_llama_tp
 from reshard.model import clean_name
+from dist_util import worker_main
 
 
 def bits(t):
@@ -175,4 +176,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
+from dist_util import worker_main
 
 SHAPES = [(5, 3), (7, 6), (2, 9), (1, 1)]  # uneven, and empty shards (1 row on 2 or 4 ranks)
 
@@ -97,4 +98,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

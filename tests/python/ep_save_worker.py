@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import reshard
 from dtensor_common import bits
 from dtensor_moe_worker import build, expert_parallel_forward
+from dist_util import worker_main
 
 clean = reshard.model.clean_name
 
@@ -162,4 +163,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

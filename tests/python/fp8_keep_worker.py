@@ -6,7 +6,6 @@ reshard.load of the keep-policy rank files; every parameter's full_tensor() and 
 to from_pretrained(device_map="cuda") bit for bit."""
 
 import argparse
-import sys
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 import reshard
 from reshard.conversion import quantizer_for
+from dist_util import worker_main
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -60,4 +60,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker_main(main)

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from dist_util import worker_main
 
 
 def main():
@@ -176,4 +177,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(main)

@@ -10,7 +10,6 @@ exits non-zero. Writes rank-<g>.json with the load report into --result.
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import reshard
+from dist_util import worker_main
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -120,4 +120,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker_main(main)

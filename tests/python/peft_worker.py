@@ -11,7 +11,6 @@ trainable parameters lower the loss and change only the adapters. Any failed che
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import reshard
+from dist_util import worker_main
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -193,4 +193,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    worker_main(main)

@@ -19,10 +19,10 @@ Any failed check raises, so torchrun exits non-zero.
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from dist_util import worker_main
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -179,8 +179,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = main() or 0
-    # Leave without interpreter teardown (see save_worker.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    worker_main(main)

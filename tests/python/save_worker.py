@@ -13,7 +13,6 @@ Any failed check raises, so torchrun exits non-zero.
 import argparse
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import reshard
+from dist_util import worker_main
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -132,10 +132,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = main() or 0
-    # Leave without interpreter teardown, as recipes/accelerate/train_accelerate.py does: on
-    # CPU/gloo a run now and then aborts in a C++ destructor at exit ("terminate called
-    # without an active exception") after all work and the process-group teardown are done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    worker_main(main)

@@ -440,8 +440,9 @@ rep = reshard.save(model, sys.argv[1], source=None)
 h = json.loads(reshard._C._testing.read_header(rep.file))
 e = next(t for t in h["tensors"] if t["name"] == "scale")
 print("RESULT", json.dumps({"dtype": e["dtype"], "layout": rep.layout,
-                            "want_rounded": want.to(torch.bfloat16).float().tolist()}))
+                            "want_rounded": want.to(torch.bfloat16).float().tolist()}), flush=True)
 dist.destroy_process_group()
+os._exit(0)  # without interpreter teardown: see tests/python/dist_util.py worker_main
 """
 
 
