@@ -338,8 +338,9 @@ def save_tensors(path: str, key: str, world: int, coord: int, save_id: int, step
 
 
 def write_saved_manifest(out: str, world: int, save_id: int, step, aux: List[str], fsdp1=None,
-                         dtensor=None) -> str:
-    return _C.write_saved_manifest(out, world, save_id, step, aux, fsdp1=fsdp1, dtensor=dtensor)
+                         dtensor=None, parts: Sequence[str] = ()) -> str:
+    return _C.write_saved_manifest(out, world, save_id, step, aux, fsdp1=fsdp1, dtensor=dtensor,
+                                   parts=list(parts))
 
 
 # ---- snapshots of asynchronous saves ----------------------------------------------------------

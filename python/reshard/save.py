@@ -937,12 +937,14 @@ def _commit_layouts(out: str, parts: List[_Part], save_id: int, step, aux: List[
     try:
         for part in parts:
             os.symlink(os.path.join("..", part.key), os.path.join(stage, part.key))
+        keys = [p.key for p in parts]
         for part in parts:
-            write_saved_manifest(stage, part.world, save_id, step, aux, **part.native)
+            write_saved_manifest(stage, part.world, save_id, step, aux, parts=keys, **part.native)
         with open(os.path.join(stage, "reshard.json"), "rb") as f:
             manifest = f.read()
         listed = json.loads(manifest).get("layouts", {})
-        if sorted(listed) != sorted(p.key for p in parts) or not all(v.get("complete") for v in listed.values()):
+        if sorted(listed) != sorted(keys) or not all(v.get("complete") and v.get("parts") == sorted(keys)
+                                                       for v in listed.values()):
             raise LayoutMismatchError(f"{stage}/reshard.json lists layouts {sorted(listed)}, expected every one "
                                       f"of {[p.key for p in parts]} complete")
         _write_atomic(os.path.join(out, "reshard.json"), manifest)

@@ -58,10 +58,11 @@ def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
     own: FSDP2 before FSDP1 (whole rows, fewer pieces), the live dtype's policy before keep
     before another, then the fewest rank files (fewer files to open and check). Layouts of
     kind `skip_kind` at this world size are the job's own (found wanting: a rank file
-    missing) and not used. None when OUT holds no other complete layout."""
+    missing) and not used, nor layouts holding part of the model (`parts`: an expert-parallel
+    save). None when OUT holds no other complete layout."""
     best, best_rank = None, None
     for key, lay in manifest.get("layouts", {}).items():
-        if not lay.get("complete") or len(lay.get("ranks", [])) != lay.get("world_size"):
+        if not lay.get("complete") or len(lay.get("ranks", [])) != lay.get("world_size") or lay.get("parts"):
             continue
         if lay.get("kind") == skip_kind and lay.get("world_size") == world_size:
             continue

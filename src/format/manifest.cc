@@ -1,5 +1,7 @@
 #include "reshard/format/manifest.h"
 
+#include <algorithm>
+
 #include "format/json_util.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
@@ -59,6 +61,7 @@ std::string SerializeManifest(const Manifest& m) {
       layouts[key]["plan"] = {{"name", l.plan_name}, {"xxh3", Hex16(l.plan_xxh3)}};
     }
     if (!l.from.empty()) layouts[key]["from"] = l.from;
+    if (!l.parts.empty()) layouts[key]["parts"] = l.parts;
   }
   j["layouts"] = layouts;
   return j.dump(2) + "\n";
@@ -147,6 +150,25 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
         FailField(path, f + ".from", "\"" + Printable(l.from) + "\"", "the key of another layout of this manifest");
       }
     }
+    if (jl.contains("parts")) {
+      const json& parts = GetArray(jl["parts"], path, f + ".parts");
+      for (size_t i = 0; i < parts.size(); ++i) {
+        l.parts.push_back(GetString(parts[i], path, f + ".parts[" + std::to_string(i) + "]"));
+      }
+      const bool sorted_unique = std::adjacent_find(l.parts.begin(), l.parts.end(),
+                                                    [](const std::string& a, const std::string& b) {
+                                                      return a >= b;
+                                                    }) == l.parts.end();
+      const bool valid = std::all_of(l.parts.begin(), l.parts.end(),
+                                     [](const std::string& k) { return internal::ValidLayoutKey(k); });
+      if (l.parts.size() < 2 || !sorted_unique || !valid ||
+          std::find(l.parts.begin(), l.parts.end(), key) == l.parts.end()) {
+        std::string found;
+        for (const auto& k : l.parts) found += (found.empty() ? "" : ", ") + Printable(k);
+        FailField(path, f + ".parts", "[" + found + "]",
+                  "two or more layout keys, sorted, each once, \"" + key + "\" among them");
+      }
+    }
     if (l.dir != key) FailField(path, f + ".dir", "\"" + l.dir + "\"", "\"" + key + "\"");
     const json& ranks = GetArray(Member(jl, "ranks", path, f), path, f + ".ranks");
     for (size_t i = 0; i < ranks.size(); ++i) {
@@ -178,6 +200,18 @@ Manifest ParseManifest(std::string_view text, const std::string& path) {
                     " ranks listed)");
     }
     m.layouts[key] = std::move(l);
+  }
+  // The layouts of one save listed as parts name the same parts (a part not listed yet is
+  // allowed: a save of several layouts adds them to its manifest one after the other).
+  for (const auto& [key, l] : m.layouts) {
+    for (const auto& other : l.parts) {
+      const auto it = m.layouts.find(other);
+      if (it != m.layouts.end() && it->second.parts != l.parts) {
+        FailField(path, "layouts[\"" + other + "\"].parts",
+                  it->second.parts.empty() ? "none" : std::to_string(it->second.parts.size()) + " other keys",
+                  "the parts of layouts[\"" + key + "\"] (the layouts of one save list the same parts)");
+      }
+    }
   }
   return m;
 }

@@ -178,6 +178,7 @@ json Inspect(const fs::path& path) {
         lj["use_orig_params"] = l.use_orig_params;
         lj["param_dtype"] = l.param_dtype;
       }
+      if (!l.parts.empty()) lj["parts"] = l.parts;
       layouts[key] = std::move(lj);
     }
     return {{"kind", "output"},
@@ -208,6 +209,11 @@ std::string RenderInspect(const json& d) {
       << Bytes(l["nbytes"]) << " of tensor data";
     if (l["stored_size"] != l["nbytes"]) o << ", " << Bytes(l["stored_size"]) << " stored";
     o << "\n";
+    if (l.contains("parts")) {
+      o << "    part of the model only (an expert-parallel save): its parts are";
+      for (const auto& k : l["parts"]) o << " " << Esc(k);
+      o << "\n";
+    }
     if (l.contains("wrap")) {
       o << "    FSDP1: wrap";
       for (const auto& w : l["wrap"]) o << " " << Esc(w);

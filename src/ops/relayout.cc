@@ -54,6 +54,20 @@ bool OptimizerMoves(const LayoutSpec& a, const LayoutSpec& b) {
   return a.kind == b.kind && a.use_orig_params == b.use_orig_params;
 }
 
+// Layouts that hold part of the model (an expert-parallel save: ManifestLayout::parts) are not
+// made into another layout: none alone is the model, and no plan describes their union.
+void RefusePart(const Manifest& m, const std::string& key, const std::string& mpath) {
+  const ManifestLayout& l = m.layouts.at(key);
+  if (l.parts.empty()) return;
+  std::string parts;
+  for (const auto& k : l.parts) parts += (parts.empty() ? "" : " + ") + k;
+  Fail(ErrorCode::kInvalidArgument,
+       mpath + ": layout " + key + " holds part of the model only (an expert-parallel save, written as " +
+           parts + "): reshard relayout cannot make another layout of such a save; resume it in the same "
+           "arrangement (reshard.load + reshard.load_optimizer), or export each part (reshard export OUT "
+           "--layout KEY)");
+}
+
 // The source layout: its key, unless --from names it, is the one complete layout of OUT that
 // is not the target (preferring the ones with optimizer state).
 std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::string& mpath,
@@ -64,18 +78,24 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
       for (const auto& [k, _] : m.layouts) have += (have.empty() ? "" : ", ") + k;
       Fail(ErrorCode::kNotFound, mpath + ": --from " + *o.from + ": no such layout (found: " + have + ")");
     }
+    RefusePart(m, *o.from, mpath);
     return *o.from;
   }
   // Layouts made by relayout are copies: the original (the save's, or a conversion) is read.
   std::vector<std::string> all, with_optim;
   for (const auto& [k, l] : m.layouts) {
-    if (k == target_key || !l.complete || !l.from.empty()) continue;
+    if (k == target_key || !l.complete || !l.from.empty() || !l.parts.empty()) continue;
     all.push_back(k);
     std::error_code ec;
     if (fs::exists(o.out / (l.dir.empty() ? k : l.dir) / kOptimDir / kOptimJson, ec)) with_optim.push_back(k);
   }
   const std::vector<std::string>& pick = with_optim.empty() ? all : with_optim;
   if (pick.size() == 1) return pick.front();
+  if (pick.empty()) {
+    for (const auto& [k, l] : m.layouts) {
+      if (k != target_key && l.complete && !l.parts.empty()) RefusePart(m, k, mpath);
+    }
+  }
   if (pick.empty() && m.layouts.count(target_key)) {
     Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + target_key + " is the source layout " +
                                           "(OUT holds no other complete layout to make it from): nothing to do");

@@ -849,19 +849,22 @@ PYBIND11_MODULE(_C, m) {
       "write_saved_manifest",
       [](const std::string& out, uint32_t world_size, uint64_t save_id,
          std::optional<uint64_t> step, const std::vector<std::string>& aux_files,
-         const std::optional<Fsdp1Arg>& fsdp1, const std::optional<DTensorArg>& dtensor) {
+         const std::optional<Fsdp1Arg>& fsdp1, const std::optional<DTensorArg>& dtensor,
+         const std::vector<std::string>& parts) {
         const reshard::LayoutSpec spec = JobLayout(world_size, fsdp1, "keep", dtensor);
         py::gil_scoped_release release;
         return reshard::WriteSavedManifest(out, spec,
                                            reshard::SourceFingerprint::FromSaved({save_id, step}),
-                                           aux_files)
+                                           aux_files, parts)
             .key;
       },
       py::arg("out"), py::arg("world_size"), py::arg("save_id"), py::arg("step"),
       py::arg("aux_files"), py::arg("fsdp1") = std::nullopt, py::arg("dtensor") = std::nullopt,
+      py::arg("parts") = std::vector<std::string>{},
       "After every rank file of a saved layout exists: checks them and writes OUT/reshard.json. "
       "fsdp1=(wrap, use_orig_params, param_dtype) for an FSDP1 layout, dtensor=(mesh names, "
-      "mesh shape, plan name, plan xxh3) for a DTensor one.");
+      "mesh shape, plan name, plan xxh3) for a DTensor one; parts: the keys of the layouts one "
+      "save writes the model as, when more than one (each holds part of it).");
 
   m.def(
       "plan_of_placements",

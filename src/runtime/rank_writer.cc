@@ -96,7 +96,8 @@ SaveReport SaveRankFile(const fs::path& path, RankFileHeader header,
 
 ManifestLayout WriteSavedManifest(const fs::path& out, const LayoutSpec& layout,
                                   const SourceFingerprint& source,
-                                  const std::vector<std::string>& aux_files) {
+                                  const std::vector<std::string>& aux_files,
+                                  const std::vector<std::string>& parts) {
   DirectoryLock lock(out / kLockName, 60);
   std::optional<Manifest> existing = ReadManifest(out);
   if (existing && !(existing->source == source)) {
@@ -124,6 +125,8 @@ ManifestLayout WriteSavedManifest(const fs::path& out, const LayoutSpec& layout,
       m.aux_files.push_back(a);
     }
   }
+  entry.parts = parts;
+  std::sort(entry.parts.begin(), entry.parts.end());
   m.layouts[entry.key] = entry;
   WriteManifest(out, m);
   return entry;

@@ -49,6 +49,8 @@ def _layouts(out):
     dt = [k for k in manifest["layouts"] if k.startswith("dtensor-efsdp2.ep2-saved.")]
     assert len(dt) == 1 and sorted(manifest["layouts"]) == sorted(dt + ["fsdp2-ws4"]), manifest["layouts"]
     assert all(v["complete"] for v in manifest["layouts"].values())
+    # Each layout says it holds part of the model, naming both (formats/manifest.md).
+    assert all(v["parts"] == sorted(dt + ["fsdp2-ws4"]) for v in manifest["layouts"].values()), manifest
     return manifest, dt[0]
 
 
@@ -116,6 +118,32 @@ def test_ep_save_verify_and_export(saved, cli, tmp_path):
     assert set(got) == set(params)
     for n, t in params.items():
         assert t.dtype == got[n].dtype and torch.equal(t.view(-1).view(torch.uint8), got[n].view(-1).view(torch.uint8)), n
+
+
+def test_ep_save_parts_are_not_taken_for_the_model(saved, cli, tmp_path):
+    """Neither part alone is the model: `reshard relayout` refuses them (naming the parts and
+    what to do instead) rather than failing on a missing tensor; `inspect` says what they are;
+    a load looking for another layout to read from passes them over."""
+    from reshard.sources import other_layout
+
+    out, _, _ = saved
+    manifest, dt = _layouts(out)
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    for args in ((), ("--from", "fsdp2-ws4"), ("--from", dt)):
+        r = cli("relayout", copy, "--world-size", 2, *args, rc=2)
+        assert "part of the model only" in r.text and f"{dt} + fsdp2-ws4" in r.text, r.text
+        assert "reshard.load_optimizer" in r.text, r.text
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(out))  # nothing written
+    i = cli("inspect", copy, rc=0)
+    assert i.out.count(f"part of the model only (an expert-parallel save): its parts are {dt} fsdp2-ws4") == 2, i.out
+    assert other_layout(manifest, 2, "keep") is None
+    # A manifest whose parts disagree is refused by every reader, naming the field.
+    bad = json.load(open(copy / "reshard.json"))
+    bad["layouts"]["fsdp2-ws4"]["parts"] = [dt, "fsdp2-ws8"]
+    (copy / "reshard.json").write_text(json.dumps(bad))
+    r = cli("verify", copy, rc=None)
+    assert r.rc != 0 and 'layouts["fsdp2-ws4"].parts' in r.text, r.text
 
 
 def test_two_layouts_commit_together(saved, tmp_path):

@@ -52,6 +52,10 @@ struct ManifestLayout {
   /// The layout of the same OUT this one was made from by `reshard relayout` ("" otherwise):
   /// `reshard verify OUT` compares the two element for element.
   std::string from;
+  /// A save of an expert-parallel job writes the model as several layouts, each holding part
+  /// of its tensors: their keys (this one among them, sorted), listed alike in each. Empty: this
+  /// layout holds the whole model. Readers that need the whole model skip such a layout.
+  std::vector<std::string> parts;
 
   LayoutSpec Layout() const;
 };

@@ -60,9 +60,12 @@ SaveReport SaveRankFile(const std::filesystem::path& path, RankFileHeader header
 /// OUT/<layout key> (ScanLayout: header valid, same layout, source `source`), requires all
 /// `layout.world_size` of them (kDataLoss naming the missing ranks otherwise), and writes
 /// OUT/reshard.json with `source`, `aux_files` and the layout entry, atomically. A manifest
-/// already in OUT must have the same source (kMismatch otherwise). Returns the entry.
+/// already in OUT must have the same source (kMismatch otherwise). `parts`: the keys of the
+/// layouts this save writes the model as, when more than one (ManifestLayout::parts). Returns
+/// the entry.
 ManifestLayout WriteSavedManifest(const std::filesystem::path& out, const LayoutSpec& layout,
                                   const SourceFingerprint& source,
-                                  const std::vector<std::string>& aux_files);
+                                  const std::vector<std::string>& aux_files,
+                                  const std::vector<std::string>& parts = {});
 
 }  // namespace reshard

@@ -157,7 +157,44 @@ const ManifestCase kManifestCases[] = {
      {"layouts[\"fsdp2-ws2\"].complete", "true or false"}},
     {"HeaderXxh3NotHex", [](ojson& j) { Ws2(j)["ranks"][0]["header_xxh3"] = "abc"; },
      {"layouts[\"fsdp2-ws2\"].ranks[0].header_xxh3"}},
+    {"PartsWithoutItself", [](ojson& j) { Ws2(j)["parts"] = {"fsdp2-ws3", "fsdp2-ws4"}; },
+     {"layouts[\"fsdp2-ws2\"].parts: found [fsdp2-ws3, fsdp2-ws4]", "\"fsdp2-ws2\" among them"}},
+    {"PartsAlone", [](ojson& j) { Ws2(j)["parts"] = {"fsdp2-ws2"}; },
+     {"layouts[\"fsdp2-ws2\"].parts: found [fsdp2-ws2]", "two or more"}},
+    {"PartsNotSorted", [](ojson& j) { Ws2(j)["parts"] = {"fsdp2-ws3", "fsdp2-ws2"}; },
+     {"layouts[\"fsdp2-ws2\"].parts", "sorted, each once"}},
+    {"PartsTwice", [](ojson& j) { Ws2(j)["parts"] = {"fsdp2-ws2", "fsdp2-ws2"}; },
+     {"layouts[\"fsdp2-ws2\"].parts", "sorted, each once"}},
+    {"PartsOutsideOut", [](ojson& j) { Ws2(j)["parts"] = {"../x", "fsdp2-ws2"}; },
+     {"layouts[\"fsdp2-ws2\"].parts: found [../x, fsdp2-ws2]"}},
+    {"PartsNotStrings", [](ojson& j) { Ws2(j)["parts"] = {1, 2}; }, {"layouts[\"fsdp2-ws2\"].parts[0]"}},
+    {"PartsDisagree",
+     [](ojson& j) {
+       Ws2(j)["parts"] = {"fsdp2-ws2", "fsdp2-ws3"};
+       j["layouts"]["fsdp2-ws3"]["parts"] = {"fsdp2-ws3", "fsdp2-ws5"};
+     },
+     {".parts", "the layouts of one save list the same parts"}},
 };
+
+TEST(Manifest, PartsRoundTripAndMayNameALayoutNotListedYet) {
+  Manifest m = SampleManifest();
+  m.layouts.at("fsdp2-ws2").parts = {"fsdp2-ws2", "fsdp2-ws3"};
+  m.layouts.at("fsdp2-ws3").parts = {"fsdp2-ws2", "fsdp2-ws3"};
+  Manifest back = ParseManifest(SerializeManifest(m), "m.json");
+  EXPECT_EQ(back.layouts.at("fsdp2-ws2").parts, (std::vector<std::string>{"fsdp2-ws2", "fsdp2-ws3"}));
+  EXPECT_EQ(back.layouts.at("fsdp2-ws3").parts, back.layouts.at("fsdp2-ws2").parts);
+  // A part listed without parts of its own disagrees.
+  m.layouts.at("fsdp2-ws3").parts.clear();
+  EXPECT_TRUE(ThrowsError([&] { ParseManifest(SerializeManifest(m), "m.json"); }, ErrorCode::kDataLoss,
+                          {"layouts[\"fsdp2-ws3\"].parts: found none"}));
+  // The other part not listed (a save adds its layouts one after the other): accepted.
+  m.layouts.at("fsdp2-ws2").parts = {"dtensor-ep2-saved.0123456789abcdef", "fsdp2-ws2"};
+  m.layouts.erase("fsdp2-ws3");
+  back = ParseManifest(SerializeManifest(m), "m.json");
+  EXPECT_EQ(back.layouts.at("fsdp2-ws2").parts.size(), 2u);
+  // Without parts, no key is written (manifests of whole layouts are unchanged).
+  EXPECT_FALSE(ojson::parse(SerializeManifest(SampleManifest()))["layouts"]["fsdp2-ws2"].contains("parts"));
+}
 
 INSTANTIATE_TEST_SUITE_P(Manifest, BrokenManifest, ::testing::ValuesIn(kManifestCases),
                          [](const ::testing::TestParamInfo<ManifestCase>& i) {
