@@ -12,6 +12,9 @@ several processes (torchrun / accelerate launch), FSDP2 on gloo, real transforme
   biases; loaded from the FSDP2 layout (the commands that store the DTensor layout printed),
   then from the DTensor layout: weights
   equal from_pretrained bit for bit (the tie kept), greedy generation too, the loss falls;
+* expert parallel (--ep 2 on four ranks, reshard.ep: experts on efsdp=2 x ep=2, the rest on
+  fsdp=4): a tiny Mixtral; weights equal from_pretrained bit for bit, the losses and gradient
+  norms those of FSDP2 on two ranks up to bf16 rounding, resumed bit for bit; refusals by name;
 * host memory: a ~500 MB Llama-shaped bf16 checkpoint; what each rank's peak RSS grows by during
   the load is bounded by that rank's bytes (and is far from the whole model).
 """
@@ -776,3 +779,6 @@ def test_trainer_ep_refuses_what_it_does_not_run(tmp_path, capsys):
                      "and down_proj, as transformers' MixtralExperts): expert parallel (--ep) needs a "
                      "mixture-of-experts model"], log
     assert "exitcode  : 3" in proc.stderr, log
+    # python -m reshard.ep refuses it too (no plan file written).
+    assert ep.main([str(llama), "-o", str(tmp_path / "llama_ep.json")]) == 2
+    assert not (tmp_path / "llama_ep.json").exists()
