@@ -1,4 +1,4 @@
-"""What the DTensor tests share: the tiny Llama they convert (an odd vocabulary: uneven TP and
+"""What the DTensor tests share: the tiny Llama (and the expert-parallel tests' tiny Mixtral) they convert (an odd vocabulary: uneven TP and
 FSDP shards of the embeddings and the head), the hand-written tensor-parallel plan applied with
 torch's styles, and the plan file (formats/parallel-plan.md) that says what it places."""
 
@@ -52,6 +52,18 @@ def tiny_llama(d, **config) -> None:
     cfg.update(config)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16).save_pretrained(d)
+
+
+def tiny_mixtral(d, **config) -> None:
+    """The tiny Mixtral of the expert-parallel tests (4 experts, 2 per token, vocab 37: uneven
+    dense shards), written by save_pretrained in bf16 into `d` (seed 0) in the hub layout
+    (per-expert w1/w2/w3); `config` overrides MixtralConfig's fields."""
+    cfg = dict(vocab_size=37, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+               tie_word_embeddings=False)
+    cfg.update(config)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg)).to(torch.bfloat16).save_pretrained(d)
 
 
 def bits(t):

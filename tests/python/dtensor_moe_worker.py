@@ -27,90 +27,27 @@ import sys
 import torch
 import torch.distributed as dist
 import transformers
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 import reshard
+import reshard.ep
 from dtensor_common import differences
 from dist_util import worker_main
 
 
-
-class _SumOverEp(torch.autograd.Function):
-    """Forward: the sum of every ep rank's share; backward: identity (each rank holds the whole
-    gradient of the sum, its loss being every rank's)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        y = x.float()
-        dist.all_reduce(y, group=group)
-        return y.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _SumGradOverEp(torch.autograd.Function):
-    """Forward: identity; backward: the sum of every ep rank's partial gradient (each rank's
-    experts contribute only their own tokens' share)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = grad.float().contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g.to(grad.dtype), None
-
-
-def expert_parallel_forward(experts, ep_mesh):
-    """A forward for a MixtralExperts whose parameters are Shard(0) over `ep`: this rank's
-    experts only (global ids start .. start + local - 1), the outputs summed over `ep`."""
-    group = ep_mesh.get_group()
-
-    def forward(hidden_states, top_k_index, top_k_weights):
-        w_gate_up = experts.gate_up_proj.to_local()
-        w_down = experts.down_proj.to_local()
-        local = w_gate_up.shape[0]
-        start = ep_mesh.get_local_rank() * local  # torch.chunk: E divisible by ep here
-        hidden_states = _SumGradOverEp.apply(hidden_states, group)
-        top_k_weights = _SumGradOverEp.apply(top_k_weights, group)
-        out = torch.zeros_like(hidden_states)
-        for j in range(local):
-            token, pos = torch.where(top_k_index == start + j)
-            if token.numel() == 0:
-                continue
-            gate, up = nn.functional.linear(hidden_states[token], w_gate_up[j]).chunk(2, dim=-1)
-            h = nn.functional.linear(experts.act_fn(gate) * up, w_down[j]) * top_k_weights[token, pos, None]
-            out = out.index_add(0, token, h.to(out.dtype))
-        return _SumOverEp.apply(out, group)
-
-    return forward
-
-
 def build(out, dense, sparse, split_dense=None):
-    """The job: experts Shard(0) over ep (torchtitan's ExpertParallel), fully_shard'ed over efsdp
-    in their own unit; each decoder layer and the root over fsdp (`split_dense`: the embeddings
-    over that mesh instead, a job reshard refuses)."""
+    """The job (reshard.ep.parallelize, the arrangement reshard.train --ep runs): experts Shard(0)
+    over ep (torchtitan's ExpertParallel), fully_shard'ed over efsdp in their own unit, run by
+    reshard.ep's expert-parallel forward; each decoder layer and the root over fsdp
+    (`split_dense`: the embeddings over that mesh instead, a job reshard refuses)."""
     model = reshard.empty_model(out)
     if split_dense is not None:
         fully_shard(model.model.embed_tokens, mesh=split_dense)
-    for layer in model.model.layers:
-        experts = layer.mlp.experts
-        for pname, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(pname, nn.Parameter(distribute_tensor(p, sparse["ep"], [Shard(0)])))
-        fully_shard(experts, mesh=sparse["efsdp"])
-        fully_shard(layer, mesh=dense)
-    fully_shard(model, mesh=dense)
+    reshard.ep.parallelize(model, dense, sparse)
     model.to_empty(device="cpu")
     return model
-
 
 
 def main():
@@ -156,17 +93,15 @@ def main():
     flag = torch.tensor([bad])
     dist.all_reduce(flag)
     if int(flag) == 0:
-        forward_and_train(model, ref, sparse["ep"], rec)
+        forward_and_train(model, ref, rec)
     with open(os.path.join(result, f"rank-{rank}.json"), "w") as f:
         json.dump(rec, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def forward_and_train(model, ref, ep_mesh, rec):
-    """The experts as transformers' expert parallel runs them."""
-    for layer in model.model.layers:
-        layer.mlp.experts.forward = expert_parallel_forward(layer.mlp.experts, ep_mesh)
+def forward_and_train(model, ref, rec):
+    """The experts as transformers' expert parallel runs them (reshard.ep's forward, set by build)."""
     ids = torch.arange(2 * 24).reshape(2, 24) * 7 % model.config.vocab_size
     with torch.no_grad():
         want_logits = ref(input_ids=ids).logits.float()

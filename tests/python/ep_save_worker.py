@@ -4,7 +4,7 @@ fsdp=4 mesh of the same ranks: dtensor_moe_worker.build) saved with its optimize
 
     ep_save_worker.py RESULT SRC SAVE
 
-1. reshard.load(SRC) (the Hugging Face checkpoint), 3 AdamW steps with the worker's EP forward
+1. reshard.load(SRC) (the Hugging Face checkpoint), 3 AdamW steps with reshard.ep's forward
    (each rank runs its experts, the shares summed over ep), reshard.save(model, SAVE,
    optimizer=opt, step=3); every parameter's full_tensor() and every optimizer state tensor
    (full) recorded, then one more step: the uninterrupted loss and parameters;
@@ -25,13 +25,13 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import reshard
+import reshard.ep
 from dtensor_common import bits
-from dtensor_moe_worker import build, expert_parallel_forward
+from dtensor_moe_worker import build
 from dist_util import worker_main
 
 clean = reshard.model.clean_name
@@ -64,11 +64,6 @@ def differ(a, b):
         elif x != y:
             out.append(n)
     return out
-
-
-def ep_forward(model, ep_mesh):
-    for layer in model.model.layers:
-        layer.mlp.experts.forward = expert_parallel_forward(layer.mlp.experts, ep_mesh)
 
 
 def step(model, opt, ids):
@@ -108,17 +103,14 @@ def main():
     result, src, save = sys.argv[1:4]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     rank = dist.get_rank()
-    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
-    dense = world._unflatten(0, (4,), ("fsdp",))
-    sparse = world._unflatten(0, (2, 2), ("efsdp", "ep"))
+    dense, sparse = reshard.ep.meshes("cpu", 4, 2)  # fsdp=4; efsdp=2 x ep=2
     rec = {"rank": rank}
     ids = torch.arange(2 * 24).reshape(2, 24) * 7 % 37
 
-    model = persistent_rope(build(src, dense["fsdp"], sparse))
+    model = persistent_rope(build(src, dense, sparse))
     reshard.load(model, src)
     with torch.no_grad():  # a value of its own: what the fresh job gets is the saved one
         model.model.rotary_emb.inv_freq.mul_(1.5)
-    ep_forward(model, sparse["ep"])
     opt = adamw(model)
     rec["losses"] = [step(model, opt, ids) for _ in range(3)]
     r = reshard.save(model, save, optimizer=opt, step=3)
@@ -131,13 +123,12 @@ def main():
     rec["uninterrupted"] = step(model, opt, ids)
     after = params_of(model)
 
-    model2 = persistent_rope(build(save, dense["fsdp"], sparse))
+    model2 = persistent_rope(build(save, dense, sparse))
     with torch.no_grad():  # NaN first: a tensor the load misses cannot pass
         for p in model2.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))
     lr = reshard.load(model2, save)
     rec["load"] = {"layout": lr.layout, "source": lr.source}
-    ep_forward(model2, sparse["ep"])
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0, foreach=False)  # hyper-parameters come from SAVE
     rec["restored"] = reshard.load_optimizer(opt2, model2, save)
     rec["param_differ"] = differ(saved_params, params_of(model2))
@@ -148,7 +139,7 @@ def main():
     rec["resumed"] = step(model2, opt2, ids)
     rec["after_differ"] = differ(after, params_of(model2))
 
-    model3 = build_shard1(save, dense["fsdp"], sparse)
+    model3 = build_shard1(save, dense, sparse)
     opt3 = adamw(model3)
     try:
         reshard.load_optimizer(opt3, model3, save)

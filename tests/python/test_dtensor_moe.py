@@ -25,10 +25,9 @@ import os
 import shutil
 
 import pytest
-import torch
-import transformers
 
 from dist_util import HERE, torchrun
+from dtensor_common import tiny_mixtral
 
 WORKER = os.path.join(HERE, "dtensor_moe_worker.py")
 
@@ -41,12 +40,7 @@ PLAN = {"format": "reshard.parallel-plan", "format_version": 1, "name": "mixtral
 @pytest.fixture(scope="module")
 def mixtral_src(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe-src")
-    cfg = transformers.MixtralConfig(vocab_size=37, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=64,
-                                     tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    tiny_mixtral(d)
     from safetensors import safe_open
 
     with safe_open(str(d / "model.safetensors"), "pt") as f:

@@ -18,10 +18,10 @@ import shutil
 
 import pytest
 import torch
-import transformers
 
 import reshard
 from dist_util import HERE, torchrun
+from dtensor_common import tiny_mixtral
 
 WORKER = os.path.join(HERE, "ep_save_worker.py")
 EXPERTS = {f"model.layers.{i}.mlp.experts.{n}" for i in range(2) for n in ("gate_up_proj", "down_proj")}
@@ -31,12 +31,7 @@ EXPERTS = {f"model.layers.{i}.mlp.experts.{n}" for i in range(2) for n in ("gate
 def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("ep-save")
     src, result, out = d / "src", d / "result", d / "out"
-    cfg = transformers.MixtralConfig(vocab_size=37, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=64,
-                                     tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    tiny_mixtral(src)
     result.mkdir()
     torchrun(4, WORKER, result, src, out, timeout=300)
     recs = [json.load(open(f)) for f in sorted(glob.glob(str(result / "rank-*.json")))]

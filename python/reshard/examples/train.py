@@ -67,6 +67,24 @@ prints those two commands for the job's mesh. Ranks of one tp group train on the
 (drawn by their dp_shard index); gradients are clipped by the norm over all shards. Checkpoints
 (--save-dir, --resume) are reshard.save's DTensor layouts of the job. Not with --fsdp1 or --lora.
 
+With ``--ep N`` a mixture-of-experts model (fused experts: transformers' ``MixtralExperts`` and
+its kind, ``gate_up_proj`` / ``down_proj``) is expert parallel over N ranks as torchtitan arranges
+it (``reshard.ep.parallelize``): each layer's experts ``Shard(0)`` over mesh dim ``ep`` and
+``fully_shard``'ed over ``efsdp`` (mesh ``efsdp x ep``, efsdp = world size / N), every other
+parameter ``fully_shard``'ed over a 1-D mesh ``fsdp`` of all ranks; each rank runs its own experts
+on the tokens routed to them, the shares summed over ``ep``, so the ranks of one ep group train on
+the same batches (drawn by their efsdp index). ``reshard.load`` reads the experts from OUT's
+DTensor layout of that mesh and the rest from ``fsdp2-wsW``, made by
+
+    python -m reshard.ep SRC -o PLAN.json
+    reshard convert SRC -o OUT --mesh efsdp=D,ep=N --plan PLAN.json
+    reshard convert SRC -o OUT --world-size W
+
+or, without them, from what OUT holds (another layout, or the Hugging Face checkpoint), planned
+while loading; the trainer prints these commands. Checkpoints are reshard.save's two layouts of
+the job (the experts' DTensor layout, the rest fsdp2-wsW). Refused: a model without fused
+experts, a number of experts N does not divide; not with --tp, --fsdp1 or --lora.
+
 With ``--fsdp1`` the model is FSDP1 (``FullyShardedDataParallel``) instead, loaded from an
 fsdp1 layout of OUT (``reshard convert --layout fsdp1``); checkpoints are then saved in the
 fsdp1 layout of the job and resumed from it the same way.
@@ -93,6 +111,7 @@ import torch.distributed as dist
 from torch import nn
 
 import reshard
+import reshard.ep
 import reshard.errors
 from reshard.check import bits, check_weights, full_tensor  # noqa: F401 (re-exported for recipes)
 from reshard.model import reference_class  # noqa: F401
@@ -360,6 +379,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "DTensor layout of that mesh: python -m reshard.parallel_plan SRC -o PLAN.json "
                          "--fsdp dp_shard; reshard convert SRC -o OUT --mesh dp_shard=D,tp=N --plan PLAN.json "
                          "(without it, from what OUT holds)")
+    ap.add_argument("--ep", type=int, default=1, metavar="N",
+                    help="expert parallel over N ranks for a mixture-of-experts model (reshard.ep): the fused "
+                         "experts Shard(0) over ep and fully_shard'ed over efsdp (mesh efsdp x ep, efsdp = "
+                         "world size / N), every other parameter fully_shard'ed over all ranks (mesh fsdp); "
+                         "loads from what OUT holds, fastest from its layouts for that job: python -m "
+                         "reshard.ep SRC -o PLAN.json; reshard convert SRC -o OUT --mesh efsdp=D,ep=N --plan "
+                         "PLAN.json; reshard convert SRC -o OUT --world-size W")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
@@ -401,6 +427,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             if on:
                 ap.error(f"--tp {args.tp} with {flag}: the tensor-parallel trainer runs FSDP2 (fully_shard) "
                          "without adapters")
+    if args.ep < 1:
+        ap.error("--ep must be at least 1")
+    if args.ep > 1:
+        for flag, on in (("--tp", args.tp > 1), ("--fsdp1", args.fsdp1), ("--lora", args.lora)):
+            if on:
+                ap.error(f"--ep {args.ep} with {flag}: the expert-parallel trainer runs FSDP2 (fully_shard) "
+                         "without tensor parallel or adapters")
     if args.lora and args.fsdp1:
         ap.error("--lora runs under FSDP2 (reshard loads PEFT models under fully_shard), not --fsdp1")
     if args.lora and (args.check_weights or args.check_generate):
@@ -507,9 +540,47 @@ def tensor_parallel(model: nn.Module, mesh, out: str, log0) -> str:
     return flag
 
 
+def ep_commands(out: str, world: int, ep: int, config) -> List[str]:
+    """The commands that give OUT the layouts an --ep job reads as stored (SRC: the checkpoint
+    OUT was converted from): the experts' DTensor layout of mesh efsdp x ep and the FSDP2 layout
+    of the rest."""
+    import shlex
+
+    plan = f"{getattr(config, 'model_type', None) or 'model'}_ep.json"
+    return [f"python -m reshard.ep SRC -o {plan}",
+            f"reshard convert SRC -o {shlex.quote(out)} --mesh efsdp={world // ep},ep={ep} --plan {plan}",
+            f"reshard convert SRC -o {shlex.quote(out)} --world-size {world}"]
+
+
+def expert_parallel(model: nn.Module, dense, sparse, mp_policy, out: str, log0) -> int:
+    """reshard.ep.parallelize: the fused experts Shard(0) over sparse's ep and fully_shard'ed over
+    its efsdp, the rest fully_shard'ed over `dense`; refuses (UnsupportedError) a model without
+    fused experts, or whose experts ep does not divide. When OUT lacks the layouts of this job,
+    says so with the commands that store them (reshard.load then reads each rank's part of what
+    OUT holds). Returns the number of FSDP2 units."""
+    from reshard.layout import read_manifest
+
+    world, ep = dense.size(), sparse["ep"].size()
+    names, shape = list(sparse.mesh_dim_names), list(sparse.shape)
+    manifest = (read_manifest(out) if os.path.isdir(out) else None) or {}
+    layouts = manifest.get("layouts", {})
+    dtensor = any(v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == {"names": names, "shape": shape}
+                  for v in layouts.values())
+    fsdp2 = (layouts.get(f"fsdp2-ws{world}") or {}).get("complete")
+    units = reshard.ep.parallelize(model, dense, sparse, mp_policy)
+    if not (dtensor and fsdp2):
+        lacks = [what for what, have in ((f"DTensor layout of the mesh efsdp={world // ep},ep={ep}", dtensor),
+                                         (f"FSDP2 layout of {world} ranks (fsdp2-ws{world})", fsdp2)) if not have]
+        log0(f"ep: {out} has no {' and no '.join(lacks)}: each rank reads its part of what is there (planned "
+             f"while loading, nothing stored). To store this job's layouts (one file per rank each, the fastest load), from the checkpoint OUT comes from (SRC): "
+             f"{' && '.join(ep_commands(out, world, ep, model.config))}")
+    return units
+
+
 def clip_grad_norm_dtensor(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
     """clip_grad_norm_ over gradients that are DTensors of different meshes (a --tp job:
-    TP'd parameters on dp_shard x tp, the others on dp_shard alone): the norm of each mesh's
+    TP'd parameters on dp_shard x tp, the others on dp_shard alone; an --ep job: the experts on
+    efsdp x ep, the others on fsdp): the norm of each mesh's
     gradients in full, combined, then every gradient scaled as clip_grad_norm_ scales them.
     Returns the total norm."""
     from torch.distributed.tensor import DTensor
@@ -711,6 +782,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     torch.manual_seed(args.seed)
     tp_mesh, mesh_flag = None, None  # --tp: the job's mesh dp_shard x tp, as --mesh spells it
+    ep_mesh = None  # --ep: the experts' mesh efsdp x ep (`mesh`: the 1-D fsdp mesh of the rest)
     dp_rank, dp_world = rank, world  # which batches a rank draws; how many distinct ones a step has
     if args.tp > 1:
         if world % args.tp:
@@ -718,6 +790,13 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         tp_mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp_shard", "tp"))
         mesh = tp_mesh["dp_shard"]
         dp_rank, dp_world = mesh.get_local_rank(), world // args.tp
+    elif args.ep > 1:
+        if world % args.ep:
+            raise reshard.InvalidArgumentError(f"--ep {args.ep}: the world size {world} is not a multiple of it")
+        mesh, ep_mesh = reshard.ep.meshes(device.type, world, args.ep)
+        # Ranks of one ep group run the same tokens (each its own experts): one batch stream each.
+        dp_rank, dp_world = ep_mesh["efsdp"].get_local_rank(), world // args.ep
+        mesh_flag = f"efsdp={world // args.ep},ep={args.ep}"
     else:
         mesh = init_device_mesh(device.type, (world,))
     mp = mixed_precision_policy(args.bf16, device, log0)
@@ -738,21 +817,25 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     if args.fsdp1:
         model, units = shard_model_fsdp1(model, device, mp is not None, args.use_orig_params)
     else:
-        if tp_mesh is not None:
-            try:
+        try:
+            if tp_mesh is not None:
                 mesh_flag = tensor_parallel(model, tp_mesh, weights, log0)
-            except reshard.ReshardError as e:  # the same on every rank
-                if rank == 0:
-                    print(f"reshard.train: {e}", file=sys.stderr, flush=True)
-                dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
-                raise JobError(e, 0, world, printed=True) from None
-        units = shard_model(model, mesh, mp)
+            if ep_mesh is not None:
+                units = expert_parallel(model, mesh, ep_mesh, mp, weights, log0)
+        except reshard.ReshardError as e:  # the same on every rank
+            if rank == 0:
+                print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+            dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
+            raise JobError(e, 0, world, printed=True) from None
+        if ep_mesh is None:
+            units = shard_model(model, mesh, mp)
         model.to_empty(device=device)
     live_dtype = next(model.parameters()).dtype
     compute_dtype = torch.bfloat16 if mp is not None else live_dtype
     log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
          f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s)"
-         f"{f' (mesh {mesh_flag}, tensor parallel: transformers tp plan)' if tp_mesh is not None else ''}, "
+         f"{f' (mesh {mesh_flag}, tensor parallel: transformers tp plan)' if tp_mesh is not None else ''}"
+         f"{f' (expert parallel: experts on mesh {mesh_flag}, the rest on fsdp={world})' if ep_mesh else ''}, "
          f"{device.type}/{dist.get_backend()}, parameters "
          f"{live_dtype}, compute {compute_dtype}{' (mixed precision bf16/fp32)' if mp else ''}")
 
@@ -761,7 +844,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
         "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
         "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
-        "tp": args.tp, "mesh": mesh_flag,
+        "tp": args.tp, "ep": args.ep, "mesh": mesh_flag,
     }
     rss_before = current_rss_bytes()
     peak_before = peak_rss_bytes()
@@ -786,6 +869,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         if tp_mesh is not None and isinstance(e, reshard.LayoutMismatchError):
             capture, convert = tp_commands(weights, mesh_flag, getattr(model.config, "model_type", ""))
             err = (e.code, f"{e} (this trainer applies transformers' tp plan of the model: {capture} && {convert})")
+        if ep_mesh is not None and isinstance(e, reshard.LayoutMismatchError):
+            err = (e.code, f"{e} (this trainer places the experts with reshard.ep: "
+                           f"{' && '.join(ep_commands(weights, world, args.ep, model.config))})")
     # Every rank learns at once whether any rank's load was refused (a rank that went on alone
     # would wait in the first collective until the job's timeout).
     errs: List[Optional[Tuple[str, str]]] = [None] * world
@@ -884,7 +970,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         if args.max_grad_norm > 0:
             if args.fsdp1:  # FSDP1's own: the norm over all ranks' shards
                 norm = model.clip_grad_norm_(args.max_grad_norm)
-            elif tp_mesh is not None:
+            elif tp_mesh is not None or ep_mesh is not None:
                 norm = clip_grad_norm_dtensor(trainable, args.max_grad_norm)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -922,8 +1008,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     cuda = (f", peak CUDA {format_bytes(result['cuda_peak_bytes'])}" if "cuda_peak_bytes" in result else "")
     loss_txt = f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
-    line = (f"rank {rank}/{world}: loaded {format_bytes(report.bytes)} from "
-            f"{os.path.relpath(report.file, weights)} in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}); "
+    here = os.path.relpath(report.file, weights) if report.source == "rank file" else report.file
+    line = (f"rank {rank}/{world}: loaded {format_bytes(report.bytes)} from {here} in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}); "
             f"peak RSS {format_bytes(peak_after)} after load (RSS before load {format_bytes(rss_before)}), "
             f"{format_bytes(result['rss']['peak_final'])} at the end{cuda}{loss_txt}, "
             f"{result['tokens_per_s']:.0f} tokens/s")

@@ -1,0 +1,229 @@
+"""Expert parallel for a Hugging Face mixture-of-experts model, arranged as torchtitan arranges it
+on torch 2.11 (what reshard.load / reshard.save read and write for such a job, load_ep.py): the
+world mesh unflattened into a dense 1-D mesh ``fsdp`` of every rank and a sparse one
+``efsdp x ep`` over the same ranks; each fused experts module (transformers' ``MixtralExperts``
+and its kind: ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]) has its parameters
+distributed ``Shard(0)`` over ``ep`` and is ``fully_shard``'ed over ``efsdp`` (its own FSDP2
+unit); every module of the model's ``_no_split_modules`` and the root are ``fully_shard``'ed
+over ``fsdp``. Each experts module then runs only this rank's experts on the tokens routed to
+them, the shares summed over ``ep`` (every rank of an ep group must be given the same batch):
+
+    dense, sparse = reshard.ep.meshes("cuda", world_size, ep)
+    model = reshard.empty_model(OUT)
+    reshard.ep.parallelize(model, dense, sparse, mp_policy=...)   # before to_empty
+    model.to_empty(device="cuda")
+    reshard.load(model, OUT)
+
+``python -m reshard.ep SRC -o PLAN.json`` writes the plan file (formats/parallel-plan.md) of
+the experts' placements, for ``reshard convert SRC -o OUT --mesh efsdp=E,ep=N --plan PLAN.json``
+(with ``reshard convert SRC -o OUT --world-size W`` for the dense parameters: the two layouts a
+job reads as stored)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import UnsupportedError
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def meshes(device_type: str, world_size: int, ep: int, names=("fsdp", "efsdp", "ep")):
+    """(dense, sparse): the 1-D mesh ``fsdp`` of every rank and the 2-D mesh ``efsdp x ep``
+    (efsdp = world_size / ep) over the same ranks, unflattened from one world mesh (ranks
+    r * ep .. r * ep + ep - 1 form one ep group). Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"expert-parallel size {ep}: the world size {world_size} is not a multiple of it")
+    world = init_device_mesh(device_type, (world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (world_size,), (names[0],))[names[0]]
+    sparse = world._unflatten(0, (world_size // ep, ep), (names[1], names[2]))
+    return dense, sparse
+
+
+def _model_name(model: nn.Module) -> str:
+    return type(model).__name__.removeprefix("FSDP")
+
+
+def fused_experts(model: nn.Module, ep: Optional[int] = None) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of every fused experts module of `model`: direct parameters exactly
+    ``gate_up_proj`` and ``down_proj``, 3-D, one row per expert, gated and concatenated as
+    transformers' default (``has_gate``, no bias, not transposed). Raises UnsupportedError
+    naming the model class when there is none, when one is of another kind, or when `ep` does
+    not divide the number of experts."""
+    found = []
+    for name, m in model.named_modules():
+        own = dict(m.named_parameters(recurse=False))
+        if not any(k in own for k in EXPERT_PARAMS):
+            continue
+        what = f"{_model_name(model)}: {name} ({type(m).__name__})"
+        if set(own) != set(EXPERT_PARAMS) or any(own[k].dim() != 3 for k in EXPERT_PARAMS):
+            shapes = {k: list(p.shape) for k, p in own.items()}
+            raise UnsupportedError(f"{what} has parameters {shapes}; expert parallel runs fused experts whose "
+                                   "parameters are exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
+        flags = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+        odd = {k: getattr(m, k) for k, v in flags.items() if getattr(m, k, v) != v}
+        if odd or not hasattr(m, "act_fn"):
+            raise UnsupportedError(f"{what}: experts {odd or 'without act_fn'} are not run by reshard's "
+                                   "expert-parallel forward (gated, concatenated, no bias, not transposed)")
+        e = own["gate_up_proj"].shape[0]
+        if own["down_proj"].shape[0] != e:
+            raise UnsupportedError(f"{what}: gate_up_proj has {e} experts, down_proj {own['down_proj'].shape[0]}")
+        if ep is not None and e % ep:
+            raise UnsupportedError(f"{what} has {e} experts, not divisible by the expert-parallel size {ep} "
+                                   f"(--ep {ep}): each rank of an ep group holds whole experts, as many as "
+                                   "the others")
+        found.append((name, m))
+    if not found:
+        raise UnsupportedError(f"{_model_name(model)} has no fused experts (modules with parameters gate_up_proj "
+                               "and down_proj, as transformers' MixtralExperts): expert parallel (--ep) needs a "
+                               "mixture-of-experts model")
+    return found
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum over the group (in fp32); backward: identity (every rank of the group
+    holds the whole gradient of the sum, the ranks computing the same loss)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.float()
+        dist.all_reduce(y, group=group)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Forward: identity; backward: the sum over the group of every rank's partial gradient
+    (each rank's experts contribute their own tokens' share)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.float().contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g.to(grad.dtype), None
+
+
+def expert_parallel_forward(experts: nn.Module, ep_mesh):
+    """A forward for a fused experts module whose parameters are Shard(0) over `ep_mesh`: this
+    rank's experts only (global ids start .. start + local - 1), each on the tokens routed to
+    it, the outputs summed over `ep_mesh`. Every rank of the ep group must see the same tokens."""
+    group = ep_mesh.get_group()
+    coord = ep_mesh.get_local_rank()
+    gate = getattr(experts, "_apply_gate", None)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        w_gate_up = experts.gate_up_proj.to_local()
+        w_down = experts.down_proj.to_local()
+        local = w_gate_up.shape[0]
+        start = coord * local  # Shard(0) of a count ep divides: equal chunks
+        hidden_states = _SumGradOverGroup.apply(hidden_states, group)
+        top_k_weights = _SumGradOverGroup.apply(top_k_weights, group)
+        out = torch.zeros_like(hidden_states)
+        for j in range(local):
+            token, pos = torch.where(top_k_index == start + j)
+            if token.numel() == 0:
+                continue
+            gate_up = nn.functional.linear(hidden_states[token], w_gate_up[j])
+            if gate is not None:
+                h = gate(gate_up)
+            else:
+                g, up = gate_up.chunk(2, dim=-1)
+                h = experts.act_fn(g) * up
+            h = nn.functional.linear(h, w_down[j]) * top_k_weights[token, pos, None]
+            out = out.index_add(0, token, h.to(out.dtype))
+        return _SumOverGroup.apply(out, group)
+
+    return forward
+
+
+def parallelize(model: nn.Module, dense, sparse, mp_policy=None, ep_dim: str = "ep", efsdp_dim: str = "efsdp") -> int:
+    """Expert parallel on `model` (parameters on meta: call before to_empty and reshard.load):
+    every fused experts module's parameters distributed Shard(0) over ``sparse[ep_dim]``, the
+    module fully_shard'ed over ``sparse[efsdp_dim]`` and given expert_parallel_forward; every
+    module of ``model._no_split_modules`` and the root fully_shard'ed over `dense` (1-D);
+    `mp_policy` for all. Refuses (UnsupportedError, fused_experts) a model without fused
+    experts or whose experts the ep size does not divide. Returns the number of FSDP2 units."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    ep_mesh, efsdp_mesh = sparse[ep_dim], sparse[efsdp_dim]
+    found = fused_experts(model, ep_mesh.size())
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for _, experts in found:
+        for pname, p in list(experts.named_parameters(recurse=False)):
+            placed = nn.Parameter(distribute_tensor(p, ep_mesh, [Shard(0)]), requires_grad=p.requires_grad)
+            experts.register_parameter(pname, placed)
+        fully_shard(experts, mesh=efsdp_mesh, **kwargs)
+        experts.forward = expert_parallel_forward(experts, ep_mesh)
+    no_split = set(getattr(model, "_no_split_modules", None) or [])
+    units = len(found)
+    for m in list(model.modules()):
+        if m is not model and type(m).__name__ in no_split:
+            fully_shard(m, mesh=dense, **kwargs)
+            units += 1
+    fully_shard(model, mesh=dense, **kwargs)
+    return units + 1
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"(?<=\.)\d+(?=\.)", "*", name)
+
+
+def capture_plan(model: nn.Module, name: str, ep_dim: str = "ep", efsdp_dim: str = "efsdp") -> Dict[str, object]:
+    """The plan file (formats/parallel-plan.md) of parallelize()'s experts: each fused experts
+    parameter ``S(0)`` on `ep_dim`, fully_shard over `efsdp_dim` (layer indices as ``*``)."""
+    patterns: List[str] = []
+    for mname, _ in fused_experts(model):
+        for pname in EXPERT_PARAMS:
+            p = _pattern(f"{mname}.{pname}")
+            if p not in patterns:
+                patterns.append(p)
+    return {"format": "reshard.parallel-plan", "format_version": 1, "name": name,
+            "fsdp": {"mesh_dim": efsdp_dim},
+            "rules": [{"pattern": p, "placements": {ep_dim: "S(0)"}} for p in patterns]}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m reshard.ep",
+                                 description="Write the parallel plan of reshard.ep.parallelize's experts")
+    ap.add_argument("src", help="a Hugging Face checkpoint directory (or a reshard output directory)")
+    ap.add_argument("-o", "--output", required=True, help="the plan file to write")
+    ap.add_argument("--name", default=None, help="plan name (default: <model_type>_ep)")
+    args = ap.parse_args(argv)
+    from .errors import ReshardError
+    from .model import empty_model
+
+    try:
+        model = empty_model(args.src)
+        name = args.name or f"{getattr(model.config, 'model_type', None) or 'model'}_ep"
+        plan = capture_plan(model, name)
+    except ReshardError as e:
+        print(f"reshard.ep: {e}", file=sys.stderr)
+        return 2
+    with open(args.output, "w") as f:
+        json.dump(plan, f, indent=1)
+        f.write("\n")
+    print(f"{args.output}: plan {name}, {len(plan['rules'])} rule(s), experts S(0) on ep, fully_shard over efsdp")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
