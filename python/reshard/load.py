@@ -431,6 +431,14 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
                 head + cause[0].upper() + cause[1:] + f". Convert again with Python (reshard, transformers) importable, which captures "
                 f"it: {convert_cmd} (or first: python -m reshard.model_manifest <checkpoint> -o "
                 f"{os.path.join(out, 'reshard-model.json')})")
+        from .layout import read_manifest
+
+        parts = ((read_manifest(out) or {}).get("layouts", {}).get(key) or {}).get("parts") if os.path.isdir(out) else None
+        if parts:  # an expert-parallel save's dense part: not the whole model
+            raise LayoutMismatchError(
+                head + f"Layout {key} of {out} is one part of an expert-parallel save ({' + '.join(parts)}): "
+                "load it into a job arranged as it was saved (experts over an ep mesh dim: reshard.ep.parallelize, "
+                f"or reshard.train --ep N), or export each part: reshard export {out} --layout KEY")
         raise LayoutMismatchError(head + "Is OUT converted from this model's checkpoint? " + convert_cmd)
 
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used, rename)

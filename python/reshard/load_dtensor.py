@@ -207,17 +207,23 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
     live_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
     policy = target_policy(live_dtype)
     layouts = (manifest or {}).get("layouts", {})
-    keys = sorted((k for k, v in layouts.items()
-                   if v.get("kind") == "dtensor" and v.get("complete") and v.get("mesh") == mesh
-                   and v.get("dtype", "keep") in (policy, "keep")),
+    # Layouts of this mesh that list this rank's file: a layout converted in parts (--ranks, one
+    # OUT per node) serves the ranks it holds, as an FSDP2 layout does.
+    ours = [k for k, v in layouts.items()
+            if v.get("kind") == "dtensor" and v.get("mesh") == mesh and v.get("dtype", "keep") in (policy, "keep")]
+    keys = sorted((k for k in ours if any(r.get("rank") == job.rank for r in layouts[k].get("ranks", []))),
                   key=lambda k: (layouts[k].get("dtype", "keep") != policy, k))
-    reasons = []
+    reasons = [f"{k}: the rank file of rank {job.rank} (coordinate {list(job.coordinate)}) is missing; create it "
+               f"with: reshard convert <checkpoint> -o {out} --mesh {job.mesh_flag()} --plan PLAN.json "
+               f"--ranks {job.rank}-{job.rank}" for k in sorted(set(ours) - set(keys))]
     for key in keys:
         path = layout_rank_file(out, key, job.rank, job.world_size, manifest)
         rank_file = open_rank_file(path)
         if tuple(rank_file.coordinate or ()) != job.coordinate:
             raise LayoutMismatchError(f"{path}: holds mesh coordinate {rank_file.coordinate}, this rank is at "
                                       f"{list(job.coordinate)}")
+        # Listed by OUT/reshard.json as this rank's file of this layout: same source, size and header.
+        rank_file.check_listed(out, key, job.rank)
         entries = {t.name: t for t in rank_file.tensors}
         why = placement_mismatch(job, params, entries, prefix, path)
         if why is None:

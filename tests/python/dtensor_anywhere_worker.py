@@ -5,8 +5,9 @@ on every decoder layer and the root, to_empty, then reshard.load from each SOURC
 parameters set to NaN before each. Reference: from_pretrained(SRC), bit for bit (full_tensor()
 of every parameter, every buffer).
 
-Arguments: SRC MESH RESULT SOURCE... ; a SOURCE is NAME=PATH. For NAME starting with "bad" the
-load must raise a ReshardError (its text recorded). With NAME "partial", only the decoder layers
+Arguments: SRC MESH RESULT SOURCE... ; a SOURCE is NAME=PATH, "{node}" in PATH standing for
+rank // 2 (one OUT per node of two ranks). For NAME starting with "bad" the load must raise a
+ReshardError (its text recorded). With NAME "partial", only the decoder layers
 are fully_shard'ed (not the root): embed_tokens / lm_head / norm stay TP-only, which no parallel
 plan can say next to fully_shard'ed layers -- the load must be refused naming the parameter.
 With NAME "save_uncovered" (2x2 only), tensor parallel alone is applied (no fully_shard) and
@@ -58,6 +59,7 @@ def main():
     want = dict(ref.named_parameters())
     rec = {"rank": rank, "loads": {}}
     for name, path in sources:
+        path = path.replace("{node}", str(rank // 2))
         model = build(src, mesh, root=name != "partial", fsdp=name != "save_uncovered")
         entry = {}
         if name == "save_uncovered":

@@ -44,13 +44,14 @@ def apply_llama_tp(model, tp, row_embeddings: bool = False) -> None:
             "mlp.down_proj": RowwiseParallel()})
 
 
-def tiny_llama(d, **config) -> None:
-    """A tiny untied Llama written by save_pretrained in bf16 into `d` (seed 0); `config`
-    overrides LlamaConfig's fields (e.g. num_key_value_heads=4 for whole heads at tp=4)."""
+def tiny_llama(d, seed: int = 0, **config) -> None:
+    """A tiny untied Llama written by save_pretrained in bf16 into `d` (weights drawn from
+    `seed`); `config` overrides LlamaConfig's fields (e.g. num_key_value_heads=4 for whole
+    heads at tp=4)."""
     cfg = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     cfg.update(config)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).to(torch.bfloat16).save_pretrained(d)
 
 

@@ -17,7 +17,7 @@ import struct
 import pytest
 
 from dist_util import HERE, torchrun
-from dtensor_common import tiny_llama
+from dtensor_common import llama_plan, tiny_llama
 
 WORKER = os.path.join(HERE, "dtensor_anywhere_worker.py")
 
@@ -66,9 +66,25 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
     shutil.copytree(ws3, bad)
     for f in glob.glob(str(bad / "fsdp2-ws3" / "*.reshard")):
         _flip_last_byte_of_every_tensor(f)
+    # The job's own layout converted in parts, one OUT per node (--ranks): each rank reads its
+    # node's. And one whose rank files come from another checkpoint's conversion (same plan,
+    # same shapes): refused by the manifest's entry, not loaded.
+    own = dict(llama_plan("llama_tp"), fsdp={"mesh_dim": "dp_shard"}) if fsdp else llama_plan("llama_tp")
+    (tmp_path / "own.json").write_text(json.dumps(own))
+    for node in (0, 1):
+        cli("convert", llama_src, "-o", tmp_path / f"node{node}", "--mesh", mesh, "--plan", tmp_path / "own.json",
+            "--ranks", f"{2 * node}-{2 * node + 1}", rc=0)
+    tiny_llama(tmp_path / "src1", seed=1)
+    foreign, elsewhere = tmp_path / "foreign", tmp_path / "elsewhere"
+    for d, s in ((foreign, llama_src), (elsewhere, tmp_path / "src1")):
+        cli("convert", s, "-o", d, "--mesh", mesh, "--plan", tmp_path / "own.json", rc=0)
+    (key,) = json.loads((foreign / "reshard.json").read_text())["layouts"]
+    for f in glob.glob(str(elsewhere / key / "*.reshard")):  # every rank's: each must refuse (no rank left in
+        shutil.copy(f, foreign / key / os.path.basename(f))   # a collective the others skip)
     result = tmp_path / "result"
     result.mkdir()
-    sources = [f"hf={llama_src}", f"ws3={ws3}", f"other={other}", f"bad_corrupt={bad}"]
+    sources = [f"hf={llama_src}", f"ws3={ws3}", f"other={other}", f"bad_corrupt={bad}",
+               f"split={tmp_path / 'node{node}'}", f"bad_foreign={foreign}"]
     if fsdp:
         sources += [f"partial={llama_src}", f"unsharded={ws3}", f"save_uncovered={tmp_path / 'uncovered'}"]
     torchrun(4, WORKER, llama_src, mesh, result, *sources, timeout=600)
@@ -85,6 +101,11 @@ def test_dtensor_job_loads_from_what_is_there(llama_src, cli, tmp_path, mesh):
         assert "Hugging Face checkpoint" in loads["hf"]["source"], loads["hf"]
         assert "fsdp2-ws3" in loads["ws3"]["source"], loads["ws3"]
         assert "other_tp" in loads["other"]["source"], loads["other"]
+        got = loads["split"]
+        assert "error" not in got and got["differ"] == [] and got["layout"] == key, got
+        assert f"layout {key}" in got["source"] and "no conversion stored" not in got["source"], got
+        err = loads["bad_foreign"].get("error", "")
+        assert "converted from source" in err and f"rank-{r['rank']:05d}-of-00004" in err and "reshard verify" in err, err
         err = loads["bad_corrupt"].get("error", "")
         assert "CorruptFileError" in err and "checksum mismatch" in err and "fsdp2-ws3" in err, err
         if fsdp:

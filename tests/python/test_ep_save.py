@@ -133,6 +133,10 @@ def test_ep_save_parts_are_not_taken_for_the_model(saved, cli, tmp_path):
     i = cli("inspect", copy, rc=0)
     assert i.out.count(f"part of the model only (an expert-parallel save): its parts are {dt} fsdp2-ws4") == 2, i.out
     assert other_layout(manifest, 2, "keep") is None
+    # A plain FSDP2 job of 4 ranks finds fsdp2-ws4, the dense part: told what it is, not to convert.
+    torchrun(4, os.path.join(HERE, "fsdp_worker.py"), "--src", out.parent / "src", "--out", out, "--result",
+             tmp_path, "--expect-error", f"Layout fsdp2-ws4 of {out} is one part of an expert-parallel save "
+             f"({dt} + fsdp2-ws4)", timeout=300)
     # A manifest whose parts disagree is refused by every reader, naming the field.
     bad = json.load(open(copy / "reshard.json"))
     bad["layouts"]["fsdp2-ws4"]["parts"] = [dt, "fsdp2-ws8"]
