@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .engine import default_threads, load_tensors, open_rank_file, raw_save_entry, save_entry, target
+from .engine import (default_threads, load_tensors, load_via_host, open_rank_file, raw_save_entry, save_entry,
+                     target)
 from .errors import (CorruptFileError, InvalidArgumentError, LayoutMismatchError, NotFoundError,
                      UnsupportedError)
 from .layout import layout_key, rank_file_name, read_manifest, torch_dtype
@@ -202,8 +203,13 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     parameters in the same groups, in the same order, as when saved. An expert-parallel job
     (torchtitan's arrangement, reshard.load_ep): the experts' state from the DTensor layout of
     their mesh, the dense parameters' from the FSDP2 layout of their mesh dim, both checked
-    (placements per parameter) before any byte moves. Returns the number of parameters whose
-    state was restored. Raises ReshardError on any mismatch."""
+    (placements per parameter) before any byte moves. The state is cast as torch's
+    Optimizer.load_state_dict casts it: every state tensor but `step` ends on its parameter's
+    device and, for a floating-point parameter, in its dtype (a bf16 job's save resumes in an
+    fp32 job with `saved.to(torch.float32)`, bit for bit; converted a batch at a time through
+    host tensors of the file's dtype); `step` stays as saved, float32 on the parameter's
+    device under fused or capturable. Returns the number of parameters whose state was
+    restored. Raises ReshardError on any mismatch."""
     out = os.fspath(out)  # a pathlib.Path too
     from torch.distributed.tensor import DTensor
 
@@ -241,10 +247,13 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
                 raise LayoutMismatchError(
                     f"{meta_path}: saved with the layouts {meta.get('parts')}, this expert-parallel job needs "
                     f"the optimizer state of {keys} (one reshard.save of a job on this mesh and plan)")
-    for rank_file, targets, device_index, _, _, _ in plans:  # every part checked: the bytes move
+    for rank_file, (targets, converted), device_index, _, _, _ in plans:  # every part checked: the bytes move
         if targets:
             load_tensors(rank_file, targets, device=device_index or 0, threads=default_threads(),
                          io="buffered")
+        if converted:  # read in the file's dtype, a batch at a time, then .to() the live one
+            load_via_host(rank_file, {e.name: e for e in rank_file.tensors}, converted,
+                          device_index or 0, default_threads(), True)
         if device_index is not None:
             torch.cuda.synchronize(device_index)
     new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
@@ -270,9 +279,11 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
 
 def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int, coord: int,
                only: Optional[set], dt_job):
-    """One layout's optimizer state for this rank, checked, nothing moved: (rank file, load
-    targets, device index, parameter -> state (tensors not yet filled), optimizer.json,
-    its path). `only`: the parameters (clean names) whose state this layout must hold."""
+    """One layout's optimizer state for this rank, checked, nothing moved: (rank file, (native
+    load targets, (entry name, tensor) pairs to convert from the file's dtype), device index,
+    parameter -> state (tensors not yet filled, in the dtypes and on the devices _live_state
+    gives), optimizer.json, its path). `only`: the parameters (clean names) whose state this
+    layout must hold."""
     from .load_dtensor import live_placements
 
     odir = os.path.join(out, key, OPTIM_DIR)
@@ -325,7 +336,8 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
                                "optimizer's (names or order differ)")
     entries = {t.name: t for t in rank_file.tensors}
     new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
-    targets = []
+    targets: list = []
+    converted: List[Tuple[str, torch.Tensor]] = []  # (entry name, tensor of the live dtype)
     device_index = None
     group_of = {}
     for gi, g in enumerate(optimizer.param_groups):
@@ -356,9 +368,12 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
             e = entries.get(tname)
             if e is None:
                 raise CorruptFileError(f"{path}: no tensor {tname!r}")
+            dtype, dev = _live_state(local_p, k, g, torch_dtype(e.dtype), kind == "whole")
             if kind == "whole":
-                dev = local_p.device if (g.get("capturable") or g.get("fused")) else torch.device("cpu")
-                t = torch.empty([], dtype=torch_dtype(e.dtype), device=dev)
+                if e.local_shape != [] or e.shard is not None:
+                    raise CorruptFileError(f"{path}: {tname} is listed whole (0-dim) in {meta_path}, but "
+                                           f"the rank file stores it of shape {e.local_shape}")
+                t = torch.empty([], dtype=dtype, device=dev)
             elif kind == "local":
                 # This rank's own state of its local flat shard / original-parameter view.
                 if job is None or e.shard is not None or e.local_shape != list(local_p.shape):
@@ -367,7 +382,7 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
                         f"but the live parameter {name} has local shape {list(local_p.shape)}"
                         f"{'' if job is not None else ' (and is no FSDP1 parameter)'}: the job's "
                         f"layout or shard coordinate differs from the saved one ({key}, rank {coord})")
-                t = torch.empty(e.local_shape, dtype=torch_dtype(e.dtype), device=local_p.device)
+                t = torch.empty(e.local_shape, dtype=dtype, device=dev)
             elif kind != "sharded":
                 raise CorruptFileError(f"{meta_path}: state {name}[{k!r}] has kind {kind!r}; expected "
                                    "sharded, whole or local")
@@ -385,12 +400,28 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
                     raise LayoutMismatchError(f"{path}: {tname} has shape {e.global_shape} (local "
                                        f"{e.local_shape}); the parameter {list(p.shape)} (local "
                                        f"{list(local_p.shape)})")
-                t = torch.empty(e.local_shape, dtype=torch_dtype(e.dtype), device=local_p.device)
+                t = torch.empty(e.local_shape, dtype=dtype, device=dev)
             if e.nbytes:
                 on_dev = t.device.type == "cuda"
                 if on_dev:
                     device_index = t.device.index
-                targets.append(target(tname, t, e.nbytes, on_dev))
+                if t.dtype == torch_dtype(e.dtype):
+                    targets.append(target(tname, t, e.nbytes, on_dev))
+                else:
+                    converted.append((tname, t))
             st[k] = t
         new_state[p] = st
-    return rank_file, targets, device_index, new_state, meta, meta_path
+    return rank_file, (targets, converted), device_index, new_state, meta, meta_path
+
+
+def _live_state(local_p: torch.Tensor, key: str, group: dict, file_dtype: torch.dtype, whole: bool):
+    """(dtype, device) of a restored state tensor, by torch's Optimizer.load_state_dict rule:
+    `step` stays in its saved dtype (0-dim: on the CPU), except under fused or capturable
+    (float32 on the parameter's device); any other state goes to the parameter's device and,
+    if the parameter is floating-point, its dtype (a bf16 save loads into an fp32 job's state
+    as `saved.to(torch.float32)`, an fp32 save into a bf16 job's as `saved.to(torch.bfloat16)`)."""
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return torch.float32, local_p.device
+        return file_dtype, (torch.device("cpu") if whole else local_p.device)
+    return (local_p.dtype if local_p.is_floating_point() else file_dtype), local_p.device

@@ -296,3 +296,63 @@ def test_verify_of_a_damaged_save_says_save_again_not_convert(checkpoint, cli, t
     r = cli("verify", saved, rc=1)
     assert "listed in the manifest but missing; this checkpoint, saved from training" in r.out, r
     assert "FAILED: 1 problem(s)" in r.out, r
+
+
+def _plain_cross_dtype(out, saved, save_dtype, load_dtype):
+    """A plain module of `save_dtype` loaded from OUT, 2 AdamW steps, saved with the optimizer;
+    a plain module of `load_dtype` loads the save and its optimizer: the state as torch's
+    load_state_dict casts it (saved.to(load_dtype); `step` as saved), and a step runs."""
+    model = reshard.empty_model(str(out), dtype=save_dtype)
+    model.to_empty(device="cpu")
+    reshard.load(model, str(out))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(32).reshape(2, 16) % model.config.vocab_size
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    reshard.save(model, str(saved), optimizer=opt, step=2)
+    fresh = reshard.empty_model(str(saved), dtype=load_dtype)
+    fresh.to_empty(device="cpu")
+    reshard.load(fresh, str(saved))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert reshard.load_optimizer(opt2, fresh, str(saved)) == len(opt.state)
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert q.dtype == load_dtype
+        st, st2 = opt.state[p], opt2.state[q]
+        assert sorted(st) == sorted(st2) == ["exp_avg", "exp_avg_sq", "step"], (n, sorted(st2))
+        assert st2["step"].dtype == st["step"].dtype and torch.equal(st2["step"], st["step"]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = st[k].to(load_dtype)  # what torch's Optimizer.load_state_dict makes of it
+            assert st2[k].dtype == load_dtype and st2[k].device == q.device, (n, k, st2[k].dtype)
+            assert torch.equal(st2[k].view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), (n, k)
+    fresh(input_ids=ids, labels=ids).loss.backward()
+    opt2.step()  # the first step of the resumed job: the state's dtype is the parameters'
+    assert all(v.dtype == q.dtype for q, st in opt2.state.items() for k, v in st.items() if k != "step")
+
+
+def test_load_optimizer_casts_state_to_the_live_dtype(checkpoint, cli, tmp_path):
+    """reshard.load_optimizer follows torch's Optimizer.load_state_dict: state tensors other than
+    `step` end in the live parameter's dtype (saved.to(param.dtype), bit for bit), so that a bf16
+    job's save resumes in an fp32 job and the other way round. A plain module in this process;
+    FSDP2 over 2 ranks and tensor parallel tp=2 in optim_dtype_worker.py."""
+    from dtensor_common import llama_plan, tiny_llama
+
+    out = tmp_path / "out"
+    cli("convert", checkpoint("qwen2", "fp32", False), "-o", out, "--world-size", 1, rc=0)
+    _plain_cross_dtype(out, tmp_path / "plain-fp32", torch.float32, torch.bfloat16)
+    _plain_cross_dtype(out, tmp_path / "plain-bf16", torch.bfloat16, torch.float32)
+
+    src, out_fsdp, out_tp, work, result = (tmp_path / n for n in ("src", "out-fsdp", "out-tp", "work", "result"))
+    tiny_llama(src)
+    (tmp_path / "plan.json").write_text(json.dumps(llama_plan("llama_tp_rowemb", row_embeddings=True)))
+    cli("convert", src, "-o", out_fsdp, "--world-size", 2, rc=0)
+    cli("convert", src, "-o", out_tp, "--mesh", "tp=2", "--plan", tmp_path / "plan.json", rc=0)
+    work.mkdir()
+    result.mkdir()
+    _torchrun(2, os.path.join(HERE, "optim_dtype_worker.py"), out_fsdp, out_tp, work, result)
+    recs = [json.load(open(result / f"rank-{r}.json")) for r in range(2)]
+    for r in recs:
+        for kind in ("fsdp2", "tp"):
+            for tag in (f"{kind}-bfloat16-to-float32", f"{kind}-float32-to-bfloat16"):
+                assert r[tag]["checked"] > 0, (r["rank"], tag, r[tag])
