@@ -45,7 +45,14 @@ def open_dtensor_view(out: str, manifest: Optional[Dict[str, Any]], job: DTensor
     OUT as a Hugging Face checkpoint. None when neither is there."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     buffers = dict((clean_name(n), b.dim()) for n, b in model.named_buffers())
-    plan = job_plan(job, params, [(n, buffers[n]) for n in sorted(buffer_names) if n in buffers], prefix, command)
+    # Every name of each parameter, its first (named_parameters') first: the checkpoint may store
+    # a tied parameter by another (load.param_sources finds it there).
+    ids = {id(p) for p in params.values()}
+    named = dict(params)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in ids:
+            named.setdefault(clean_name(n), p)
+    plan = job_plan(job, named, [(n, buffers[n]) for n in sorted(buffer_names) if n in buffers], prefix, command)
     policy = target_policy(live_dtype)
     whole = whole_names(buffer_names, prefix)
     if manifest is not None:

@@ -4,6 +4,7 @@ copy engine moves the bytes; buffers are restored as from_pretrained has them.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -99,6 +100,20 @@ def file_key(name: str, keys, prefix: str) -> Optional[str]:
         if f"{prefix}.{name}" in keys:
             return f"{prefix}.{name}"
     return None
+
+
+def convert_command(out: str, flags: str, note: str = "") -> str:
+    """The `reshard convert` that creates what a load of OUT lacks, with `flags` (and `note`, in
+    parentheses): into OUT when it is a reshard output directory (or none yet); when OUT is a
+    Hugging Face checkpoint, from it into a new directory (a conversion never writes into the
+    checkpoint)."""
+    from .sources import hf_source
+
+    if not os.path.exists(os.path.join(out, "reshard.json")) and hf_source(out) is not None:
+        notes = "; ".join(n for n in ("OUT: a new directory, not the checkpoint; then reshard.load(model, OUT)",
+                                      note) if n)
+        return f"reshard convert <checkpoint> -o OUT {flags} ({notes})"
+    return f"reshard convert <checkpoint> -o {out} {flags}" + (f" ({note})" if note else "")
 
 
 def open_job_file(out: str, world_size: int, coord: int, live_dtype: Optional[torch.dtype] = None):
@@ -377,44 +392,17 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
         if manifest is not None:  # where the base came from, for reshard.save's record
             model._reshard_base = {"out": os.path.abspath(out), "layout": key, "source": manifest.get("source")}
     prefix = getattr(hf_model, "base_model_prefix", "") or ""
-    convert_cmd = f"reshard convert <checkpoint> -o {out} --world-size {world_size}"
+    convert_cmd = convert_command(out, f"--world-size {world_size}")
 
     direct = []
     converted: List[Tuple[str, torch.Tensor]] = []
     used = set()
     device_index = None
-    missing = []
-    # Parameters the model never saves (Marian's sinusoidal positions): from_pretrained
-    # computes them, and so does fill_unsaved after the load when the source lacks them.
-    unsaved = unsaved_names(hf_model)
-    computed: List[Tuple[str, torch.Tensor]] = []
-    # Parameters the model ties but the sharding split in two (fully_shard of units that hold
-    # one name each): the copy takes the values of its tie partner's entry after the load.
-    untied: List[Tuple[str, str]] = []
-    # Every name of each parameter: a tie the sharding kept is one parameter with two names, and
-    # named_parameters gives the first in module order, which need not be the one save_pretrained
-    # kept (LUKE ties lm_head.bias to lm_head.decoder.bias: the file holds only the latter).
-    names_of: Dict[int, List[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        base = rename(clean_name(n))
-        if base is not None:
-            names_of.setdefault(id(p), []).append(base)
-    for name, p in params.items():
-        key_in_file = file_key(name, entries, prefix)
-        if key_in_file is None:
-            key_in_file = next((k for k in (file_key(a, entries, prefix) for a in names_of.get(id(p), [])
-                                            if a != name) if k is not None), None)
-        if key_in_file is None:
-            partner = tie_partner(hf_model, name, params, entries, prefix)
-            if partner is None and name in unsaved:
-                computed.append((name, p))
-            elif partner is None:
-                missing.append(name)
-            else:
-                untied.append((name, partner))
-            continue
+    found = param_sources(model, hf_model, params, entries, prefix, rename)
+    missing = found.missing
+    for name, key_in_file in found.keys.items():
         used.add(key_in_file)
-        kind, t, device_index = param_target(name, p, key_in_file, entries[key_in_file], path,
+        kind, t, device_index = param_target(name, params[name], key_in_file, entries[key_in_file], path,
                                              convert_cmd, device_index)
         if kind == "direct":
             direct.append(t)
@@ -454,22 +442,91 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
         warnings.warn(f"{path}: {len(unexpected)} tensor(s) not used by the model: "
                       f"{', '.join(unexpected[:8])}", stacklevel=2)
 
-    for name, partner in untied:
-        a, b = local_tensor(params[name]), local_tensor(params[partner])
-        if a.shape != b.shape:
-            raise LayoutMismatchError(
-                f"parameter {name} (tied to {partner} in the model, which {path} holds): the sharding "
-                f"made them two parameters with local shapes {list(a.shape)} and {list(b.shape)}; "
-                "shard the modules holding both in one unit")
+    check_untied(params, found.untied, path)
     report = finish_load(model, rank_file, key, world_size, coord, entries, direct, converted,
                          buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
                          strict_buffers=strict_buffers, rename=rename, buffers_of=hf_model,
                          source=job.source)
-    if computed:
-        fill_unsaved(hf_model, computed)
     if names is not None:
         report.adapters = load_adapters(model, names, adapter_params, adapter, world_size, coord,
                                         threads=threads, verify=verify, io=io)
+    complete_sources(model, hf_model, params, found, report)
+    return report
+
+
+@dataclasses.dataclass
+class ParamSources:
+    """Where each parameter of a load comes from (param_sources)."""
+    keys: Dict[str, str]                       # name -> the entry holding it
+    # Parameters the model never saves (Marian's sinusoidal positions) that the source lacks:
+    # from_pretrained computes them, and so does fill_unsaved after the load.
+    computed: List[Tuple[str, torch.Tensor]]
+    # (name, partner): parameters the model ties but the sharding split in two (fully_shard of
+    # units that hold one name each): the copy takes its tie partner's values after the load.
+    untied: List[Tuple[str, str]]
+    missing: List[str]                         # none of the above: the source is another model's
+
+
+def param_sources(model: nn.Module, hf_model: nn.Module, params: Dict[str, torch.Tensor], entries, prefix: str,
+                  rename=None) -> ParamSources:
+    """The entry of `entries` each of `params` (the Hugging Face model's names) loads from: its
+    own name (with / without the base model prefix), else another name of the same parameter,
+    else its tie partner's (untied), else computed (never saved), else missing. `model` is
+    the live module (a PEFT model's wrapper: `rename` maps its names), `hf_model` the Hugging
+    Face model inside it."""
+    rename = rename or _identity
+    unsaved = unsaved_names(hf_model)
+    # Every name of each parameter: a tie the sharding kept is one parameter with two names, and
+    # named_parameters gives the first in module order, which need not be the one save_pretrained
+    # kept (LUKE ties lm_head.bias to lm_head.decoder.bias: the file holds only the latter).
+    names_of: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        base = rename(clean_name(n))
+        if base is not None:
+            names_of.setdefault(id(p), []).append(base)
+    found = ParamSources({}, [], [], [])
+    for name, p in params.items():
+        key_in_file = file_key(name, entries, prefix)
+        if key_in_file is None:
+            key_in_file = next((k for k in (file_key(a, entries, prefix) for a in names_of.get(id(p), [])
+                                            if a != name) if k is not None), None)
+        if key_in_file is not None:
+            found.keys[name] = key_in_file
+            continue
+        partner = tie_partner(hf_model, name, params, entries, prefix)
+        if partner is None and name in unsaved:
+            found.computed.append((name, p))
+        elif partner is None:
+            found.missing.append(name)
+        else:
+            found.untied.append((name, partner))
+    return found
+
+
+def check_untied(params: Dict[str, torch.Tensor], untied: List[Tuple[str, str]], path: str) -> None:
+    """Refuses, before any byte moves, an untied pair whose local parts differ (shape, or
+    DTensor placements): the copy of the partner's values after the load would be wrong."""
+    from torch.distributed.tensor import DTensor
+
+    for name, partner in untied:
+        pa, pb = params[name], params[partner]
+        a, b = local_tensor(pa), local_tensor(pb)
+        placed = [(p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None for p in (pa, pb)]
+        if a.shape != b.shape or placed[0] != placed[1]:
+            raise LayoutMismatchError(
+                f"parameter {name} (tied to {partner} in the model, which {path} holds): the sharding "
+                f"made them two parameters with local shapes {list(a.shape)} and {list(b.shape)}"
+                f"{'' if placed[0] == placed[1] else ', placed differently'}; "
+                "shard the modules holding both in one unit")
+
+
+def complete_sources(model: nn.Module, hf_model: nn.Module, params: Dict[str, torch.Tensor],
+                     found: ParamSources, report: LoadReport) -> None:
+    """After the bytes moved: the never-saved parameters computed, untied ones copied from their
+    partners (recorded on `report` and the model, with a warning)."""
+    if found.computed:
+        fill_unsaved(hf_model, found.computed)
+    untied = found.untied
     if untied:
         with torch.no_grad():
             for name, partner in untied:
@@ -481,8 +538,7 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
             f"({'; '.join(report.untied[:4])}): the sharding put them in different units. Both were "
             "loaded with the checkpoint's values, but training updates them separately; to keep them "
             "tied, shard the modules holding both names in one unit (e.g. do not fully_shard the "
-            "embeddings module on its own)", stacklevel=2)
-    return report
+            "embeddings module on its own)", stacklevel=3)
 
 
 def fill_unsaved(model: nn.Module, computed: List[Tuple[str, torch.Tensor]]) -> None:

@@ -20,8 +20,9 @@ from .layout import layout_rank_file, read_manifest
 from .model import clean_name
 
 
-def placement_name(pl) -> str:
-    """A torch placement as rank files write it: "R", "S(d)", "_S(d,k)"."""
+def placement_name(pl, name: str = "", mesh_dim: str = "") -> str:
+    """A torch placement as rank files write it: "R", "S(d)", "_S(d,k)". Any other (Partial:
+    pending sums) raises naming parameter `name` and its mesh dim `mesh_dim`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -31,7 +32,12 @@ def placement_name(pl) -> str:
         return f"S({pl.dim})"
     if isinstance(pl, Replicate):
         return "R"
-    raise UnsupportedError(f"placement {pl}: reshard loads Shard, _StridedShard and Replicate placements")
+    where = f"parameter {name or '?'}: placement {pl} on mesh dim {mesh_dim or '?'}"
+    raise UnsupportedError(
+        f"{where}: reshard loads and saves Shard, _StridedShard and Replicate placements only. Redistribute "
+        f"the parameter to Replicate (or Shard) on that mesh dim before reshard.load / reshard.save, e.g. "
+        f"nn.Parameter(p.redistribute(p.device_mesh, [Replicate() if isinstance(pl, Partial) else pl "
+        f"for pl in p.placements])) set on its module")
 
 
 def _fsdp2_shaped(p) -> bool:
@@ -70,7 +76,23 @@ def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
     from torch.distributed.tensor import DTensor
 
     dts = [p for p in model.parameters() if isinstance(p, DTensor)]
-    placed = [p for p in dts if not _fsdp2_shaped(p)]
+    managed = _fsdp_managed(model)
+    if managed is not None:
+        # A Shard(0) that fully_shard did not make (ColwiseParallel, experts Shard(0) over an ep
+        # dim) is the job's own placement, not FSDP2's.
+        placed = [p for p in dts if not (_fsdp2_shaped(p) and id(p) in managed)]
+    else:
+        placed = [p for p in dts if not _fsdp2_shaped(p)]
+        if not placed and dts:
+            # No fully_shard at all: Shard(0) DTensors load as an FSDP2 job only when they make
+            # one (every parameter a DTensor, one world size and shard coordinate); else (tensor
+            # parallel of some modules, the rest plain) they are a DTensor job on their mesh.
+            from .load import shard_coordinate
+
+            try:
+                shard_coordinate(model)
+            except UnsupportedError:
+                placed = dts
     if not placed:
         return None
     # The mesh of the parameters FSDP2 alone did not place (TP / EP): with expert parallel, the
@@ -89,25 +111,38 @@ def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
     return DTensorJob(tuple(names), tuple(mesh.shape), coordinate, rank, _fsdp_mesh_dims(model, names))
 
 
-def _fsdp_mesh_dims(model: nn.Module, names) -> Dict[int, int]:
-    """id(sharded parameter) -> the index in `names` of the mesh dim fully_shard sharded it over."""
-    out: Dict[int, int] = {}
+def _fsdp_params(model: nn.Module) -> Optional[list]:
+    """The FSDPParams of `model`'s fully_shard'ed modules; None when no module is fully_shard'ed."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        return out
+        return None
+    found, out = False, []
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
+        found = True
         group = m._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        for fp in group.fsdp_params:
-            info = fp.mesh_info
-            dim_names = info.mesh.mesh_dim_names or ()
-            shard_name = dim_names[info.shard_mesh_dim] if info.shard_mesh_dim is not None and dim_names else None
-            if shard_name in names:
-                out[id(fp.sharded_param)] = list(names).index(shard_name)
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out if found else None
+
+
+def _fsdp_managed(model: nn.Module) -> Optional[set]:
+    """id() of every parameter fully_shard holds sharded; None when no module is fully_shard'ed."""
+    fsdp_params = _fsdp_params(model)
+    return None if fsdp_params is None else {id(fp.sharded_param) for fp in fsdp_params}
+
+
+def _fsdp_mesh_dims(model: nn.Module, names) -> Dict[int, int]:
+    """id(sharded parameter) -> the index in `names` of the mesh dim fully_shard sharded it over."""
+    out: Dict[int, int] = {}
+    for fp in _fsdp_params(model) or []:
+        info = fp.mesh_info
+        dim_names = info.mesh.mesh_dim_names or ()
+        shard_name = dim_names[info.shard_mesh_dim] if info.shard_mesh_dim is not None and dim_names else None
+        if shard_name in names:
+            out[id(fp.sharded_param)] = list(names).index(shard_name)
     return out
 
 
@@ -128,7 +163,7 @@ def live_placements(job: DTensorJob, name: str, p) -> Tuple[List[str], Optional[
                                    f"{job.shape[job.names.index(n)]}")
     full = ["R"] * len(job.names)
     for n, pl in zip(own, p.placements):
-        full[job.names.index(n)] = placement_name(pl)
+        full[job.names.index(n)] = placement_name(pl, name, n)
     return full, job.fsdp_dims.get(id(p))
 
 
@@ -158,13 +193,25 @@ def placed_tensors(job: DTensorJob, params, buffers, prefix: str = "") -> Tuple[
     return tensors, placed
 
 
-def placement_mismatch(job: DTensorJob, params, entries, prefix: str, path: str) -> Optional[str]:
+def placement_mismatch(job: DTensorJob, params, entries, prefix: str, path: str,
+                       model: Optional[nn.Module] = None) -> Optional[str]:
     """Why the entries of `path` do not hold this job's parameters as it places them; None when
-    they do."""
-    from .load import file_key
+    they do. With `model`, a parameter is also found by its other names and its tie partner's
+    entry (the partner's placements checked), or is one the model never saves (computed after
+    the load, as reshard.load does: load.param_sources); without, by its own name only."""
+    from .load import file_key, param_sources
 
+    if model is not None:
+        found = param_sources(model, model, params, entries, prefix)
+        if found.missing:
+            return f"parameter {found.missing[0]} is not in {path}"
+        keys = found.keys
+    else:
+        keys = {name: file_key(name, entries, prefix) for name in params}
     for name, p in params.items():
-        k = file_key(name, entries, prefix)
+        if name not in keys:  # untied (its partner is checked) or never saved
+            continue
+        k = keys[name]
         if k is None:
             return f"parameter {name} is not in {path}"
         live, fsdp_dim = live_placements(job, name, p)
@@ -235,7 +282,12 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         reasons.append(f"{key}: {why}")
     # No layout of this job's own: plan its rank over what is there, as convert would.
     from .dtensor_sources import open_dtensor_view
+    from .load import convert_command
     from .model import persistent_buffer_names
+
+    # OUT a Hugging Face checkpoint: the conversion goes to a new directory, never into it.
+    command = convert_command(out, f"--mesh {job.mesh_flag()} --plan PLAN.json", "PLAN.json: the parallel "
+                              "plan of this job, formats/parallel-plan.md")
 
     if manifest is None and not os.path.exists(out):
         from .sources import hf_source
@@ -253,7 +305,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         raise LayoutMismatchError(f"{out}: no DTensor layout matches this job{detail} and no other complete "
                                   f"layout to read it from. Create one with: {command}")
     entries = {t.name: t for t in view.reader.tensors}
-    why = placement_mismatch(job, params, entries, prefix, view.path)
+    why = placement_mismatch(job, params, entries, prefix, view.path, model)
     if why is not None:  # the planner and the live job disagree: say so, do not load
         raise LayoutMismatchError(f"{view.path}: planned for this job's placements, but {why}. "
                                   f"Convert with this job's plan instead: {command}")
@@ -301,20 +353,29 @@ def _refuse_split_ties(model: nn.Module, job: DTensorJob) -> None:
 
 def _load_file(model, rank_file, key, job, entries, params, prefix, path, command, *, threads, verify,
                io, strict_buffers, source: str) -> LoadReport:
-    from .load import file_key, finish_load, param_target, plan_buffers  # load imports this module
+    # load imports this module
+    from .load import (check_untied, complete_sources, finish_load, param_sources, param_target,
+                       plan_buffers)
 
+    # As reshard.load: other names of a parameter, tie partners, parameters never saved.
+    found = param_sources(model, model, params, entries, prefix)
+    if found.missing:
+        raise LayoutMismatchError(f"parameter {found.missing[0]} is not in {path}. Convert this model's "
+                                  f"checkpoint: {command}")
     direct, converted = [], []
     used = set()
     device_index = None
-    for name, p in params.items():
-        k = file_key(name, entries, prefix)
+    for name, k in found.keys.items():
         used.add(k)
-        kind, t, device_index = param_target(name, p, k, entries[k], path, command, device_index)
+        kind, t, device_index = param_target(name, params[name], k, entries[k], path, command, device_index)
         if kind == "direct":
             direct.append(t)
         elif kind == "converted":
             converted.append(t)
+    check_untied(params, found.untied, path)
     buffers, needs_fresh = plan_buffers(model, entries, prefix, path, used)
-    return finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
-                       buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
-                       strict_buffers=strict_buffers, source=source)
+    report = finish_load(model, rank_file, key, job.world_size, job.rank, entries, direct, converted,
+                         buffers, needs_fresh, device_index, threads=threads, verify=verify, io=io,
+                         strict_buffers=strict_buffers, source=source)
+    complete_sources(model, model, params, found, report)
+    return report
