@@ -272,7 +272,7 @@ def load_dtensor(model: nn.Module, out: str, job: DTensorJob, *, threads, verify
         # Listed by OUT/reshard.json as this rank's file of this layout: same source, size and header.
         rank_file.check_listed(out, key, job.rank)
         entries = {t.name: t for t in rank_file.tensors}
-        why = placement_mismatch(job, params, entries, prefix, path)
+        why = placement_mismatch(job, params, entries, prefix, path, model)
         if why is None:
             return with_dense(model, out, job, dense, prefix, lambda: _load_file(
                 model, rank_file, key, job, entries, params, prefix, path, command, threads=threads,
