@@ -173,14 +173,14 @@ def placed_tensors(job: DTensorJob, params, buffers, prefix: str = "") -> Tuple[
     persistent ones) whole, R on every mesh dim; with `prefix`, each name also with / without
     the base model prefix, as checkpoints spell it (the model's own name first: errors name it).
     Returns (tensors, {clean name: (placements, fsdp mesh dim)})."""
-    tensors, placed = [], {}
+    tensors, aliases, placed = [], [], {}
 
     def add(name, ndim, whole, placements, fsdp):
         placed[name] = (placements, fsdp)
-        names = [name]
+        tensors.append((name, ndim, whole, placements, fsdp))
         if prefix:
-            names.append(name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}")
-        tensors.extend((n, ndim, whole, placements, fsdp) for n in names)
+            alias = name[len(prefix) + 1:] if name.startswith(prefix + ".") else f"{prefix}.{name}"
+            aliases.append((alias, ndim, whole, placements, fsdp))
 
     for name, p in params.items():
         placements, fsdp = live_placements(job, name, p)
@@ -188,8 +188,10 @@ def placed_tensors(job: DTensorJob, params, buffers, prefix: str = "") -> Tuple[
     for name, ndim in buffers:
         if name not in placed:
             add(name, ndim, True, ["R"] * len(job.names), -1)
-    seen = set()  # an alias that is another tensor's own name keeps the first
-    tensors = [t for t in tensors if not (t[0] in seen or seen.add(t[0]))]
+    # Every tensor's own name first, then the aliases that are no tensor's own name: an alias
+    # never gives a real tensor another's placements.
+    seen = set()
+    tensors = [t for t in tensors + aliases if not (t[0] in seen or seen.add(t[0]))]
     return tensors, placed
 
 

@@ -238,3 +238,23 @@ def test_convert_writes_what_fully_shard_over_tp_holds(tmp_path, cli, mesh_shape
     for name, t in src.items():
         t = t.to(dtype or t.dtype)
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_an_alias_never_gives_a_tensor_another_ones_placements(monkeypatch):
+    """placed_tensors lists each tensor also under its name with / without the base model
+    prefix (as checkpoints spell it); where that alias is another tensor's own name (a model
+    holding both `model.w` and `w`), the other tensor keeps its own placements."""
+    from reshard import load_dtensor
+
+    own = {"model.w": (["S(0)", "R"], 0), "w": (["R", "S(1)"], None)}
+    monkeypatch.setattr(load_dtensor, "live_placements", lambda job, name, p: own[name])
+    job = load_dtensor.DTensorJob(names=("dp", "tp"), shape=(2, 2), coordinate=(0, 0), rank=0, fsdp_dims={})
+    params = {"model.w": torch.zeros(4, 4), "w": torch.zeros(4, 4)}
+    tensors, placed = load_dtensor.placed_tensors(job, params, [("model.b", 1)], prefix="model")
+    by_name = {t[0]: t for t in tensors}
+    assert len(by_name) == len(tensors)  # each name once
+    assert by_name["w"][3] == ["R", "S(1)"] and by_name["w"][4] == -1
+    assert by_name["model.w"][3] == ["S(0)", "R"] and by_name["model.w"][4] == 0
+    # an alias that is nobody's own name is still listed (the buffer as the checkpoint spells it)
+    assert by_name["b"][2] is True and by_name["model.b"][2] is True
+    assert placed == {"model.w": (["S(0)", "R"], 0), "w": (["R", "S(1)"], -1), "model.b": (["R", "R"], -1)}
