@@ -83,9 +83,19 @@ ParallelPlan ParseParallelPlan(std::string_view text, const std::string& path) {
   for (size_t i = 0; i < rules.size(); ++i) {
     const std::string f = "rules[" + std::to_string(i) + "]";
     const json& r = internal::GetObject(rules[i], path, f);
-    OnlyKeys(r, {"pattern", "placements"}, path, f);
+    OnlyKeys(r, {"pattern", "placements", "fsdp_dim"}, path, f);
     PlanRule rule;
     rule.pattern = GetString(Member(r, "pattern", path, f), path, f + ".pattern");
+    if (r.contains("fsdp_dim")) {
+      // The tensor dim fully_shard shards for this rule's tensors: only with fsdp.
+      const uint64_t d = GetU64(r["fsdp_dim"], path, f + ".fsdp_dim");
+      if (d > 64) FailField(path, f + ".fsdp_dim", std::to_string(d), "a tensor dim (0 to 64)");
+      if (!plan.fsdp_mesh_dim) {
+        FailField(path, f + ".fsdp_dim", std::to_string(d),
+                  "none: the plan has no fsdp (fully_shard's mesh dim), so nothing shards that dim");
+      }
+      rule.fsdp_dim = static_cast<uint32_t>(d);
+    }
     if (!ValidPattern(rule.pattern)) {
       FailField(path, f + ".pattern", "\"" + Printable(rule.pattern) + "\"",
                 "a parameter name with '*' for one dotted component's characters (no spaces, no \"**\")");
@@ -117,7 +127,9 @@ std::string CanonicalPlanJson(const ParallelPlan& plan) {
   for (const PlanRule& r : plan.rules) {
     json p = json::object();
     for (const auto& [dim, placement] : r.placements) p[dim] = placement.ToString();
-    rules.push_back({{"pattern", r.pattern}, {"placements", std::move(p)}});
+    json rule = {{"pattern", r.pattern}, {"placements", std::move(p)}};
+    if (r.fsdp_dim) rule["fsdp_dim"] = *r.fsdp_dim;  // absent when unset: older plans hash as before
+    rules.push_back(std::move(rule));
   }
   j["rules"] = std::move(rules);
   return j.dump();
@@ -138,9 +150,11 @@ DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std
     }
   }
   if (ndim == 0 || whole) return s;  // 0-dim tensors and buffers: whole on every rank
+  int matched = -1;
   for (size_t i = 0; i < plan.rules.size(); ++i) {
     const PlanRule& r = plan.rules[i];
     if (!PlanPatternMatches(r.pattern, name)) continue;
+    matched = static_cast<int>(i);
     for (const auto& [dim, p] : r.placements) {
       const int m = mesh.Find(dim);
       if (m < 0) {
@@ -158,15 +172,25 @@ DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std
     break;
   }
   if (fsdp >= 0) {
-    if (plan.fsdp_dim >= ndim) {
-      Fail(ErrorCode::kInvalidArgument, path + ": fsdp.dim " + std::to_string(plan.fsdp_dim) + " of " +
-                                            tensor + ", which has " + std::to_string(ndim) + " dims");
+    // The matching rule's fsdp_dim, else the plan's (shard_placement_fn per parameter).
+    const PlanRule* rule = matched >= 0 ? &plan.rules[matched] : nullptr;
+    const uint32_t dim = rule && rule->fsdp_dim ? *rule->fsdp_dim : plan.fsdp_dim;
+    if (dim >= ndim) {
+      const std::string found = "found " + std::to_string(dim) + ", expected a dim of its " + std::to_string(ndim) +
+                                " (0 to " + std::to_string(ndim - 1) + ")";
+      if (rule && rule->fsdp_dim) {
+        Fail(ErrorCode::kInvalidArgument, path + ": rules[" + std::to_string(matched) + "] (" + rule->pattern +
+                                              ") fsdp_dim of " + tensor + ": " + found);
+      }
+      Fail(ErrorCode::kInvalidArgument, path + ": fsdp.dim " + std::to_string(dim) + " of " + tensor +
+                                            ", which has " + std::to_string(ndim) + " dims (" + found +
+                                            "; a rule's \"fsdp_dim\" sets another for the tensors it matches)");
     }
     uint64_t k = 1;  // FSDPParam: split_factor = the DTensor spec's num_shards_map[shard dim]
     for (size_t m = 0; m < mesh.ndim(); ++m) {
-      if (s.placements[m].IsShard() && s.placements[m].dim == plan.fsdp_dim) k *= mesh.shape[m];
+      if (s.placements[m].IsShard() && s.placements[m].dim == dim) k *= mesh.shape[m];
     }
-    s.placements[fsdp] = k > 1 ? Placement::StridedShard(plan.fsdp_dim, k) : Placement::Shard(plan.fsdp_dim);
+    s.placements[fsdp] = k > 1 ? Placement::StridedShard(dim, k) : Placement::Shard(dim);
     s.fsdp_mesh_dim = fsdp;
   }
   return s;
@@ -204,12 +228,12 @@ ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
     if (!first_fsdp) {
       first_fsdp = &t;
       plan.fsdp_mesh_dim = mesh.names[f];
-      plan.fsdp_dim = t.sharding.placements[f].dim;
-    } else if (mesh.names[f] != *plan.fsdp_mesh_dim || t.sharding.placements[f].dim != plan.fsdp_dim) {
+      plan.fsdp_dim = 0;  // FSDP2's default; a tensor sharded on another dim says so in its rule
+    } else if (mesh.names[f] != *plan.fsdp_mesh_dim) {
       Fail(ErrorCode::kUnsupported,
            what + ": fully_shard sharded \"" + first_fsdp->name + "\" as " + describe(*first_fsdp) +
                " and \"" + t.name + "\" as " + describe(t) +
-               ": a parallel plan (formats/parallel-plan.md) has one fsdp mesh dim and tensor dim, "
+               ": a parallel plan (formats/parallel-plan.md) has one fsdp mesh dim, "
                "so no DTensor layout can record this job's placements");
     }
   }
@@ -227,7 +251,9 @@ ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
       }
       if (t.sharding.placements[m].IsShard()) rule.placements.emplace_back(mesh.names[m], t.sharding.placements[m]);
     }
-    if (!rule.placements.empty()) plan.rules.push_back(std::move(rule));
+    const int f = t.sharding.fsdp_mesh_dim;
+    if (f >= 0 && t.sharding.placements[f].dim != plan.fsdp_dim) rule.fsdp_dim = t.sharding.placements[f].dim;
+    if (!rule.placements.empty() || rule.fsdp_dim) plan.rules.push_back(std::move(rule));
   }
   plan.xxh3 = Xxh3(CanonicalPlanJson(plan));
   for (const PlacedTensor& t : tensors) {

@@ -334,9 +334,33 @@ void ExpandConversion(EntryMap& map, const Conversion& conversion) {
   if (conversion.targets.empty()) return;
   std::vector<EntrySegment> out;
   for (EntrySegment& s : map.segments) {
-    if (s.kind == EntrySegment::Kind::kStrided && conversion.Find(s.source)) {
-      Fail(ErrorCode::kUnsupported, "tensor \"" + map.name + "\": a DTensor box of " + s.source +
-                                        ", which the model manifest builds from other tensors (not yet supported)");
+    if (s.kind == EntrySegment::Kind::kStrided) {
+      const ConversionTarget* t = conversion.Find(s.source);
+      if (!t) {
+        out.push_back(std::move(s));
+        continue;
+      }
+      // A DTensor box of a tensor the manifest assembles (fused experts fully_shard'ed on dim 1:
+      // rows of the box are runs of the target's elements): each run of each row in turn, as
+      // the target's expression lays its elements out.
+      const uint64_t row = s.RowElements();
+      uint64_t i = 0;
+      while (row > 0 && i < s.count) {
+        const uint64_t base = s.source_element + (i / row) * s.stride;
+        uint64_t off = i % row;
+        for (const IndexRun& r : s.runs) {
+          if (i >= s.count) break;
+          if (off >= r.length) {
+            off -= r.length;
+            continue;
+          }
+          const uint64_t n = std::min(r.length - off, s.count - i);
+          ExprSegments(t->expr, base + r.start + off, n, s.element + i, out);
+          i += n;
+          off = 0;
+        }
+      }
+      continue;
     }
     const ConversionTarget* t =
         s.kind == EntrySegment::Kind::kSource ? conversion.Find(s.source) : nullptr;

@@ -258,3 +258,84 @@ def test_an_alias_never_gives_a_tensor_another_ones_placements(monkeypatch):
     # an alias that is nobody's own name is still listed (the buffer as the checkpoint spells it)
     assert by_name["b"][2] is True and by_name["model.b"][2] is True
     assert placed == {"model.w": (["S(0)", "R"], 0), "w": (["R", "S(1)"], -1), "model.b": (["R", "R"], -1)}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 3), (4, 1)], ids=lambda m: "x".join(map(str, m)))
+def test_experts_fully_shard_on_dim1_follows_fsdp2(mesh_shape):
+    """torchtitan's experts when efsdp x ep > experts: Shard(0) over ep (mesh dim 1), then
+    fully_shard(shard_placement_fn=lambda p: Shard(1)) over efsdp (mesh dim 0): FSDP2's
+    _chunk_with_empty of the ep-local tensor on dim 1 (FSDPParam._init_sharded_param; FSDP2
+    needs it even). torch records [S(1), S(0)] (dim 1 is not cut by ep: no _StridedShard); a
+    plan rule with "fsdp_dim": 1 gives exactly that, and the map the elements FSDP2 holds."""
+    efsdp, ep = mesh_shape
+    plan = {"format": "reshard.parallel-plan", "format_version": 1, "name": "moe", "fsdp": {"mesh_dim": "efsdp"},
+            "rules": [{"pattern": "w", "placements": {"ep": "S(0)"}, "fsdp_dim": 1}]}
+    for experts in (1, 2, 3, 4, 6):
+        if experts % ep:
+            continue
+        shape = (experts, 2 * efsdp * 3, 5)  # dim 1 a multiple of efsdp: FSDP2's Shard(1) is even only
+        g = torch.arange(torch.Size(shape).numel()).reshape(shape)
+        key, _, _, canonical = _C.plan_of_placements(
+            "moe", ["efsdp", "ep"], list(mesh_shape), [("w", 3, False, ["S(1)", "S(0)"], 0)])
+        got_plan = json.loads(canonical)
+        assert got_plan["fsdp"] == {"dim": 0, "mesh_dim": "efsdp"}, got_plan
+        assert got_plan["rules"] == [dict(plan["rules"][0], placements={"ep": "S(0)"})], got_plan
+        for rank in range(efsdp * ep):
+            c = coordinate(mesh_shape, rank)
+            ep_local = split(Shard(0), g, ep, c[1])
+            local = _chunk_with_empty(ep_local, efsdp, dim=1)[c[0]]
+            assert reshard_elements(shape, ["S(1)", "S(0)"], mesh_shape, rank, fsdp_mesh_dim=0) == (
+                list(local.shape), local.reshape(-1).tolist()), (mesh_shape, experts, rank)
+
+
+def test_convert_writes_what_experts_fully_shard_on_dim1_hold(tmp_path, cli):
+    """`reshard convert --mesh efsdp=2,ep=2 --plan` with the experts' rules "fsdp_dim": 1 (the
+    plan python -m reshard.ep writes when efsdp x ep > experts), the other tensors on the plan's
+    fsdp.dim 0 (1-D ones included): each rank file holds what FSDP2 holds (ep's Shard(0), then
+    _chunk_with_empty on dim 1 over efsdp); verify --source and export give the checkpoint back."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    src = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(2, 8, 6, generator=g).to(torch.bfloat16),
+           "model.layers.0.mlp.experts.down_proj": torch.randn(2, 6, 4, generator=g),
+           "model.layers.0.mlp.gate.weight": torch.randn(2, 6, generator=g),
+           "model.norm.weight": torch.randn(7, generator=g)}
+    (tmp_path / "src").mkdir()
+    save_file(src, str(tmp_path / "src" / "model.safetensors"))
+    experts = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
+    plan = {"format": "reshard.parallel-plan", "format_version": 1, "name": "moe_ep", "fsdp": {"mesh_dim": "efsdp"},
+            "rules": [{"pattern": p, "placements": {"ep": "S(0)"}, "fsdp_dim": 1} for p in experts]}
+    (tmp_path / "moe_ep.json").write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    cli("convert", tmp_path / "src", "-o", out, "--mesh", "efsdp=2,ep=2", "--plan", tmp_path / "moe_ep.json",
+        rc=0, env={"RESHARD_MODEL_CAPTURE": "0"})
+    (key, _), = json.loads((out / "reshard.json").read_text())["layouts"].items()
+    for rank in range(4):
+        c = coordinate((2, 2), rank)
+        f = _C.RankFile.open(str(out / key / f"rank-{rank:05d}-of-00004.reshard"))
+        entries = {t.name: t for t in f.tensors}
+        host, targets = {}, []
+        for name, e in entries.items():
+            host[name] = torch.empty(e.local_shape, dtype=src[name].dtype)
+            targets.append(_C.LoadTarget(name, host[name].data_ptr(), e.nbytes, False))
+        f.load(targets, device=0, threads=1)
+        for name, t in src.items():
+            if "experts" in name:
+                want, placements = _chunk_with_empty(split(Shard(0), t, 2, c[1]), 2, dim=1)[c[0]], ["S(1)", "S(0)"]
+            else:
+                want, placements = _chunk_with_empty(t, 2, dim=0)[c[0]], ["S(0)", "R"]
+            assert entries[name].placements == placements and entries[name].fsdp_mesh_dim == 0, name
+            assert torch.equal(host[name], want), (name, rank)
+    cli("verify", out, "--source", tmp_path / "src", rc=0)
+    cli("export", out, "-o", tmp_path / "exp", rc=0)
+    back = load_file(str(tmp_path / "exp" / "model.safetensors"))
+    assert sorted(back) == sorted(src)
+    for name, t in src.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    # Without the rules' fsdp_dim but fsdp.dim 1 for all: the 1-D norm cannot take it, named.
+    bad = dict(plan, fsdp={"mesh_dim": "efsdp", "dim": 1}, rules=[{"pattern": p, "placements": {"ep": "S(0)"}}
+                                                                 for p in experts])
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    r = cli("convert", tmp_path / "src", "-o", tmp_path / "bad", "--mesh", "efsdp=2,ep=2", "--plan",
+            tmp_path / "bad.json", rc=None, env={"RESHARD_MODEL_CAPTURE": "0"})
+    assert r.rc != 0 and "model.norm.weight" in r.text and "fsdp_dim" in r.text, r.text

@@ -737,6 +737,45 @@ def test_trainer_expert_parallel_ep2_four_ranks(tmp_path, reshard_bin):
           f"{reps[0]['losses'][-1]:.4f}")
 
 
+def test_trainer_ep_shards_experts_on_dim1_as_torchtitan(tmp_path, reshard_bin):
+    """--ep 2 on four ranks of a Mixtral with 2 experts: efsdp 2 x ep 2 > 2 experts, so
+    reshard.ep.parallelize fully_shards the experts on tensor dim 1 (torchtitan's rule). OUT
+    holds only fsdp2-ws4: the job reads what is there and prints the commands that store its
+    layouts; run as printed, they give the layout the next run reads as stored (no resharding),
+    the weights equal from_pretrained's bit for bit both times."""
+    import shlex
+
+    from dtensor_common import tiny_mixtral
+
+    src, out = tmp_path / "mixtral", tmp_path / "out"
+    tiny_mixtral(src, num_local_experts=2)
+    _run([sys.executable, "-m", "reshard.model_manifest", src, "-o", out / "reshard-model.json"])
+    _convert(reshard_bin, src, out, 4)
+    train = [TORCHRUN, "--standalone", "--nproc-per-node", "4", "-m", "reshard.train", out, "--ep", "2",
+             "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--check-weights", src]
+    proc, log = _run(train + ["--json-out", tmp_path / "j1"], timeout=600)
+    (line,) = [ln for ln in proc.stdout.splitlines() if "To store this job's layouts" in ln]
+    commands = line.split("(SRC): ", 1)[1].split(" && ")
+    assert commands[0] == "python -m reshard.ep SRC -o mixtral_ep.json --world-size 4 --ep 2", commands
+    assert "the rest on fsdp=4; experts fully_shard on tensor dim 1" in proc.stdout, log
+    for rep in _reports(tmp_path / "j1", 4):
+        assert rep["experts_fsdp_dim"] == 1 and rep["params_checked"] == 21, rep
+        assert "resharded while reading to mesh efsdp=2,ep=2" in rep["load"]["source"], rep["load"]
+    for cmd in commands:  # as printed, SRC the checkpoint, in a directory of their own
+        argv = [str(src) if a == "SRC" else a for a in shlex.split(cmd)]
+        argv = [sys.executable, *argv[1:]] if argv[0] == "python" else [reshard_bin, *argv[1:]]
+        subprocess.run(argv, check=True, cwd=tmp_path, env=_env(), capture_output=True, timeout=240)
+    plan = json.loads((tmp_path / "mixtral_ep.json").read_text())
+    assert [r["fsdp_dim"] for r in plan["rules"]] == [1, 1], plan
+    proc, log = _run(train + ["--json-out", tmp_path / "j2"], timeout=600)
+    assert "To store this job's layouts" not in proc.stdout, log
+    for r, rep in enumerate(_reports(tmp_path / "j2", 4)):
+        assert rep["experts_fsdp_dim"] == 1 and rep["params_checked"] == 21, rep
+        assert rep["load"]["layout"].startswith("dtensor-efsdp2.ep2-mixtral_ep."), rep["load"]
+        assert rep["load"]["layout"].endswith(" + fsdp2-ws4"), rep["load"]
+        assert "resharded" not in rep["load"]["source"], rep["load"]
+
+
 def test_trainer_ep_refuses_what_it_does_not_run(tmp_path, capsys):
     """--ep with --tp / --fsdp1 / --lora is a usage error; a model without fused experts is refused
     under torchrun, one line naming the model class; experts --ep does not divide are refused by

@@ -21,12 +21,17 @@ inline constexpr uint32_t kParallelPlanVersion = 1;
 struct PlanRule {
   std::string pattern;  // '*' matches one or more characters other than '.'; the rest literally
   std::vector<std::pair<std::string, Placement>> placements;  // mesh dim name -> placement
+  // The tensor dim fully_shard shards for the tensors this rule matches ("fsdp_dim"; a plan
+  // with fsdp only); unset: the plan's fsdp_dim. torchtitan's experts with
+  // shard_placement_fn=lambda p: Shard(1) while every other parameter keeps Shard(0).
+  std::optional<uint32_t> fsdp_dim;
 };
 
 struct ParallelPlan {
   std::string name;                 // [A-Za-z0-9_]{1,64}: part of the layout key
   std::optional<std::string> fsdp_mesh_dim;  // fully_shard's mesh dim name
-  uint32_t fsdp_dim = 0;            // the tensor dim fully_shard shards (Shard(0) by default)
+  uint32_t fsdp_dim = 0;            // the tensor dim fully_shard shards (Shard(0) by default;
+                                    // a rule's fsdp_dim overrides it for the tensors it matches)
   std::vector<PlanRule> rules;      // first match wins
   uint64_t xxh3 = 0;                // XXH3-64 of the canonical form (CanonicalPlanJson)
 };
@@ -45,11 +50,11 @@ bool PlanPatternMatches(std::string_view pattern, std::string_view name);
 /// The sharding of tensor `name` (`ndim` dims) on `mesh` by `plan`: the first matching rule's
 /// placements (Replicate on mesh dims it does not name; no rule: Replicate everywhere), and on
 /// the fsdp mesh dim what fully_shard
-/// records: Shard(fsdp_dim), or _StridedShard(fsdp_dim, k) when the other placements already
-/// cut that dim into k pieces (fsdp_mesh_dim set). 0-dim tensors and `whole` ones (the
+/// records: Shard(d), or _StridedShard(d, k) when the other placements already cut that dim
+/// into k pieces (fsdp_mesh_dim set); d the matching rule's fsdp_dim, else the plan's. 0-dim tensors and `whole` ones (the
 /// model's buffers: neither TP nor FSDP2 shards them) are Replicate everywhere. Throws kInvalidArgument naming the plan's
 /// `path`, the rule and the tensor when a rule names a mesh dim the mesh lacks (or the fsdp
-/// one), or a tensor dim the tensor lacks.
+/// one), or a tensor dim the tensor lacks (its placements', its fsdp_dim, the plan's fsdp.dim).
 DTensorSharding PlanSharding(const ParallelPlan& plan, const MeshSpec& mesh, std::string_view name,
                              size_t ndim, bool whole, const std::string& path);
 
@@ -63,11 +68,13 @@ struct PlacedTensor {
 
 /// The plan named `name` that gives each of `tensors` exactly its sharding on `mesh` (by
 /// PlanSharding): one rule per tensor with a placement other than R on a mesh dim other than
-/// fully_shard's, its pattern the tensor's exact name, in the given order; the `fsdp` member
-/// from the tensors fully_shard sharded. What reshard.save records as the plan of a job's
+/// fully_shard's or fully_shard on a tensor dim other than 0, its pattern the tensor's exact
+/// name, in the given order; the `fsdp` member from the tensors fully_shard sharded, its dim 0
+/// (FSDP2's default; a tensor fully_shard shards on dim d > 0, e.g. torchtitan's experts on
+/// Shard(1), gets "fsdp_dim": d in its rule, so the plan still places every other tensor of a
+/// checkpoint, 1-D ones included). What reshard.save records as the plan of a job's
 /// layout (its placements need not come from a plan file). Throws kUnsupported naming the
-/// tensor when no plan of this format can say it: fully_shard over two mesh dims or two
-/// tensor dims, a tensor of ≥ 1 dims that fully_shard left alone while it sharded others, a
+/// tensor when no plan of this format can say it: fully_shard over two mesh dims, a tensor of ≥ 1 dims that fully_shard left alone while it sharded others, a
 /// name with '*' or a space, a sharding that PlanSharding does not give back.
 ParallelPlan PlanOfShardings(const std::string& name, const MeshSpec& mesh,
                              const std::vector<PlacedTensor>& tensors);

@@ -70,13 +70,14 @@ prints those two commands for the job's mesh. Ranks of one tp group train on the
 With ``--ep N`` a mixture-of-experts model (fused experts: transformers' ``MixtralExperts`` and
 its kind, ``gate_up_proj`` / ``down_proj``) is expert parallel over N ranks as torchtitan arranges
 it (``reshard.ep.parallelize``): each layer's experts ``Shard(0)`` over mesh dim ``ep`` and
-``fully_shard``'ed over ``efsdp`` (mesh ``efsdp x ep``, efsdp = world size / N), every other
+``fully_shard``'ed over ``efsdp`` (mesh ``efsdp x ep``, efsdp = world size / N; on tensor dim 1
+when efsdp x N exceeds the number of experts, as torchtitan does, else dim 0), every other
 parameter ``fully_shard``'ed over a 1-D mesh ``fsdp`` of all ranks; each rank runs its own experts
 on the tokens routed to them, the shares summed over ``ep``, so the ranks of one ep group train on
 the same batches (drawn by their efsdp index). ``reshard.load`` reads the experts from OUT's
 DTensor layout of that mesh and the rest from ``fsdp2-wsW``, made by
 
-    python -m reshard.ep SRC -o PLAN.json
+    python -m reshard.ep SRC -o PLAN.json --world-size W --ep N
     reshard convert SRC -o OUT --mesh efsdp=D,ep=N --plan PLAN.json
     reshard convert SRC -o OUT --world-size W
 
@@ -382,10 +383,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ep", type=int, default=1, metavar="N",
                     help="expert parallel over N ranks for a mixture-of-experts model (reshard.ep): the fused "
                          "experts Shard(0) over ep and fully_shard'ed over efsdp (mesh efsdp x ep, efsdp = "
-                         "world size / N), every other parameter fully_shard'ed over all ranks (mesh fsdp); "
+                         "world size / N; on tensor dim 1 when efsdp x N > the number of experts, as "
+                         "torchtitan), every other parameter fully_shard'ed over all ranks (mesh fsdp); "
                          "loads from what OUT holds, fastest from its layouts for that job: python -m "
-                         "reshard.ep SRC -o PLAN.json; reshard convert SRC -o OUT --mesh efsdp=D,ep=N --plan "
-                         "PLAN.json; reshard convert SRC -o OUT --world-size W")
+                         "reshard.ep SRC -o PLAN.json --world-size W --ep N; reshard convert SRC -o OUT --mesh "
+                         "efsdp=D,ep=N --plan PLAN.json; reshard convert SRC -o OUT --world-size W")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="reshard.load reader threads")
     ap.add_argument("--json-out", default=None, help="directory for rank-<r>.json")
@@ -547,7 +549,9 @@ def ep_commands(out: str, world: int, ep: int, config) -> List[str]:
     import shlex
 
     plan = f"{getattr(config, 'model_type', None) or 'model'}_ep.json"
-    return [f"python -m reshard.ep SRC -o {plan}",
+    # The job's sizes: the plan's experts on the tensor dim parallelize shards them on
+    # (torchtitan's rule: dim 1 when efsdp x ep > the number of experts).
+    return [f"python -m reshard.ep SRC -o {plan} --world-size {world} --ep {ep}",
             f"reshard convert SRC -o {shlex.quote(out)} --mesh efsdp={world // ep},ep={ep} --plan {plan}",
             f"reshard convert SRC -o {shlex.quote(out)} --world-size {world}"]
 
@@ -575,6 +579,15 @@ def expert_parallel(model: nn.Module, dense, sparse, mp_policy, out: str, log0) 
              f"while loading, nothing stored). To store this job's layouts (one file per rank each, the fastest load), from the checkpoint OUT comes from (SRC): "
              f"{' && '.join(ep_commands(out, world, ep, model.config))}")
     return units
+
+
+def experts_fsdp_dim_of(model: nn.Module) -> Optional[int]:
+    """The tensor dim fully_shard sharded the fused experts on over efsdp (mesh dim 0 of their
+    mesh): 1 when parallelize followed torchtitan's rule for efsdp x ep > experts, else 0."""
+    for _, m in reshard.ep.fused_experts(model):
+        pl = m.gate_up_proj.placements[0]
+        return pl.dim if pl.is_shard() else None
+    return None
 
 
 def clip_grad_norm_dtensor(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -832,10 +845,11 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         model.to_empty(device=device)
     live_dtype = next(model.parameters()).dtype
     compute_dtype = torch.bfloat16 if mp is not None else live_dtype
+    experts_dim = experts_fsdp_dim_of(model) if ep_mesh else None
     log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
          f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s)"
          f"{f' (mesh {mesh_flag}, tensor parallel: transformers tp plan)' if tp_mesh is not None else ''}"
-         f"{f' (expert parallel: experts on mesh {mesh_flag}, the rest on fsdp={world})' if ep_mesh else ''}, "
+         f"{f' (expert parallel: experts on mesh {mesh_flag}, the rest on fsdp={world}; experts fully_shard on tensor dim {experts_dim})' if ep_mesh else ''}, "
          f"{device.type}/{dist.get_backend()}, parameters "
          f"{live_dtype}, compute {compute_dtype}{' (mixed precision bf16/fp32)' if mp else ''}")
 
@@ -844,7 +858,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "model_class": cls.__name__, "param_dtype": str(live_dtype), "compute_dtype": str(compute_dtype),
         "mixed_precision": mp is not None, "fsdp_units": units, "fsdp": 1 if args.fsdp1 else 2,
         "local_param_bytes": local_param_bytes(model), "model_param_bytes": global_param_bytes(model),
-        "tp": args.tp, "ep": args.ep, "mesh": mesh_flag,
+        "tp": args.tp, "ep": args.ep, "mesh": mesh_flag, "experts_fsdp_dim": experts_dim,
     }
     rss_before = current_rss_bytes()
     peak_before = peak_rss_bytes()

@@ -108,6 +108,67 @@ TEST(Conversion, MixtralGateUpIsStackThenCatAndMatchesIndexMath) {
   EXPECT_EQ(segs[1].source_element, 0u);
 }
 
+// Fused experts fully_shard'ed on tensor dim 1 (torchtitan's Shard(1) when efsdp x ep >
+// experts) over EP's Shard(0): the rank's entry is a DTensor box of gate_up (kStrided
+// segments), which ExpandConversion turns into runs of the experts' own w1 / w3, element for
+// element what the index calculation of the box and the conversion gives.
+TEST(Conversion, ExpandsDTensorBoxesOfAssembledTensors) {
+  std::string w1 = "[" + Key("e0.w1", "[2, 5]") + "," + Key("e1.w1", "[2, 5]") + "," + Key("e2.w1", "[2, 5]") +
+                   "," + Key("e3.w1", "[2, 5]") + "]";
+  std::string w3 = "[" + Key("e0.w3", "[2, 5]") + "," + Key("e1.w3", "[2, 5]") + "," + Key("e2.w3", "[2, 5]") +
+                   "," + Key("e3.w3", "[2, 5]") + "]";
+  const ModelManifest m = ParseModelManifest(
+      Manifest(R"([{"name": "gate_up", "shape": [4, 4, 5], "expr": {"op": "cat", "dim": 1, "of": [
+        {"op": "stack", "dim": 0, "of": )" + w1 + R"(}, {"op": "stack", "dim": 0, "of": )" + w3 + "}]}}]"),
+      "m.json");
+  const ConversionTarget* t = m.conversion->Find("gate_up");
+  ASSERT_NE(t, nullptr);
+  const std::vector<uint64_t> shape = {4, 4, 5};
+  // [S(1) over efsdp=2, S(0) over ep=2] (fully_shard's mesh dim 0), and a box cut on dims 1 and 2.
+  const std::vector<std::pair<std::vector<Placement>, std::vector<uint32_t>>> cases = {
+      {{Placement::Shard(1), Placement::Shard(0)}, {2, 2}},
+      {{Placement::Shard(2), Placement::Shard(1)}, {2, 2}},
+  };
+  for (const auto& [placements, mesh_shape] : cases) {
+    for (uint32_t rank = 0; rank < 4; ++rank) {
+      TensorEntry e;
+      e.name = "gate_up";
+      e.dtype = DType::kBF16;
+      e.global_shape = shape;
+      DTensorSharding s;
+      s.mesh_shape = mesh_shape;
+      s.placements = placements;
+      s.fsdp_mesh_dim = 0;
+      const std::vector<uint32_t> coord = {rank / 2, rank % 2};
+      e.local_shape = DTensorLocalShape(shape, s, mesh_shape, coord, "t");
+      e.dtensor = s;
+      e.sharded = false;
+      uint64_t numel = 1;
+      for (uint64_t d : e.local_shape) numel *= d;
+      e.nbytes = numel * 2;
+      EntryMap map = MapEntry(e, LayoutKind::kDTensor, 4, rank, "t");
+      bool strided = false;
+      for (const EntrySegment& g : map.segments) strided |= g.kind == EntrySegment::Kind::kStrided;
+      EXPECT_TRUE(strided) << "a box, not rows";
+      std::vector<std::pair<std::string, uint64_t>> want;  // by the box's own segments, then Naive
+      for (const EntrySegment& g : map.segments) {
+        for (uint64_t i = 0; i < g.count; ++i) want.push_back(Naive(t->expr, Unravel(g.SourceElementAt(i), shape)));
+      }
+      ExpandConversion(map, *m.conversion);
+      std::vector<std::pair<std::string, uint64_t>> got;
+      uint64_t at = 0;
+      for (const EntrySegment& g : map.segments) {
+        ASSERT_EQ(g.kind, EntrySegment::Kind::kSource);
+        ASSERT_EQ(g.element, at);
+        for (uint64_t i = 0; i < g.count; ++i) got.emplace_back(g.source, g.source_element + i);
+        at += g.count;
+      }
+      EXPECT_EQ(at, numel);
+      EXPECT_EQ(got, want) << "rank " << rank << " " << placements[0].ToString();
+    }
+  }
+}
+
 TEST(Conversion, ChunksSlicesAndStacksOnInnerDimsMatchIndexMath) {
   const ModelManifest m = ParseModelManifest(
       Manifest(R"([{"name": "a", "shape": [3, 2, 4], "expr": {"op": "stack", "dim": 1, "of": [)" +

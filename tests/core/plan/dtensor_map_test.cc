@@ -9,12 +9,14 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "core/test_util.h"
+#include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/format/parallel_plan.h"
 #include "reshard/plan/byte_map.h"
@@ -281,6 +283,14 @@ TEST(ParallelPlan, ParsesAppliesAndHashesCanonically) {
   std::string other = text;
   other.replace(other.find("\"S(1)\"}}\n    ]"), 6, "\"R\"");
   EXPECT_NE(ParseParallelPlan(other, "r.json").xxh3, plan.xxh3);
+  // Golden canonical form: a plan without rules' "fsdp_dim" is written (and hashed) exactly as
+  // before that key existed.
+  EXPECT_EQ(CanonicalPlanJson(plan),
+            R"J({"format":"reshard.parallel-plan","format_version":1,"fsdp":{"dim":0,"mesh_dim":"dp_shard"},)J"
+            R"J("name":"llama_tp","rules":[{"pattern":"model.layers.*.self_attn.q_proj.weight",)J"
+            R"J("placements":{"tp":"S(0)"}},{"pattern":"model.layers.*.self_attn.o_proj.weight",)J"
+            R"J("placements":{"tp":"S(1)"}},{"pattern":"model.embed_tokens.weight","placements":{"tp":"S(1)"}}]})J");
+  EXPECT_EQ(plan.xxh3, Xxh3(CanonicalPlanJson(plan)));
   // Layout identity.
   LayoutSpec l;
   l.kind = LayoutKind::kDTensor;
@@ -294,6 +304,64 @@ TEST(ParallelPlan, ParsesAppliesAndHashesCanonically) {
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(plan.xxh3));
   EXPECT_EQ(l.Key(), "dtensor-dp_shard2.tp2-llama_tp." + std::string(hex, 8) + "-bf16");
   EXPECT_EQ(l.ConvertFlags(), "--mesh dp_shard=2,tp=2 --plan llama_tp.json --dtype bf16");
+}
+
+// A rule's "fsdp_dim": the tensor dim fully_shard shards for the tensors it matches
+// (torchtitan's experts: shard_placement_fn=lambda p: Shard(1)), the plan's fsdp.dim for the rest.
+TEST(ParallelPlan, RuleFsdpDimOverridesThePlansForItsTensors) {
+  const std::string text = R"J({"format": "reshard.parallel-plan", "format_version": 1, "name": "mixtral_ep",
+    "fsdp": {"mesh_dim": "efsdp"},
+    "rules": [
+      {"pattern": "model.layers.*.mlp.experts.gate_up_proj", "placements": {"ep": "S(0)"}, "fsdp_dim": 1},
+      {"pattern": "model.layers.*.mlp.experts.down_proj", "placements": {"ep": "S(1)"}, "fsdp_dim": 1},
+      {"pattern": "model.layers.*.mlp.experts.up_proj", "placements": {"ep": "S(0)"}, "fsdp_dim": 0},
+      {"pattern": "model.embed_tokens.weight", "placements": {}, "fsdp_dim": 1}
+    ]})J";
+  const ParallelPlan plan = ParseParallelPlan(text, "p.json");
+  ASSERT_EQ(plan.rules.size(), 4u);
+  EXPECT_EQ(plan.rules[0].fsdp_dim, std::optional<uint32_t>(1));
+  EXPECT_EQ(plan.rules[2].fsdp_dim, std::optional<uint32_t>(0));
+  const MeshSpec mesh = ParseMeshFlag("efsdp=2,ep=2");
+  const auto R = Placement::Replicate();
+  auto gu = PlanSharding(plan, mesh, "model.layers.3.mlp.experts.gate_up_proj", 3, false, "p.json");
+  EXPECT_EQ(gu.placements, (std::vector<Placement>{Placement::Shard(1), Placement::Shard(0)}));
+  EXPECT_EQ(gu.fsdp_mesh_dim, 0);
+  // ep already cuts dim 1: fully_shard's _StridedShard on it, as torch records.
+  auto down = PlanSharding(plan, mesh, "model.layers.0.mlp.experts.down_proj", 3, false, "p.json");
+  EXPECT_EQ(down.placements, (std::vector<Placement>{Placement::StridedShard(1, 2), Placement::Shard(1)}));
+  auto up = PlanSharding(plan, mesh, "model.layers.0.mlp.experts.up_proj", 3, false, "p.json");
+  EXPECT_EQ(up.placements, (std::vector<Placement>{Placement::StridedShard(0, 2), Placement::Shard(0)}));
+  auto emb = PlanSharding(plan, mesh, "model.embed_tokens.weight", 2, false, "p.json");
+  EXPECT_EQ(emb.placements, (std::vector<Placement>{Placement::Shard(1), R}));
+  // No rule: the plan's fsdp.dim, 1-D tensors too.
+  auto norm = PlanSharding(plan, mesh, "model.norm.weight", 1, false, "p.json");
+  EXPECT_EQ(norm.placements, (std::vector<Placement>{Placement::Shard(0), R}));
+  EXPECT_EQ(norm.fsdp_mesh_dim, 0);
+  // Part of the identity: in the canonical form, and a different dim is a different plan; an
+  // explicit "fsdp_dim" equal to the plan's is kept (it is what the file says).
+  const std::string canonical = CanonicalPlanJson(plan);
+  EXPECT_NE(canonical.find(R"({"fsdp_dim":1,"pattern":"model.layers.*.mlp.experts.gate_up_proj",)"),
+            std::string::npos)
+      << canonical;
+  EXPECT_EQ(ParseParallelPlan(canonical, "c.json").xxh3, plan.xxh3);
+  std::string other = text;
+  other.replace(other.find("\"fsdp_dim\": 1"), 13, "\"fsdp_dim\": 2");
+  EXPECT_NE(ParseParallelPlan(other, "o.json").xxh3, plan.xxh3);
+  std::string without = text;
+  without.replace(without.find(", \"fsdp_dim\": 1"), 15, "");
+  EXPECT_NE(ParseParallelPlan(without, "w.json").xxh3, plan.xxh3);
+  // Past the tensor's dims: refused naming the plan, the rule, the tensor, found and expected.
+  EXPECT_TRUE(ThrowsError(
+      [&] { PlanSharding(plan, mesh, "model.embed_tokens.weight", 1, false, "p.json"); },
+      ErrorCode::kInvalidArgument,
+      {"p.json", "rules[3]", "model.embed_tokens.weight", "fsdp_dim", "found 1", "expected a dim of its 1"}));
+  // The plan's own fsdp.dim past a tensor's dims names the rule key that fixes it.
+  const ParallelPlan dim1 = ParseParallelPlan(
+      R"J({"format": "reshard.parallel-plan", "format_version": 1, "name": "p", "fsdp": {"mesh_dim": "efsdp", "dim": 1},
+          "rules": []})J",
+      "d.json");
+  EXPECT_TRUE(ThrowsError([&] { PlanSharding(dim1, mesh, "model.norm.weight", 1, false, "d.json"); },
+                          ErrorCode::kInvalidArgument, {"d.json", "fsdp.dim 1", "model.norm.weight", "fsdp_dim"}));
 }
 
 TEST(ParallelPlan, RefusesWithFileFieldFoundExpected) {
@@ -310,6 +378,17 @@ TEST(ParallelPlan, RefusesWithFileFieldFoundExpected) {
   EXPECT_TRUE(bad(R"J("name": "p", "fsdp": {"mesh_dim": "dp"}, "rules": [{"pattern": "a", "placements": {"dp": "S(0)"}}])J",
                   {"rules[0].placements.dp", "fully_shard"}));
   EXPECT_TRUE(bad(R"J("name": "p", "rules": {})J", {"rules"}));
+  // A rule's fsdp_dim: a non-negative tensor dim, with fsdp only; other keys still unknown.
+  EXPECT_TRUE(bad(R"J("name": "p", "fsdp": {"mesh_dim": "dp"}, "rules": [{"pattern": "a", "placements": {}, "fsdp_dim": -1}])J",
+                  {"plan.json", "rules[0].fsdp_dim", "-1", "non-negative"}));
+  EXPECT_TRUE(bad(R"J("name": "p", "fsdp": {"mesh_dim": "dp"}, "rules": [{"pattern": "a", "placements": {}, "fsdp_dim": "1"}])J",
+                  {"rules[0].fsdp_dim", "non-negative"}));
+  EXPECT_TRUE(bad(R"J("name": "p", "fsdp": {"mesh_dim": "dp"}, "rules": [{"pattern": "a", "placements": {}, "fsdp_dim": 65}])J",
+                  {"rules[0].fsdp_dim", "65", "0 to 64"}));
+  EXPECT_TRUE(bad(R"J("name": "p", "rules": [{"pattern": "a", "placements": {}, "fsdp_dim": 1}])J",
+                  {"rules[0].fsdp_dim", "no fsdp"}));
+  EXPECT_TRUE(bad(R"J("name": "p", "fsdp": {"mesh_dim": "dp"}, "rules": [{"pattern": "a", "placements": {}, "fsdp": 1}])J",
+                  {"rules[0].fsdp", "unknown key", "fsdp_dim"}));
   const ParallelPlan p = ParseParallelPlan(
       R"J({"format": "reshard.parallel-plan", "format_version": 1, "name": "p",
           "rules": [{"pattern": "w", "placements": {"ep": "S(0)"}}, {"pattern": "v", "placements": {"tp": "S(2)"}}]})J",
