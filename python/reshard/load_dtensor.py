@@ -76,11 +76,21 @@ def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
     from torch.distributed.tensor import DTensor
 
     dts = [p for p in model.parameters() if isinstance(p, DTensor)]
-    managed = _fsdp_managed(model)
-    if managed is not None:
+    fsdp_params = _fsdp_params(model)
+    if fsdp_params is not None:
         # A Shard(0) that fully_shard did not make (ColwiseParallel, experts Shard(0) over an ep
-        # dim) is the job's own placement, not FSDP2's.
-        placed = [p for p in dts if not (_fsdp2_shaped(p) and id(p) in managed)]
+        # dim) is the job's own placement, not FSDP2's. A parameter of `model` that a unit above
+        # it holds (reshard.load(model.model) of a fully_shard'ed root) is not among the units
+        # found here: FSDP2's too when it is on the mesh of one of theirs (TP and EP meshes are
+        # others).
+        managed = {id(fp.sharded_param) for fp in fsdp_params}
+        meshes = []
+        for fp in fsdp_params:
+            m = fp.sharded_param.device_mesh
+            if not any(m == k for k in meshes):
+                meshes.append(m)
+        placed = [p for p in dts if not (_fsdp2_shaped(p) and (
+            id(p) in managed or any(p.device_mesh == k for k in meshes)))]
     else:
         placed = [p for p in dts if not _fsdp2_shaped(p)]
         if not placed and dts:
@@ -126,12 +136,6 @@ def _fsdp_params(model: nn.Module) -> Optional[list]:
         if group is not None:
             out.extend(group.fsdp_params)
     return out if found else None
-
-
-def _fsdp_managed(model: nn.Module) -> Optional[set]:
-    """id() of every parameter fully_shard holds sharded; None when no module is fully_shard'ed."""
-    fsdp_params = _fsdp_params(model)
-    return None if fsdp_params is None else {id(fp.sharded_param) for fp in fsdp_params}
 
 
 def _fsdp_mesh_dims(model: nn.Module, names) -> Dict[int, int]:

@@ -104,6 +104,23 @@ def main_tp(llama, marian, other, result, rec):
     round_trip(rec, "marian", lambda: marian_tp(marian, tp), marian, ref_m, os.path.join(result, "saved-marian"))
     rec["other"] = loaded(lambda: head_only(llama, tp), other, ref)
 
+    # reshard.load of a submodule of a fully_shard'ed root: the root's unit holds the
+    # submodule's own parameters (embeddings, final norm), an FSDP2 job all the same.
+    fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+    model = reshard.empty_model(llama)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=fsdp)
+    fully_shard(model, mesh=fsdp)
+    nan_filled(model)
+    from reshard.load_dtensor import dtensor_job
+
+    rec["submodule_job"] = repr(dtensor_job(model.model))
+    try:
+        r = reshard.load(model.model, llama)
+        rec["submodule"] = {"layout": r.layout, "source": r.source, "differ": differences(model.model, ref.model)}
+    except reshard.ReshardError as e:
+        rec["submodule"] = {"error": f"{type(e).__name__}: {e}"}
+
     model = head_only(llama, tp)
     w = model.model.norm.weight
     model.model.norm.weight = nn.Parameter(DTensor.from_local(w.detach().clone(), tp, [Partial()], run_check=False))

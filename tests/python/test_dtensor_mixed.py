@@ -65,6 +65,10 @@ def test_partly_tensor_parallel_loads_and_saves(tmp_path):
     for rec in _records(result, "tp", 2):
         _round_trip(rec, "head", "tp2")
         _round_trip(rec, "marian", "tp2")
+        assert rec["submodule_job"] == "None", rec["submodule_job"]
+        got = rec["submodule"]
+        assert "error" not in got and got["differ"] == [], got
+        assert got["layout"].startswith("fsdp2-ws2") and "Hugging Face checkpoint" in got["source"], got
         err = rec["other"]["error"]
         assert err.startswith("LayoutMismatchError") and "global shape" in err, err
         assert "reshard convert <checkpoint> -o OUT --mesh tp=2" in err and f"-o {other}" not in err, err
