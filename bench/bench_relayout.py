@@ -56,13 +56,15 @@ from torch.distributed.fsdp import fully_shard
 import reshard
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29577")
 dist.init_process_group("gloo", rank=0, world_size=1)
+# A CPU mesh named outright: fully_shard's default mesh is CUDA's on a GPU machine.
+mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
 cfg = transformers.LlamaConfig(vocab_size={VOCAB}, hidden_size={HIDDEN}, intermediate_size={INTER},
     num_hidden_layers={layers}, num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)
 with torch.device("meta"):
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
 for layer in model.model.layers:
-    fully_shard(layer)
-fully_shard(model)
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
 model.to_empty(device="cpu")
 g = torch.Generator().manual_seed(0)
 with torch.no_grad():
