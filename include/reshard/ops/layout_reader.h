@@ -56,14 +56,20 @@ class LayoutByteReader {
   /// rank file on a checksum mismatch, a short read, a bad frame.
   void Read(uint64_t offset, size_t size, void* dst);
 
+  /// Chunks read because only part of them was wanted (each read whole and checked), and how
+  /// many of those are kept now: what tests check of the cache.
+  uint64_t partial_chunk_reads() const { return partial_reads_; }
+  size_t kept_chunks() const { return cache_.size(); }
+
  private:
   void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out);
 
   const LayoutBytes& b_;
   bool verify_;
   uint64_t hash_piece_;
-  // Chunks read in part, decoded and checked, least recently used out first: up to
-  // kCachedChunks of them and kCachedBytes in all (the one being read always fits). A DTensor
+  // Chunks read in part, decoded and checked, least recently used out first: one until a
+  // chunk has to be read again, then up to kCachedChunks of them, kCachedBytes in all (the
+  // one being read always fits). A DTensor
   // layout's Shard(1) tensor interleaves its ranks row by row (each row is one run of every
   // tensor-parallel rank): one cached chunk per rank reads each chunk once instead of once per
   // row (up to 16 tensor-parallel ranks at the default 2 MiB chunks).
@@ -77,6 +83,16 @@ class LayoutByteReader {
     std::vector<char> bytes;
   };
   std::vector<Cached> cache_;
+  size_t limit_ = 1;  // chunks kept: kCachedChunks once a chunk had to be read again
+  struct ChunkKey {
+    uint32_t rank;
+    size_t entry;
+    uint64_t chunk;
+    bool operator==(const ChunkKey&) const = default;
+  };
+  std::vector<ChunkKey> seen_;  // the last kCachedChunks chunks read in part (a ring)
+  size_t seen_next_ = 0;
+  uint64_t partial_reads_ = 0;
   uint64_t clock_ = 0;
   std::string frame_;
 };

@@ -13,6 +13,8 @@
 #include "reshard/format/layout.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/convert.h"
+#include "reshard/ops/layout_reader.h"
+#include "reshard/io/manifest.h"
 #include "reshard/runtime/source_load.h"
 
 namespace reshard {
@@ -158,6 +160,52 @@ TEST_F(SourceLoadTest, FlippedByteInAChunkReadIsCaught) {
     }
   }
   EXPECT_GE(caught, 1);
+}
+
+// LayoutByteReader keeps one chunk read in part while every partial chunk is wanted once (a
+// load: fresh buffers per chunk cost their page faults on every load), and up to 16 once a
+// chunk has to be read again (rows that interleave chunks, a Shard(1) tensor's): each chunk of
+// the interleaved rounds is read at most twice, every byte as the source holds it.
+TEST_F(SourceLoadTest, LayoutReaderKeepsChunksOnlyWhenReadAgain) {
+  // One tensor of 64 chunks per rank at world size 2.
+  const fs::path src = dir_.path() / "big", out = dir_.path() / "big-out";
+  const test::TensorMap big =
+      test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, 7)}});
+  test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
+  ConvertOptions o;
+  o.source = src;
+  o.out = out;
+  o.layout.world_size = 2;
+  o.threads = 2;
+  o.chunk_size = 4096;
+  Convert(o);
+  const std::optional<Manifest> manifest = ReadManifest(out);
+  ASSERT_TRUE(manifest);
+  OpenedLayout opened;
+  OpenLayout(out, *manifest, "fsdp2-ws2", opened);
+  ASSERT_EQ(opened.bytes.tensors.size(), 1u);
+  ASSERT_GE(opened.bytes.tensors[0].pieces.at(0).length, 6u * 4096);
+  const uint64_t start = opened.bytes.starts[0];
+  const std::string& want = big.at("w").data;
+  auto read = [&](LayoutByteReader& r, uint64_t at, size_t n) {
+    std::string got(n, '\0');
+    r.Read(start + at, n, got.data());
+    EXPECT_EQ(got, want.substr(at, n)) << "bytes " << at << "+" << n;
+  };
+  {
+    LayoutByteReader r(opened.bytes, /*verify=*/true);
+    for (uint64_t k = 0; k < 6; ++k) read(r, k * 4096 + 100, 200);  // each chunk once, in part
+    EXPECT_EQ(r.partial_chunk_reads(), 6u);
+    EXPECT_EQ(r.kept_chunks(), 1u);
+  }
+  {
+    LayoutByteReader r(opened.bytes, /*verify=*/true);
+    for (uint64_t round = 0; round < 10; ++round) {
+      for (uint64_t k = 0; k < 4; ++k) read(r, k * 4096 + round * 64, 64);
+    }
+    EXPECT_LE(r.partial_chunk_reads(), 8u);  // 40 with one buffer
+    EXPECT_EQ(r.kept_chunks(), 4u);
+  }
 }
 
 TEST_F(SourceLoadTest, Refusals) {
