@@ -202,9 +202,9 @@ def parallelize(model: nn.Module, dense, sparse, mp_policy=None, ep_dim: str = "
     module fully_shard'ed over ``sparse[efsdp_dim]`` (on tensor dim `experts_fsdp_dim`; None:
     torchtitan's rule, dim 1 when efsdp x ep > the module's experts, else 0: experts_shard_dim)
     and given expert_parallel_forward; every module of ``model._no_split_modules`` and the root
-    fully_shard'ed over `dense` (1-D); `mp_policy` for all. Refuses (UnsupportedError, fused_experts) a model without fused experts or whose
-    experts the ep size does not divide, and a dim-1 shard FSDP2 cannot make (uneven). Returns
-    the number of FSDP2 units."""
+    fully_shard'ed over `dense` (1-D); `mp_policy` for all. Refuses (UnsupportedError,
+    fused_experts) a model without fused experts or whose experts the ep size does not divide,
+    and a dim-1 shard FSDP2 cannot make (uneven). Returns the number of FSDP2 units."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 

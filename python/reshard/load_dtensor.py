@@ -84,13 +84,8 @@ def dtensor_job(model: nn.Module) -> Optional[DTensorJob]:
         # found here: FSDP2's too when it is on the mesh of one of theirs (TP and EP meshes are
         # others).
         managed = {id(fp.sharded_param) for fp in fsdp_params}
-        meshes = []
-        for fp in fsdp_params:
-            m = fp.sharded_param.device_mesh
-            if not any(m == k for k in meshes):
-                meshes.append(m)
-        placed = [p for p in dts if not (_fsdp2_shaped(p) and (
-            id(p) in managed or any(p.device_mesh == k for k in meshes)))]
+        meshes = {fp.sharded_param.device_mesh for fp in fsdp_params}  # DeviceMesh hashes as it compares
+        placed = [p for p in dts if not (_fsdp2_shaped(p) and (id(p) in managed or p.device_mesh in meshes))]
     else:
         placed = [p for p in dts if not _fsdp2_shaped(p)]
         if not placed and dts:

@@ -2,8 +2,8 @@
 are `Shard(0)` over an `ep` mesh dim and fully_shard'ed over `efsdp` inside it (torch 2.11
 records `(_StridedShard(0, ep), Shard(0))` on the 2-D mesh `(efsdp, ep)`, fully_shard's dim
 last; `(Shard(1), Shard(0))` when fully_shard shards them on tensor dim 1, torchtitan's choice
-when efsdp x ep exceeds the experts: a plan rule's "fsdp_dim": 1), while every other parameter is fully_shard'ed over a *different* mesh: a 1-D `fsdp`
-dim spanning the same ranks (torchtitan unflattens the world into a dense mesh `(fsdp, tp)`
+when efsdp x ep exceeds the experts: a plan rule's "fsdp_dim": 1), while every other parameter
+is fully_shard'ed over a *different* mesh: a 1-D `fsdp` dim spanning the same ranks (torchtitan unflattens the world into a dense mesh `(fsdp, tp)`
 and a sparse one `(efsdp, ep, etp)`). FSDP2 chunks those dense parameters over all of `fsdp`
 at once (`torch.chunk` over its size), which no placement on the expert mesh's dims
 reproduces for sizes the mesh does not divide; they are exactly an FSDP2 (or HSDP) job of
