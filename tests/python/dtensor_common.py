@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import torch
 import transformers
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import reshard
 
 _DECODER_RULES = [
     {"pattern": "model.layers.*.self_attn.o_proj.weight", "placements": {"tp": "S(1)"}},
@@ -91,3 +93,27 @@ def differences(model, ref) -> list:
         if b.dtype != want_b[name].dtype or not torch.equal(bits(b), bits(want_b[name])):
             differ.append("buffer " + name)
     return differ
+
+
+def full(t):
+    """A parameter's or a state tensor's whole value, detached (a DTensor's full_tensor())."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def train_step(model, opt, ids) -> float:
+    """One optimizer step of the causal-LM loss on `ids`; returns the loss."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(full(loss))
+
+
+def refused(fn) -> str:
+    """The ReshardError `fn()` raises, as "Type: message"; "not refused" when it returns."""
+    try:
+        fn()
+    except reshard.ReshardError as e:
+        return f"{type(e).__name__}: {e}"
+    return "not refused"
+

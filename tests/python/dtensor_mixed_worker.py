@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import reshard
-from dtensor_common import differences
+from dtensor_common import differences, refused
 from dist_util import worker_main
 
 
@@ -86,14 +86,6 @@ def round_trip(rec, name, build, src, ref, saved):
     with open(os.path.join(saved, "reshard.json")) as f:
         rec[name]["saved_layouts"] = sorted(json.load(f)["layouts"])
     rec[name + "_saved"] = loaded(build, saved, ref)
-
-
-def refused(fn) -> str:
-    try:
-        fn()
-    except reshard.ReshardError as e:
-        return f"{type(e).__name__}: {e}"
-    return "not refused"
 
 
 def main_tp(llama, marian, other, result, rec):

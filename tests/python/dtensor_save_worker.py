@@ -33,17 +33,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import reshard
-from dtensor_common import apply_llama_tp
+from dtensor_common import apply_llama_tp, full, train_step
 from reshard.model import clean_name
 from dist_util import worker_main
 
 
 def bits(t):
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def build(out, mesh, fsdp_root=True):
@@ -56,14 +52,6 @@ def build(out, mesh, fsdp_root=True):
             fully_shard(model, mesh=mesh["dp_shard"])
     model.to_empty(device="cpu")
     return model
-
-
-def train_step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(full(loss))
 
 
 def state_of(opt, model):

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import reshard
 import reshard.ep
-from dtensor_common import differences
+from dtensor_common import differences, refused
 from dist_util import worker_main
 from ep_save_worker import adamw, differ, params_of, state_of, step
 
@@ -43,14 +43,6 @@ def nan_fill(model):
     with torch.no_grad():  # a tensor the load misses cannot pass
         for p in model.parameters():
             (p.to_local() if isinstance(p, DTensor) else p).fill_(float("nan"))
-
-
-def refused(fn):
-    try:
-        fn()
-        return "loaded"
-    except reshard.ReshardError as e:
-        return f"{type(e).__name__}: {e}"
 
 
 def main():

@@ -24,12 +24,8 @@ from torch.distributed.tensor import DTensor
 
 import reshard
 from dist_util import worker_main
-from dtensor_common import apply_llama_tp, bits
+from dtensor_common import apply_llama_tp, bits, full, train_step
 from reshard.model import clean_name
-
-
-def full(t):
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
 
 
 def build(out, kind, mesh, dtype):
@@ -43,14 +39,6 @@ def build(out, kind, mesh, dtype):
     model.to_empty(device="cpu")
     reshard.load(model, out)
     return model
-
-
-def train_step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(full(loss))
 
 
 def state_of(opt, model):
