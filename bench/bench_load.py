@@ -409,7 +409,8 @@ class ReshardView:
     def extra(self):
         r = self.report
         out = {"loader_report": {"bytes": r.bytes, "stored_bytes": r.stored_bytes, "seconds": r.seconds,
-                                 "threads": r.threads, "staging_bytes": r.staging_bytes},
+                                 "threads": r.threads, "staging_bytes": r.staging_bytes, "cold": r.cold,
+                                 "direct_io": r.direct_io},
                "pinned_bytes": r.staging_bytes, "staging_alloc_seconds": r.staging_alloc_seconds,
                "view_phases": dict(getattr(self, "phases", {}))}
         if self.spec.get("second_load"):

@@ -67,13 +67,18 @@ for layer in model.model.layers:
 fully_shard(model, mesh=mesh)
 model.to_empty(device="cpu")
 g = torch.Generator().manual_seed(0)
+# Random values tiled from one 32 MiB block, gradients a multiple of the weights: normal_ with
+# a generator runs on one core (166 s for the 4 GB checkpoint of run R2), a copy on all of them.
+block = (torch.randn(16 << 20, generator=g) * 0.02).to(torch.bfloat16)
 with torch.no_grad():
     for p in model.parameters():
-        p.to_local().normal_(0, 0.02, generator=g)
+        flat = p.to_local().view(-1)
+        for at in range(0, flat.numel(), block.numel()):
+            n = min(block.numel(), flat.numel() - at)
+            flat[at:at + n].copy_(block[:n])
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 for p in model.parameters():
-    p.grad = torch.distributed.tensor.DTensor.from_local(torch.randn(p.to_local().shape, generator=g,
-        dtype=p.dtype) * 1e-3, p.device_mesh, p.placements)
+    p.grad = torch.distributed.tensor.DTensor.from_local(p.to_local() * 1e-3, p.device_mesh, p.placements)
 opt.step()
 reshard.save(model, {str(path)!r}, optimizer=opt, step=1)
 dist.destroy_process_group()
@@ -96,11 +101,13 @@ def saved_files(path: Path) -> list:
     return sorted(f for f in (path / "fsdp2-ws1").rglob("*") if f.is_file())
 
 
-def ceiling_copy(files, scratch: Path, threads: int, push: bool) -> float:
+def ceiling_copy(files, scratch: Path, threads: int, push: bool, part: int = 0, parts: int = 1) -> float:
     """Seconds to copy every file to scratch on the same disk and fsync it: `threads` threads
     take 64 MiB ranges in order (preadv into their own buffer, pwrite at the same offset), so
     reads and writes overlap as a relayout's do. push: each range handed to the disk at once
-    (sync_file_range WRITE) instead of left dirty until the fsync."""
+    (sync_file_range WRITE) instead of left dirty until the fsync. part of parts: only that
+    share of the ranges (a disk that cannot hold a whole copy beside the source is timed a
+    share at a time, each share's copy removed before the next)."""
     import ctypes
     import mmap
     import threading
@@ -117,6 +124,7 @@ def ceiling_copy(files, scratch: Path, threads: int, push: bool) -> float:
         os.ftruncate(dst, size)
         pairs.append((src, dst, size))
     jobs = [(src, dst, off, min(block, size - off)) for src, dst, size in pairs for off in range(0, size, block)]
+    jobs = jobs[part * len(jobs) // parts:(part + 1) * len(jobs) // parts]
     lock, nxt = threading.Lock(), [0]
 
     def worker():
@@ -156,11 +164,13 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int) -> dict:
+def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int, ranks: str = "") -> dict:
     """The command's wall time from start to exit and its peak RSS: the high-water mark of its
     own memory (VmHWM, read every 10 ms until it exits; wait4's ru_maxrss would include this
-    script's RSS at the fork, which Linux carries across exec)."""
+    script's RSS at the fork, which Linux carries across exec). ranks: --ranks A-B."""
     cmd = [reshard, "relayout", str(ckpt), "--world-size", str(ws), "--json"]
+    if ranks:
+        cmd += ["--ranks", ranks]
     if threads:
         cmd += ["--threads", str(threads)]
     t0 = time.perf_counter()
@@ -192,6 +202,13 @@ def main() -> int:
     ap.add_argument("--workdir", default=str(REPO / ".work" / "bench-relayout"))
     ap.add_argument("--build-dir", default=str(REPO / "build"))
     ap.add_argument("--out", default=None, help="JSON results (default WORKDIR/bench-relayout.json)")
+    ap.add_argument("--parts", type=int, default=1,
+                    help="for a disk that cannot hold the saved checkpoint and its relayout at once: the relayout "
+                         "runs as PARTS commands with --ranks (as a job split by target rank does), each part's "
+                         "rank files timed and removed before the next, and the ceiling copies a 1/PARTS share at "
+                         "a time; seconds are summed")
+    ap.add_argument("--ceiling", choices=("both", "dirty", "push"), default="both",
+                    help="the copy ceiling's write-back: the faster of both (default), or one")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -201,7 +218,7 @@ def main() -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:8.1f}s] {msg}", flush=True)
 
-    result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size,
+    result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size, "parts": args.parts,
               "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
     for size in [float(s) for s in args.sizes.split(",") if s.strip()]:
         ckpt = work / f"saved-{size:g}gb"
@@ -211,18 +228,30 @@ def main() -> int:
         files = saved_files(ckpt)
         nbytes = sum(f.stat().st_size for f in files)
         ceil, runs = [], []
+        pushes = {"both": (False, True), "dirty": (False,), "push": (True,)}[args.ceiling]
+        parts = max(1, min(args.parts, args.world_size))
         for rep in range(args.reps):
             best = None
-            for push in (False, True):
-                drop_caches()
-                t = ceiling_copy(files, work / "scratch", args.copy_threads, push)
+            for push in pushes:
+                t = 0.0
+                for part in range(parts):
+                    drop_caches()
+                    t += ceiling_copy(files, work / "scratch", args.copy_threads, push, part, parts)
                 best = t if best is None else min(best, t)
             ceil.append(best)
-            drop_caches()
-            r = run_relayout(reshard, ckpt, args.world_size, args.threads)
+            r = {"seconds": 0.0, "peak_rss_bytes": 0, "parts": []}
+            new_bytes = 0
+            for part in range(parts):
+                drop_caches()
+                ranks = f"{part * args.world_size // parts}-{(part + 1) * args.world_size // parts - 1}"
+                p = run_relayout(reshard, ckpt, args.world_size, args.threads, ranks if parts > 1 else "")
+                r["seconds"] += p["seconds"]
+                r["peak_rss_bytes"] = max(r["peak_rss_bytes"], p["peak_rss_bytes"])
+                r["parts"].append({"ranks": ranks, **p})
+                new_bytes += sum(f.stat().st_size for f in (ckpt / f"fsdp2-ws{args.world_size}").rglob("*")
+                                 if f.is_file())
+                undo(ckpt, args.world_size, manifest)
             runs.append(r)
-            new_bytes = sum(f.stat().st_size for f in (ckpt / f"fsdp2-ws{args.world_size}").rglob("*") if f.is_file())
-            undo(ckpt, args.world_size, manifest)
             log(f"{size:g} GB rep {rep + 1}: ceiling {nbytes / ceil[-1] / 1e9:.3f} GB/s ({ceil[-1]:.2f} s); "
                 f"relayout {nbytes / r['seconds'] / 1e9:.3f} GB/s ({r['seconds']:.2f} s), peak RSS "
                 f"{r['peak_rss_bytes'] / 2**20:.0f} MiB, wrote {new_bytes / 1e9:.2f} GB")

@@ -71,6 +71,13 @@ File File::OpenRead(const std::filesystem::path& path, bool direct) {
   return File(fd, path.string());
 }
 
+File File::ReopenDirect() const {
+  const std::string self = "/proc/self/fd/" + std::to_string(fd_);
+  const int fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (fd < 0) FailErrno(path_, "cannot open again with O_DIRECT", errno);
+  return File(fd, path_);
+}
+
 File File::Create(const std::filesystem::path& path, unsigned mode) {
   // Never through what is already at `path`: a symbolic link (or a hard link) planted there
   // would redirect the write outside the directory. The old entry is unlinked (not followed)
@@ -136,6 +143,46 @@ size_t File::PReadUpTo(void* buf, size_t size, uint64_t offset) const {
     done += static_cast<size_t>(n);
   }
   return done;
+}
+
+void DirectReader::Free::operator()(char* p) const { std::free(p); }
+
+void DirectReader::Read(const File& file, void* dst, size_t size, uint64_t offset) {
+  auto* out = static_cast<char*>(dst);
+  const uint64_t first = offset;
+  auto truncated = [&](uint64_t at) {
+    Fail(ErrorCode::kDataLoss, file.path() + ": truncated: wanted " + std::to_string(size) +
+                                   " bytes at offset " + std::to_string(first) + ", the file ends at " +
+                                   std::to_string(at));
+  };
+  while (size > 0) {
+    if (reinterpret_cast<uintptr_t>(out) % kAlign == 0 && offset % kAlign == 0 && size >= kAlign) {
+      const size_t n = size / kAlign * kAlign;
+      const size_t got = file.PReadUpTo(out, n, offset);
+      if (got < n) truncated(offset + got);
+      out += n, offset += n, size -= n;
+      continue;
+    }
+    if (!bounce_) {
+      void* p = nullptr;
+      if (::posix_memalign(&p, kAlign, kBounce) != 0) {
+        Fail(ErrorCode::kIo, "out of host memory allocating a " + std::to_string(kBounce) +
+                                 "-byte buffer for direct reads of " + file.path());
+      }
+      bounce_.reset(static_cast<char*>(p));
+    }
+    const uint64_t block = offset / kAlign * kAlign;
+    const uint64_t skip = offset - block;
+    // Destination and offset equally misaligned: only up to the next block boundary, then
+    // both are aligned and the rest goes straight.
+    const bool together = (reinterpret_cast<uintptr_t>(out) - offset) % kAlign == 0;
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, (together ? kAlign : kBounce) - skip));
+    const size_t got = file.PReadUpTo(bounce_.get(), AlignUp(skip + n, kAlign), block);
+    if (got < skip + n) truncated(block + got);
+    std::memcpy(out, bounce_.get() + skip, n);
+    bounced_ += n;
+    out += n, offset += n, size -= n;
+  }
 }
 
 void File::PReadExact(void* buf, size_t size, uint64_t offset) const {

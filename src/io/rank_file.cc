@@ -122,13 +122,35 @@ uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* d
                     path() + ": tensor \"" + t.name + "\" chunk " + std::to_string(chunk));
     hash = Xxh3(dst, len);
   }
+  CheckChunk(t, chunk, hash);
+  return len;
+}
+
+uint64_t RankFileReader::ReadChunkDirect(const TensorEntry& t, uint64_t chunk, void* dst, std::string& scratch,
+                                         const File& direct, DirectReader& reader) const {
+  const uint64_t cs = header_->chunk_size;
+  const uint64_t len = ChunkLength(t, cs, chunk);
+  const uint64_t base = preamble_.data_offset + t.offset;
+  if (t.codec == Codec::kRaw) {
+    reader.Read(direct, dst, len, base + ChunkBegin(cs, chunk));
+  } else {
+    const Frame& f = t.frames[chunk];
+    scratch.resize(f.size);
+    reader.Read(direct, scratch.data(), f.size, base + f.offset);
+    DecodeZstdFrame(scratch.data(), f.size, dst, len,
+                    path() + ": tensor \"" + t.name + "\" chunk " + std::to_string(chunk));
+  }
+  CheckChunk(t, chunk, Xxh3(dst, len));
+  return len;
+}
+
+void RankFileReader::CheckChunk(const TensorEntry& t, uint64_t chunk, uint64_t hash) const {
   if (hash != t.chunk_xxh3[chunk]) {
     Fail(ErrorCode::kDataLoss, path() + ": tensor \"" + t.name + "\" chunk " + std::to_string(chunk) +
                                    ": checksum mismatch: data hashes to " + Hex16(hash) +
                                    ", header says " + Hex16(t.chunk_xxh3[chunk]) +
                                    " (the file is corrupt)");
   }
-  return len;
 }
 
 void RankFileReader::CheckPadding() const {

@@ -74,9 +74,14 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
     const uint64_t clen = ChunkLength(e, cs, chunk);
     const uint64_t take = std::min(n, c0 + clen - pos);
     if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
-      r.ReadChunk(e, chunk, out, frame_, hash_piece_);  // a whole chunk: straight to its destination
+      ReadChunk(rank, e, chunk, out);  // a whole chunk: straight to its destination
     } else if (!verify_ && e.codec == Codec::kRaw) {
-      r.file().PReadExact(out, take, r.preamble().data_offset + e.offset + pos);
+      const uint64_t at = r.preamble().data_offset + e.offset + pos;
+      if (direct_) {
+        reader_.Read((*direct_)[rank], out, take, at);
+      } else {
+        r.file().PReadExact(out, take, at);
+      }
     } else {
       Cached* hit = nullptr;
       for (Cached& c : cache_) {
@@ -108,7 +113,7 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
         Cached c;
         c.bytes = std::move(storage);
         c.bytes.resize(clen);
-        r.ReadChunk(e, chunk, c.bytes.data(), frame_, hash_piece_);  // kept only when read and checked
+        ReadChunk(rank, e, chunk, c.bytes.data());  // kept only when read and checked
         ++partial_reads_;
         c.rank = rank, c.entry = entry, c.chunk = chunk;
         cache_.push_back(std::move(c));
@@ -121,6 +126,25 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
     pos += take;
     n -= take;
   }
+}
+
+void LayoutByteReader::ReadChunk(uint32_t rank, const TensorEntry& e, uint64_t chunk, char* out) {
+  const RankFileReader& r = b_.readers[rank];
+  if (direct_) {
+    r.ReadChunkDirect(e, chunk, out, frame_, (*direct_)[rank], reader_);
+  } else {
+    r.ReadChunk(e, chunk, out, frame_, hash_piece_);
+  }
+}
+
+std::optional<std::vector<File>> OpenDirect(const LayoutBytes& bytes) {
+  std::vector<File> files;
+  try {
+    for (const RankFileReader& r : bytes.readers) files.push_back(r.file().ReopenDirect());
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  return files;
 }
 
 void OpenLayout(const fs::path& out, const Manifest& manifest, const std::string& key,

@@ -81,7 +81,7 @@ LoadStats LoadRankFile(const RankFileReader& file, std::span<const LoadTarget> t
   File direct_file;
   if (io.direct) {
     try {
-      direct_file = File::OpenRead(file.path(), /*direct=*/true);
+      direct_file = file.file().ReopenDirect();
     } catch (const Error&) {
       io.direct = false;  // e.g. tmpfs refuses O_DIRECT
       io.readahead = options.io == IoMode::kAuto;

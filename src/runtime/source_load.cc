@@ -96,7 +96,19 @@ class PlannedView : public SourceRankView {
             const Conversion* conversion, const SourceFingerprint& source,
             const ModelManifest* model, const ParallelPlan* plan = nullptr,
             const std::string& plan_path = "");
-  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const = 0;
+  // One reader thread's source; `direct`: through the files OpenDirect opened.
+  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece, bool direct) const = 0;
+  // Opens the source files again with O_DIRECT (once; later calls return the first's
+  // answer): false where one cannot be (tmpfs), and the load reads buffered.
+  bool OpenDirect() const {
+    const std::lock_guard<std::mutex> g(direct_mu_);
+    if (!direct_tried_) {
+      direct_tried_ = true;
+      direct_ok_ = DoOpenDirect();
+    }
+    return direct_ok_;
+  }
+  virtual bool DoOpenDirect() const = 0;
   // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
   // (posix_fadvise WILLNEED): a hint, errors ignored.
   virtual void Advise(size_t file_index, uint64_t offset, uint64_t size) const = 0;
@@ -120,6 +132,8 @@ class PlannedView : public SourceRankView {
   std::string description_;
   std::vector<std::string> used_files_;  // the files this rank's bytes are read from, in order
   std::set<std::string> noted_;
+  mutable std::mutex direct_mu_;
+  mutable bool direct_tried_ = false, direct_ok_ = false;
   void Note(const std::string& path) {
     if (noted_.insert(path).second) used_files_.push_back(path);
   }
@@ -260,6 +274,13 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // long sequential requests rather than each reader's 4 MiB at a time.
   bool cold = options.io == IoMode::kReadahead || options.io == IoMode::kDirect;
   if (options.io == IoMode::kAuto && !pieces.empty()) cold = Residency(pieces) < 0.5;
+  // A source on disk bound for the device is read O_DIRECT, as the rank-file loader reads
+  // its file (ChooseIo): buffered reads with kernel read-ahead fell short of the disk (run
+  // AP: 0.78x the rank file from another layout, cold). Host targets: only when asked.
+  bool all_device = true;
+  for (const Job& j : jobs) all_device &= j.target->on_device || header_.tensors[j.entry].nbytes == 0;
+  bool direct = options.io == IoMode::kDirect || (options.io == IoMode::kAuto && cold && all_device && any_device);
+  if (direct) direct = OpenDirect();
   unsigned threads = std::max(1u, options.threads);
   if (cold && options.cold_threads) threads = std::min(threads, options.cold_threads);
   const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), threads));
@@ -272,7 +293,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   std::atomic<size_t> taken{0};  // pieces the readers have started (for the read-ahead)
   std::atomic<bool> finished{false};
   std::thread ahead;
-  if (cold) {
+  if (cold && !direct) {
     ahead = std::thread([&] {
       constexpr uint64_t kAhead = 512ull << 20;  // bytes advised beyond the readers
       uint64_t advised = 0;
@@ -308,7 +329,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
     try {
       if (any_device) copier->BindThread(lane);
       std::unique_ptr<ThreadSource> src =
-          MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes);
+          MakeThreadSource(options.verify_checksums, cold ? 0 : options.hash_piece_bytes, direct);
       const SourceRead read = [&src](size_t fi, uint64_t off, size_t n, void* dst) { src->Read(fi, off, n, dst); };
       std::vector<char> scratch;
       int slot = 0;
@@ -342,6 +363,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   finished = true;
   if (any_device) copier->Synchronize();
   stats.cold = cold;
+  stats.direct_io = direct;
   stats.stored_bytes = read_bytes.load();
   stats.threads = lanes;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -352,13 +374,22 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
 
 class CheckpointSource final : public ThreadSource {
  public:
-  explicit CheckpointSource(const std::vector<File>& files) : files_(files) {}
+  // `direct`: the files opened O_DIRECT, read through a DirectReader (a safetensors file's
+  // tensors start anywhere: most bytes go through its bounce buffer), or null.
+  CheckpointSource(const std::vector<File>& files, const std::vector<File>* direct)
+      : files_(files), direct_(direct) {}
   void Read(size_t file_index, uint64_t offset, size_t size, void* dst) override {
-    files_.at(file_index).PReadExact(dst, size, offset);
+    if (direct_) {
+      reader_.Read(direct_->at(file_index), dst, size, offset);
+    } else {
+      files_.at(file_index).PReadExact(dst, size, offset);
+    }
   }
 
  private:
   const std::vector<File>& files_;
+  const std::vector<File>* direct_;
+  DirectReader reader_;
 };
 
 class CheckpointView final : public PlannedView {
@@ -389,8 +420,17 @@ class CheckpointView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t) const override {
-    return std::make_unique<CheckpointSource>(files_);
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t, bool direct) const override {
+    return std::make_unique<CheckpointSource>(files_, direct ? &direct_ : nullptr);
+  }
+  bool DoOpenDirect() const override {
+    try {
+      for (const File& f : files_) direct_.push_back(f.ReopenDirect());
+    } catch (const Error&) {
+      direct_.clear();
+      return false;
+    }
+    return true;
   }
   bool Cached(size_t file_index, uint64_t offset) const override {
     return file_index >= files_.size() || ByteCached(files_[file_index].fd(), offset);
@@ -410,6 +450,7 @@ class CheckpointView final : public PlannedView {
   std::optional<ModelManifest> model_;
   const Conversion* conversion_ = nullptr;
   std::vector<File> files_;
+  mutable std::vector<File> direct_;  // files_ opened O_DIRECT (OpenDirect)
 };
 
 // ---- another layout's rank files ---------------------------------------------------------------
@@ -417,7 +458,8 @@ class CheckpointView final : public PlannedView {
 // Another layout's rank files through the shared virtual-file reader (reshard/ops/layout_reader.h).
 class LayoutSource final : public ThreadSource {
  public:
-  LayoutSource(const LayoutBytes& bytes, bool verify, uint64_t hash_piece) : r_(bytes, verify, hash_piece) {}
+  LayoutSource(const LayoutBytes& bytes, bool verify, uint64_t hash_piece, const std::vector<File>* direct)
+      : r_(bytes, verify, hash_piece, direct) {}
   void Read(size_t, uint64_t offset, size_t size, void* dst) override { r_.Read(offset, size, dst); }
 
  private:
@@ -443,8 +485,12 @@ class LayoutView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece) const override {
-    return std::make_unique<LayoutSource>(bytes_, verify, hash_piece);
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece, bool direct) const override {
+    return std::make_unique<LayoutSource>(bytes_, verify, hash_piece, direct ? &*direct_ : nullptr);
+  }
+  bool DoOpenDirect() const override {
+    direct_ = reshard::OpenDirect(bytes_);
+    return direct_.has_value();
   }
   bool Cached(size_t, uint64_t offset) const override {
     LayoutBytes::Spot at;
@@ -506,6 +552,7 @@ class LayoutView final : public PlannedView {
  private:
   LayoutBytes bytes_;
   Checkpoint virt_;
+  mutable std::optional<std::vector<File>> direct_;  // the rank files opened O_DIRECT (OpenDirect)
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -19,6 +20,10 @@ class File {
   /// at `path` is unlinked first, never followed or written through: the file is created
   /// with O_EXCL | O_NOFOLLOW.
   static File Create(const std::filesystem::path& path, unsigned mode = 0644);
+  /// The same open file (the same inode, whatever its path names now) opened again for
+  /// reading with O_DIRECT, through /proc/self/fd; errors name this file's path. Throws where
+  /// the file system refuses O_DIRECT (tmpfs) or /proc is not mounted.
+  File ReopenDirect() const;
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
   File(const File&) = delete;
@@ -47,6 +52,32 @@ class File {
   File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   int fd_ = -1;
   std::string path_;
+};
+
+/// Reads a file opened O_DIRECT (File::OpenRead(path, /*direct=*/true)) into any buffer at any
+/// offset: what is 4096-aligned in memory and in the file (a run of whole 4096-byte blocks)
+/// goes straight from the disk to the destination; the rest (a misaligned destination or
+/// offset, a tail shorter than a block) through this object's aligned bounce buffer of
+/// kBounce bytes, allocated at its first use, and one copy. Bytes past the requested range
+/// are read into the bounce buffer only, never into the destination. Not thread-safe: one per
+/// thread.
+class DirectReader {
+ public:
+  static constexpr uint64_t kAlign = 4096;
+  static constexpr uint64_t kBounce = 4ull << 20;
+
+  /// Exactly `size` bytes at `offset` of `file` into `dst`; fewer (the file ends first) is
+  /// kDataLoss naming the file ("truncated"), a failed read kIo.
+  void Read(const File& file, void* dst, size_t size, uint64_t offset);
+  /// Bytes that went through the bounce buffer (tests check what went straight).
+  uint64_t bounced() const { return bounced_; }
+
+ private:
+  struct Free {
+    void operator()(char* p) const;
+  };
+  std::unique_ptr<char, Free> bounce_;
+  uint64_t bounced_ = 0;
 };
 
 /// fsync of a directory, so that a rename inside it is durable.

@@ -65,6 +65,13 @@ class RankFileReader {
   uint64_t ReadChunk(const TensorEntry& tensor, uint64_t chunk, void* dst,
                      std::string& scratch, uint64_t hash_piece = 0) const;
 
+  /// The same, reading `direct` (this file opened O_DIRECT) through `reader`: the chunk's
+  /// stored bytes whole, straight into `dst` where it is aligned (a raw chunk), else through
+  /// the reader's bounce buffer. For files on disk, where buffered reads fall short of the
+  /// disk (bench/HISTORY.md §7).
+  uint64_t ReadChunkDirect(const TensorEntry& tensor, uint64_t chunk, void* dst, std::string& scratch,
+                           const File& direct, DirectReader& reader) const;
+
   /// Reads a whole tensor into `dst` (tensor.nbytes bytes), verifying every chunk and the
   /// tensor checksum.
   void ReadTensor(const TensorEntry& tensor, void* dst) const;
@@ -75,6 +82,8 @@ class RankFileReader {
   void CheckPadding() const;
 
  private:
+  void CheckChunk(const TensorEntry& t, uint64_t chunk, uint64_t hash) const;
+
   File file_;
   uint64_t file_size_ = 0;
   Preamble preamble_;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,11 +47,14 @@ struct LayoutBytes {
 /// One thread's reader of the virtual file (not thread-safe; one per thread). `verify`: check
 /// every chunk read against its chunk_xxh3 (chunks that are only partly needed are always
 /// read whole and checked when verify is set); `hash_piece`: hash each piece of a chunk as it
-/// is read (0: the chunk whole).
+/// is read (0: the chunk whole). `direct`: the rank files opened O_DIRECT (direct[r] is
+/// bytes.readers[r]'s file; OpenDirect), read through this reader's DirectReader instead of
+/// the page cache (hash_piece unused then), or null.
 class LayoutByteReader {
  public:
-  LayoutByteReader(const LayoutBytes& bytes, bool verify, uint64_t hash_piece = 0)
-      : b_(bytes), verify_(verify), hash_piece_(hash_piece) {}
+  LayoutByteReader(const LayoutBytes& bytes, bool verify, uint64_t hash_piece = 0,
+                   const std::vector<File>* direct = nullptr)
+      : b_(bytes), verify_(verify), hash_piece_(hash_piece), direct_(direct) {}
 
   /// Reads virtual bytes [offset, offset + size) into `dst`. Throws reshard::Error naming the
   /// rank file on a checksum mismatch, a short read, a bad frame.
@@ -59,14 +63,19 @@ class LayoutByteReader {
   /// Chunks read because only part of them was wanted (each read whole and checked), and how
   /// many of those are kept now: what tests check of the cache.
   uint64_t partial_chunk_reads() const { return partial_reads_; }
+  /// Bytes read O_DIRECT that went through the bounce buffer (misaligned destinations).
+  uint64_t bounced_bytes() const { return reader_.bounced(); }
   size_t kept_chunks() const { return cache_.size(); }
 
  private:
   void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out);
+  void ReadChunk(uint32_t rank, const TensorEntry& e, uint64_t chunk, char* out);
 
   const LayoutBytes& b_;
   bool verify_;
   uint64_t hash_piece_;
+  const std::vector<File>* direct_;
+  DirectReader reader_;
   // Chunks read in part, decoded and checked, least recently used out first: one until a
   // chunk has to be read again, then up to kCachedChunks of them, kCachedBytes in all (the
   // one being read always fits). A DTensor
@@ -113,5 +122,9 @@ struct OpenedLayout {
 /// file parses nothing), or nullptr.
 void OpenLayout(const std::filesystem::path& out, const Manifest& manifest, const std::string& key,
                 OpenedLayout& opened, HeaderCache* headers = nullptr);
+
+/// The rank files of `bytes` opened O_DIRECT, in readers' order; nothing when a file system
+/// refuses O_DIRECT for one of them (tmpfs), or a file cannot be opened again.
+std::optional<std::vector<File>> OpenDirect(const LayoutBytes& bytes);
 
 }  // namespace reshard

@@ -11,6 +11,7 @@
 #include "core/test_util.h"
 #include "reshard/base/error.h"
 #include "reshard/format/layout.h"
+#include "reshard/io/file_io.h"
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/convert.h"
 #include "reshard/ops/layout_reader.h"
@@ -52,7 +53,8 @@ class SourceLoadTest : public ::testing::Test {
 
   // Loads every tensor of the view into host memory and compares it with the brute-force
   // slice of rank `rank` of `ws`. Small pieces (span_bytes) so that a tensor is several pieces.
-  void ExpectBruteSlices(const SourceRankView& view, uint32_t ws, uint32_t rank) {
+  // With `io` kDirect the source files are read O_DIRECT (stats say so).
+  void ExpectBruteSlices(const SourceRankView& view, uint32_t ws, uint32_t rank, IoMode io = IoMode::kAuto) {
     const auto& tensors = view.header().tensors;
     ASSERT_EQ(tensors.size(), tensors_.size());
     std::vector<std::string> bufs(tensors.size());
@@ -64,7 +66,9 @@ class SourceLoadTest : public ::testing::Test {
     LoadOptions o;
     o.threads = 3;
     o.span_bytes = 8192;
+    o.io = io;
     const LoadStats s = view.Load(targets, nullptr, o);
+    EXPECT_EQ(s.direct_io, io == IoMode::kDirect) << view.description();
     uint64_t total = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const test::TensorSpec& t = tensors_.at(tensors[i].name);
@@ -114,6 +118,31 @@ TEST_F(SourceLoadTest, LayoutViewDecodesZstdChunks) {
   }
 }
 
+// O_DIRECT reads (what a load bound for the device does from a source on disk): the same
+// bytes from a Hugging Face checkpoint (tensors at any offset: through the bounce buffer),
+// from raw rank files (whole chunks straight into place) and from zstd ones.
+TEST_F(SourceLoadTest, DirectReadsGiveTheSameBytes) {
+  try {
+    File::OpenRead(Src() / "model-00001-of-00003.safetensors").ReopenDirect();
+  } catch (const Error& e) {
+    GTEST_SKIP() << "this file system refuses O_DIRECT (" << e.what() << ")";
+  }
+  for (uint32_t r = 0; r < 3; ++r) {
+    ExpectBruteSlices(*SourceRankView::OfCheckpoint(Src(), Fsdp2(3), r, {}), 3, r, IoMode::kDirect);
+  }
+  ConvertTo(3);
+  for (uint32_t ws : {2u, 4u}) {
+    for (uint32_t r = 0; r < ws; ++r) {
+      ExpectBruteSlices(*SourceRankView::OfLayout(Out(), "fsdp2-ws3", Fsdp2(ws), r, {}), ws, r, IoMode::kDirect);
+    }
+  }
+  fs::remove_all(Out());
+  ConvertTo(2, Codec::kZstd);
+  for (uint32_t r = 0; r < 3; ++r) {
+    ExpectBruteSlices(*SourceRankView::OfLayout(Out(), "fsdp2-ws2", Fsdp2(3), r, {}), 3, r, IoMode::kDirect);
+  }
+}
+
 TEST_F(SourceLoadTest, WholeTensorsStayWhole) {
   // The largest tensor with at least 2 rows, stored whole: every rank holds all of it.
   std::string name;
@@ -147,19 +176,21 @@ TEST_F(SourceLoadTest, FlippedByteInAChunkReadIsCaught) {
   std::string bytes = test::ReadBytes(path);
   bytes[r.preamble().data_offset + big->offset + big->nbytes - 1] ^= 0x40;  // its last chunk
   test::WriteBytes(path, bytes);
-  int caught = 0;
-  for (uint32_t rank = 0; rank < 3; ++rank) {
-    auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws2", Fsdp2(3), rank, {});
-    try {
-      ExpectBruteSlices(*view, 3, rank);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
-      EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
-      ++caught;
+  for (IoMode io : {IoMode::kAuto, IoMode::kDirect}) {
+    int caught = 0;
+    for (uint32_t rank = 0; rank < 3; ++rank) {
+      auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws2", Fsdp2(3), rank, {});
+      try {
+        ExpectBruteSlices(*view, 3, rank, io);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::kDataLoss);
+        EXPECT_NE(std::string(e.what()).find(path.string()), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+        ++caught;
+      }
     }
+    EXPECT_GE(caught, 1) << (io == IoMode::kDirect ? "O_DIRECT" : "buffered");
   }
-  EXPECT_GE(caught, 1);
 }
 
 // LayoutByteReader keeps one chunk read in part while every partial chunk is wanted once (a
