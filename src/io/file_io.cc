@@ -165,7 +165,7 @@ void DirectReader::Read(const File& file, void* dst, size_t size, uint64_t offse
     }
     if (!bounce_) {
       void* p = nullptr;
-      if (::posix_memalign(&p, kAlign, kBounce) != 0) {
+      if (::posix_memalign(&p, kAlign, kBounce + kAlign) != 0) {
         Fail(ErrorCode::kIo, "out of host memory allocating a " + std::to_string(kBounce) +
                                  "-byte buffer for direct reads of " + file.path());
       }
@@ -176,7 +176,7 @@ void DirectReader::Read(const File& file, void* dst, size_t size, uint64_t offse
     // Destination and offset equally misaligned: only up to the next block boundary, then
     // both are aligned and the rest goes straight.
     const bool together = (reinterpret_cast<uintptr_t>(out) - offset) % kAlign == 0;
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, (together ? kAlign : kBounce) - skip));
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(size, together ? kAlign - skip : kBounce));
     const size_t got = file.PReadUpTo(bounce_.get(), AlignUp(skip + n, kAlign), block);
     if (got < skip + n) truncated(block + got);
     std::memcpy(out, bounce_.get() + skip, n);

@@ -57,8 +57,9 @@ class File {
 /// Reads a file opened O_DIRECT (File::OpenRead(path, /*direct=*/true)) into any buffer at any
 /// offset: what is 4096-aligned in memory and in the file (a run of whole 4096-byte blocks)
 /// goes straight from the disk to the destination; the rest (a misaligned destination or
-/// offset, a tail shorter than a block) through this object's aligned bounce buffer of
-/// kBounce bytes, allocated at its first use, and one copy. Bytes past the requested range
+/// offset, a tail shorter than a block) through this object's aligned bounce buffer, up to
+/// kBounce bytes per read however misaligned (one block more is allocated at its first use),
+/// and one copy. Bytes past the requested range
 /// are read into the bounce buffer only, never into the destination. Not thread-safe: one per
 /// thread.
 class DirectReader {
