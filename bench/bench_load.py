@@ -61,19 +61,23 @@ RESULT_TAG = "@@RESULT "
 KV_HEADS = 8  # grouped-query attention, as in Llama 3
 
 
-def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log) -> dict:
-    """reshard convert for each world size into one OUT (re-done if the source changed)."""
+def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log, chunk_size: int = 0) -> dict:
+    """reshard convert for each world size into one OUT (re-done if the source changed);
+    chunk_size: --chunk-size (0: the default)."""
     stamp = out / "bench-stamp.json"
     st = os.stat(reshard)  # a rebuilt reshard may write another format: convert again
     want = {"source": ck_desc["params"], "reshard": [st.st_size, st.st_mtime_ns]}
+    if chunk_size:
+        want["chunk_size"] = chunk_size
     if out.exists() and (not stamp.exists() or json.loads(stamp.read_text()) != want):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     res = {}
     for w in world_sizes:
         t0 = time.perf_counter()
-        p = subprocess.run([reshard, "convert", str(src), "-o", str(out), "--world-size", str(w),
-                            "--json"], capture_output=True, text=True)
+        p = subprocess.run([reshard, "convert", str(src), "-o", str(out), "--world-size", str(w), "--json",
+                            *(["--chunk-size", str(chunk_size)] if chunk_size else [])],
+                           capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"bench_load: reshard convert --world-size {w} failed "
                              f"(exit {p.returncode}):\n{p.stderr.strip()[-3000:]}")
@@ -843,6 +847,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per series (default 3; 1 with --quick/--cpu-smoke)")
     ap.add_argument("--rank", type=int, default=0, help="rank of world size --world-size measured (default 0)")
     ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--view-chunk-size", type=int, default=0,
+                    help="also convert the --view-ws layout with this --chunk-size into its own OUT and time "
+                         "the rank's load from it (series reshard-wsNc-tT-prepared): how much of a load from "
+                         "another layout goes to whole chunks read for part of their bytes")
     ap.add_argument("--view-ws", type=int, default=4,
                     help="also convert this world size and read the rank case from it (0: no)")
     ap.add_argument("--mesh", default="",
@@ -1016,6 +1024,11 @@ def run_bench(b: Bench, args, threads) -> int:
     if args.view_ws and "rank" in want:  # the other layout the rank case is also read from
         sizes.add(args.view_ws)
     b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log)
+    out_chunked = None
+    if args.view_chunk_size and args.view_ws and "rank" in want:
+        out_chunked = workdir / f"out-{args.size_gb:g}gb-c{args.view_chunk_size}"
+        b.result["convert"]["view_chunked"] = convert(str(reshard), src, out_chunked, [args.view_ws], ck, log,
+                                                      chunk_size=args.view_chunk_size)
     file_2d = None
     if args.mesh and "rank" in want:
         file_2d, b.result["convert"]["dtensor"] = convert_dtensor(str(reshard), src, out, args.mesh, args.rank,
@@ -1132,6 +1145,14 @@ def run_bench(b: Bench, args, threads) -> int:
             # and from another world size's layout (issue 23).
             child(case, f"reshard-hf-t{top}-prepared", "view", ["cold", "warm"], threads=top,
                   prepare=gpu, second_load=True, view="checkpoint")
+            for n, group in enumerate(args.diag_env, start=1):  # diagnostics: with the knobs of --diag-env
+                knobs = dict(kv.split("=", 1) for kv in group.split(",") if kv)
+                child(case, f"reshard-hf-t{top}-prepared-env{n if n > 1 else ''}", "view", ["cold", "warm"],
+                      threads=top, prepare=gpu, second_load=True, view="checkpoint", diagnostic=True, env=knobs)
+            if out_chunked:
+                child(case, f"reshard-ws{args.view_ws}c-t{top}-prepared", "view", ["cold", "warm"],
+                      threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",
+                      out=str(out_chunked))
             if args.view_ws:
                 child(case, f"reshard-ws{args.view_ws}-t{top}-prepared", "view", ["cold", "warm"],
                       threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",
@@ -1144,7 +1165,7 @@ def run_bench(b: Bench, args, threads) -> int:
                 for n, group in enumerate(args.diag_env, start=1):
                     knobs = dict(kv.split("=", 1) for kv in group.split(",") if kv)
                     child(case, f"reshard-ws{args.view_ws}-t{top}-prepared-env{n if n > 1 else ''}", "view",
-                          ["warm"], threads=top, prepare=gpu, second_load=True,
+                          ["cold", "warm"], threads=top, prepare=gpu, second_load=True,
                           view=f"fsdp2-ws{args.view_ws}", out=str(out), diagnostic=True, env=knobs)
             if file_2d:
                 # A DTensor layout's rank file (issue 22): the same loader, each entry the rank's

@@ -252,28 +252,36 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
     stats.bytes += e.nbytes;
     stats.tensors += 1;
   }
-  uint64_t piece = options.span_bytes ? options.span_bytes : kDefaultPiece;
-  piece = std::max<uint64_t>(4096, piece / 4096 * 4096);
   const SourceLookup lookup = [this](std::string_view name) { return FindSource(name); };
   std::vector<Piece> pieces;
-  for (uint32_t j = 0; j < jobs.size(); ++j) {
-    const TensorEntry& e = header_.tensors[jobs[j].entry];
-    for (uint64_t b = 0; b < e.nbytes;) {
-      const uint64_t end = PieceEnd(maps_[jobs[j].entry], b, std::min(b + piece, e.nbytes));
-      Piece p{j, b, end - b, {}};
-      p.first_source = FirstSourceByte(maps_[jobs[j].entry], lookup, b);
-      pieces.push_back(p);
-      b = end;
+  uint64_t piece = 0;
+  auto cut = [&](uint64_t bytes) {  // the pieces of `bytes` each, in source order
+    piece = std::max<uint64_t>(4096, (bytes ? bytes : kDefaultPiece) / 4096 * 4096);
+    pieces.clear();
+    for (uint32_t j = 0; j < jobs.size(); ++j) {
+      const TensorEntry& e = header_.tensors[jobs[j].entry];
+      for (uint64_t b = 0; b < e.nbytes;) {
+        const uint64_t end = PieceEnd(maps_[jobs[j].entry], b, std::min(b + piece, e.nbytes));
+        Piece p{j, b, end - b, {}};
+        p.first_source = FirstSourceByte(maps_[jobs[j].entry], lookup, b);
+        pieces.push_back(p);
+        b = end;
+      }
     }
-  }
-  // Source order: the disk sees reads in file order, however the model orders its tensors.
-  std::stable_sort(pieces.begin(), pieces.end(),
-                   [](const Piece& a, const Piece& b) { return a.first_source < b.first_source; });
+    // Source order: the disk sees reads in file order, however the model orders its tensors.
+    std::stable_sort(pieces.begin(), pieces.end(),
+                     [](const Piece& a, const Piece& b) { return a.first_source < b.first_source; });
+  };
+  cut(options.span_bytes);
   // A source on disk (as the rank-file loader decides, from the page cache): fewer readers,
-  // and one thread asking the kernel to read ahead in source order, so that the disk sees
-  // long sequential requests rather than each reader's 4 MiB at a time.
+  // pieces of cold_span_bytes, and O_DIRECT reads or (host targets) one thread asking the
+  // kernel to read ahead in source order, so that the disk sees long sequential requests
+  // rather than each reader's 4 MiB at a time.
   bool cold = options.io == IoMode::kReadahead || options.io == IoMode::kDirect;
   if (options.io == IoMode::kAuto && !pieces.empty()) cold = Residency(pieces) < 0.5;
+  if (cold && options.cold_span_bytes && options.cold_span_bytes != options.span_bytes) {
+    cut(options.cold_span_bytes);
+  }
   // A source on disk bound for the device is read O_DIRECT, as the rank-file loader reads
   // its file (ChooseIo): buffered reads with kernel read-ahead fell short of the disk (run
   // AP: 0.78x the rank file from another layout, cold). Host targets: only when asked.

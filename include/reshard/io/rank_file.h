@@ -72,6 +72,10 @@ class RankFileReader {
   uint64_t ReadChunkDirect(const TensorEntry& tensor, uint64_t chunk, void* dst, std::string& scratch,
                            const File& direct, DirectReader& reader) const;
 
+  /// Throws kDataLoss naming this file, the tensor and the chunk unless `hash` (XXH3-64 of
+  /// the chunk's decoded bytes) is the header's chunk_xxh3 of it.
+  void CheckChunk(const TensorEntry& t, uint64_t chunk, uint64_t hash) const;
+
   /// Reads a whole tensor into `dst` (tensor.nbytes bytes), verifying every chunk and the
   /// tensor checksum.
   void ReadTensor(const TensorEntry& tensor, void* dst) const;
@@ -82,8 +86,6 @@ class RankFileReader {
   void CheckPadding() const;
 
  private:
-  void CheckChunk(const TensorEntry& t, uint64_t chunk, uint64_t hash) const;
-
   File file_;
   uint64_t file_size_ = 0;
   Preamble preamble_;

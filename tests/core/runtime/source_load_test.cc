@@ -143,6 +143,48 @@ TEST_F(SourceLoadTest, DirectReadsGiveTheSameBytes) {
   }
 }
 
+// Runs of whole chunks are read O_DIRECT in one request and each chunk checked after: a
+// tensor of 64 chunks per rank file, read at another world size, lands exactly, and a byte
+// flipped in a chunk in the middle of a run is caught.
+TEST_F(SourceLoadTest, DirectRunsOfWholeChunksAreEachChecked) {
+  const fs::path src = dir_.path() / "big", out = dir_.path() / "big-out";
+  test::TensorMap big = test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, 9)}});
+  test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
+  try {
+    File::OpenRead(src / "model-00001-of-00001.safetensors").ReopenDirect();
+  } catch (const Error& e) {
+    GTEST_SKIP() << "this file system refuses O_DIRECT (" << e.what() << ")";
+  }
+  ConvertOptions o;
+  o.source = src;
+  o.out = out;
+  o.layout.world_size = 2;
+  o.threads = 2;
+  o.chunk_size = 4096;
+  Convert(o);
+  tensors_ = big;
+  for (uint32_t r = 0; r < 3; ++r) {
+    ExpectBruteSlices(*SourceRankView::OfLayout(out, "fsdp2-ws2", Fsdp2(3), r, {}), 3, r, IoMode::kDirect);
+  }
+  const fs::path path = out / "fsdp2-ws2" / RankFileName(0, 2);
+  const RankFileReader reader = RankFileReader::Open(path);
+  const TensorEntry& e = reader.header().tensors.at(0);
+  ASSERT_GE(e.nbytes, 40u * 4096);
+  std::string bytes = test::ReadBytes(path);
+  bytes[reader.preamble().data_offset + e.offset + 20 * 4096 + 77] ^= 0x10;  // chunk 20 of 64
+  test::WriteBytes(path, bytes);
+  // Rank 0 of 3 reads rows [0, 43): chunks 0-42 of this file, chunk 20 inside a run.
+  try {
+    ExpectBruteSlices(*SourceRankView::OfLayout(out, "fsdp2-ws2", Fsdp2(3), 0, {}), 3, 0, IoMode::kDirect);
+    ADD_FAILURE() << "a flipped byte in a run of whole chunks was not caught";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), ErrorCode::kDataLoss);
+    EXPECT_NE(std::string(err.what()).find(path.string() + ": tensor \"w\" chunk 20: checksum mismatch"),
+              std::string::npos)
+        << err.what();
+  }
+}
+
 TEST_F(SourceLoadTest, WholeTensorsStayWhole) {
   // The largest tensor with at least 2 rows, stored whole: every rank holds all of it.
   std::string name;
