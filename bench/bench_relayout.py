@@ -16,7 +16,10 @@ Then, --reps times each, cold (sync, page cache dropped, the output gone):
 * reshard: `reshard relayout CKPT --world-size M` (a child process; the wall time from its start
   to its exit, its peak RSS from wait4): GB/s on the same bytes.
 
-The new layout is removed (and reshard.json restored) after each run. Prints a table and writes
+The new layout is removed (and reshard.json restored) after each run. --parts K, for a disk that
+cannot hold the checkpoint and its relayout at once (the ~7B one on the 64 GB GPU machine): the
+relayout runs as K commands with --ranks (as a job split by target rank runs it) and the ceiling
+copies a 1/K share at a time, each part's output removed before the next; seconds are summed. Prints a table and writes
 JSON to --out.
 
     python3 bench/bench_relayout.py --sizes 1,4 --world-size 4 --reps 3 --out results/relayout.json

@@ -47,7 +47,9 @@ struct LoadOptions {
   uint64_t span_bytes = 4ull << 20;
   /// The same, and the number of reader threads (0: `threads`; never more), for a file read from disk
   /// (kDirect, kReadahead, or kAuto finding it out of the page cache): fewer, larger
-  /// sequential requests suit disks (bench/HISTORY.md §7).
+  /// sequential requests suit disks (bench/HISTORY.md §7). A load without the rank file
+  /// (SourceRankView) reading O_DIRECT uses up to twice cold_threads: its reads are scattered
+  /// (bench/HISTORY.md §14).
   uint64_t cold_span_bytes = 4ull << 20;
   unsigned cold_threads = 8;
   /// For a file in the page cache, with checksums on: each chunk is read in pieces of this
