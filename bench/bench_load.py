@@ -1057,6 +1057,24 @@ def run_bench(b: Bench, args, threads) -> int:
         c["tensor_bytes"] = sum(e["nbytes"] for e in hdr["tensors"])
         c["tensors"] = len(hdr["tensors"])
     b.result["cases"] = cases
+    # The file ranges the rank's loads without its rank file read (whole chunks of another
+    # layout), for the ceiling of the same reads (series ceil-ranges-*).
+    range_lists = {}
+    if "rank" in cases:
+        c = cases["rank"]
+        views = {"hf": lambda: _C.SourceRankView.of_checkpoint(str(src), c["ws"], c["rank"])}
+        if args.view_ws:
+            views[f"ws{args.view_ws}"] = lambda: _C.SourceRankView.of_layout(str(out), f"fsdp2-ws{args.view_ws}",
+                                                                            c["ws"], c["rank"])
+            if out_chunked:
+                views[f"ws{args.view_ws}c"] = lambda: _C.SourceRankView.of_layout(
+                    str(out_chunked), f"fsdp2-ws{args.view_ws}", c["ws"], c["rank"])
+        for tag, make in views.items():
+            ranges = make().read_ranges()
+            path = workdir / f"ranges-{args.size_gb:g}gb-{tag}-rank{c['rank']}-of{c['ws']}.txt"
+            path.write_text("".join(f"{off} {n} {p}\n" for p, off, n in ranges))
+            range_lists[tag] = str(path)
+            b.result.setdefault("read_ranges", {})[tag] = {"ranges": len(ranges), "bytes": sum(r[2] for r in ranges)}
     log("cases: " + "; ".join(f"{k}: {c['tensor_bytes'] / 1e9:.3f} GB in {c['tensors']} tensors"
                               for k, c in cases.items()))
     b.save_json()
@@ -1083,6 +1101,10 @@ def run_bench(b: Bench, args, threads) -> int:
         if have_tool:
             tool(case, "ceil-seq-read", ["cold"], ["read", "--file", f, "--threads", "1", "--request", "16MiB"])
             tool(case, "ceil-seq-direct", ["cold"], ["read", "--file", f, "--threads", "1", "--request", "16MiB", "--direct"])
+            if case == "rank":  # the same reads as the loads without the rank file, nothing else
+                for tag, lst in range_lists.items():
+                    tool(case, f"ceil-ranges-{tag}", ["cold"],
+                         ["ranges", "--list", lst, "--threads", str(top), "--request", "4MiB", "--direct"])
             if gpu:
                 tool(case, "ceil-pipeline", ["cold", "warm"], None)  # argv per mode below
                 tool(case, "ceil-read-pinned", ["warm"], ["read", "--file", f, "--threads", "16", "--request", "2MiB", "--pinned"])

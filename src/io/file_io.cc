@@ -75,7 +75,18 @@ File File::ReopenDirect() const {
   const std::string self = "/proc/self/fd/" + std::to_string(fd_);
   const int fd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
   if (fd < 0) FailErrno(path_, "cannot open again with O_DIRECT", errno);
-  return File(fd, path_);
+  File f(fd, path_);
+  // Some file systems take O_DIRECT at open and refuse the reads: one aligned block read now,
+  // so that the caller falls back to buffered reads instead of failing a load later.
+  void* p = nullptr;
+  if (::posix_memalign(&p, DirectReader::kAlign, DirectReader::kAlign) != 0) {
+    Fail(ErrorCode::kIo, "out of host memory probing O_DIRECT reads of " + path_);
+  }
+  const std::unique_ptr<char, decltype(&std::free)> block(static_cast<char*>(p), &std::free);
+  if (::pread(f.fd(), block.get(), DirectReader::kAlign, 0) < 0) {
+    FailErrno(path_, "O_DIRECT reads refused", errno);
+  }
+  return f;
 }
 
 File File::Create(const std::filesystem::path& path, unsigned mode) {
@@ -147,18 +158,44 @@ size_t File::PReadUpTo(void* buf, size_t size, uint64_t offset) const {
 
 void DirectReader::Free::operator()(char* p) const { std::free(p); }
 
+namespace {
+
+// Reads aligned [offset, offset + size) of a file opened O_DIRECT into aligned `buf`: returns
+// the bytes read, fewer only where the file ends. A short read ends it (the file's end, or a
+// partial block there): asking again from an unaligned position would be EINVAL on kernels
+// that check alignment before the end of the file.
+size_t DirectPRead(const File& file, char* buf, size_t size, uint64_t offset) {
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(file.fd(), buf + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      Fail(ErrorCode::kIo, file.path() + ": O_DIRECT read of " + std::to_string(size - done) + " bytes at offset " +
+                               std::to_string(offset + done) + " failed: " + std::strerror(err));
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+    if (done % DirectReader::kAlign != 0) break;
+  }
+  return done;
+}
+
+}  // namespace
+
 void DirectReader::Read(const File& file, void* dst, size_t size, uint64_t offset) {
   auto* out = static_cast<char*>(dst);
   const uint64_t first = offset;
+  const size_t wanted = size;
   auto truncated = [&](uint64_t at) {
-    Fail(ErrorCode::kDataLoss, file.path() + ": truncated: wanted " + std::to_string(size) +
+    Fail(ErrorCode::kDataLoss, file.path() + ": truncated: wanted " + std::to_string(wanted) +
                                    " bytes at offset " + std::to_string(first) + ", the file ends at " +
                                    std::to_string(at));
   };
   while (size > 0) {
     if (reinterpret_cast<uintptr_t>(out) % kAlign == 0 && offset % kAlign == 0 && size >= kAlign) {
       const size_t n = size / kAlign * kAlign;
-      const size_t got = file.PReadUpTo(out, n, offset);
+      const size_t got = DirectPRead(file, out, n, offset);
       if (got < n) truncated(offset + got);
       out += n, offset += n, size -= n;
       continue;
@@ -177,7 +214,7 @@ void DirectReader::Read(const File& file, void* dst, size_t size, uint64_t offse
     // both are aligned and the rest goes straight.
     const bool together = (reinterpret_cast<uintptr_t>(out) - offset) % kAlign == 0;
     const size_t n = static_cast<size_t>(std::min<uint64_t>(size, together ? kAlign - skip : kBounce));
-    const size_t got = file.PReadUpTo(bounce_.get(), AlignUp(skip + n, kAlign), block);
+    const size_t got = DirectPRead(file, bounce_.get(), AlignUp(skip + n, kAlign), block);
     if (got < skip + n) truncated(block + got);
     std::memcpy(out, bounce_.get() + skip, n);
     bounced_ += n;

@@ -623,6 +623,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("path", [](const SourceViewHandle& f) { return f.view->description(); })
       .def_property_readonly("description", [](const SourceViewHandle& f) { return f.view->description(); })
       .def_property_readonly("files", [](const SourceViewHandle& f) { return f.view->files(); })
+      .def(
+          "read_ranges",
+          [](const SourceViewHandle& f) {
+            py::list out;
+            for (const auto& r : f.view->ReadRanges()) out.append(py::make_tuple(r.path, r.offset, r.length));
+            return out;
+          },
+          "The (path, offset, length) file ranges a load of every planned tensor reads, sorted and merged "
+          "(whole chunks of another layout): what a ceiling of the same reads reads")
       .def_property_readonly("rank", [](const SourceViewHandle& f) { return f.header().rank; })
       .def_property_readonly("world_size", [](const SourceViewHandle& f) { return f.header().world_size; })
       .def_property_readonly("layout_key", [](const SourceViewHandle& f) { return f.header().layout_key; })

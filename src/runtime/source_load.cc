@@ -126,6 +126,10 @@ class PlannedView : public SourceRankView {
   // Adds to used_files_ the files holding bytes [begin, end) of source tensor `t`.
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
   std::vector<std::string> files() const override { return used_files_; }
+  std::vector<Range> ReadRanges() const override;
+  // Adds to `out` the file ranges holding bytes [begin, end) of source tensor `t` as a load
+  // reads them.
+  virtual void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const = 0;
 
   RankFileHeader header_;
   std::vector<EntryMap> maps_;  // one per header_.tensors entry
@@ -202,6 +206,33 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
   }
 }
 
+
+std::vector<SourceRankView::Range> PlannedView::ReadRanges() const {
+  std::vector<Range> ranges;
+  for (const EntryMap& map : maps_) {
+    for (const EntrySegment& seg : map.segments) {
+      if (seg.kind != EntrySegment::Kind::kSource || seg.count == 0) continue;
+      const SourceTensor* t = FindSource(seg.source);
+      const uint32_t bits = Info(t->dtype).bits;
+      AddRanges(*t, seg.source_element * bits / 8, ((seg.source_element + seg.count) * bits + 7) / 8, ranges);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+    return a.path != b.path ? a.path < b.path : a.offset < b.offset;
+  });
+  std::vector<Range> merged;
+  for (Range& r : ranges) {
+    if (r.length == 0) continue;
+    if (!merged.empty() && merged.back().path == r.path &&
+        r.offset <= merged.back().offset + merged.back().length) {
+      Range& m = merged.back();
+      m.length = std::max(m.offset + m.length, r.offset + r.length) - m.offset;
+    } else {
+      merged.push_back(std::move(r));
+    }
+  }
+  return merged;
+}
 
 double PlannedView::Residency(const std::vector<Piece>& pieces) const {
   const size_t samples = std::min<size_t>(pieces.size(), 64);
@@ -392,7 +423,9 @@ class CheckpointSource final : public ThreadSource {
   CheckpointSource(const std::vector<File>& files, const std::vector<File>* direct)
       : files_(files), direct_(direct) {}
   void Read(size_t file_index, uint64_t offset, size_t size, void* dst) override {
-    if (direct_) {
+    // Small reads stay buffered: the rows of a column split (Shard(1)) are one read each, and
+    // O_DIRECT would make each a synchronous block read with no read-ahead.
+    if (direct_ && size >= kDirectMin) {
       reader_.Read(direct_->at(file_index), dst, size, offset);
     } else {
       files_.at(file_index).PReadExact(dst, size, offset);
@@ -400,6 +433,7 @@ class CheckpointSource final : public ThreadSource {
   }
 
  private:
+  static constexpr size_t kDirectMin = 64 << 10;
   const std::vector<File>& files_;
   const std::vector<File>* direct_;
   DirectReader reader_;
@@ -455,6 +489,9 @@ class CheckpointView final : public PlannedView {
     }
   }
   void NoteFiles(const SourceTensor& t, uint64_t, uint64_t) override { Note(ckpt_.files[t.file_index].path); }
+  void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const override {
+    out.push_back({ckpt_.files[t.file_index].path, t.offset + begin, end - begin});
+  }
   const SourceTensor* FindSource(std::string_view name) const override { return ckpt_.Find(name); }
 
  private:
@@ -541,6 +578,26 @@ class LayoutView final : public PlannedView {
     }
   }
   const SourceTensor* FindSource(std::string_view name) const override { return virt_.Find(name); }
+  void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const override {
+    for (uint64_t at = t.offset + begin; at < t.offset + end;) {
+      LayoutBytes::Spot spot;
+      if (!bytes_.Locate(at, spot)) return;
+      const uint64_t n = std::min<uint64_t>(t.offset + end - at, spot.left);
+      const RankFileReader& r = bytes_.readers[spot.piece->rank];
+      const TensorEntry& e = r.header().tensors[spot.piece->entry];
+      const uint64_t cs = r.header().chunk_size;
+      const uint64_t first = spot.pos / cs, last = (spot.pos + n - 1) / cs;  // whole chunks, as read
+      const uint64_t base = r.preamble().data_offset + e.offset;
+      if (e.codec == Codec::kRaw) {
+        const uint64_t b = first * cs, x = std::min(e.nbytes, (last + 1) * cs);
+        out.push_back({r.path(), base + b, x - b});
+      } else {
+        const uint64_t b = e.frames[first].offset, x = e.frames[last].offset + e.frames[last].size;
+        out.push_back({r.path(), base + b, x - b});
+      }
+      at += n;
+    }
+  }
   uint64_t PieceEnd(const EntryMap& map, uint64_t begin, uint64_t end) const override {
     // The segment holding `begin`: a run of one virtual tensor's bytes in the same dtype.
     const uint64_t item = Info(map.dtype).bits / 8;

@@ -1,6 +1,8 @@
 #include "core/test_util.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -10,6 +12,8 @@
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#include "reshard/io/file_io.h"
 
 namespace reshard::test {
 
@@ -45,6 +49,12 @@ ScopedEnv::~ScopedEnv() {
   } else {
     ::unsetenv(name_);
   }
+}
+
+void Evict(const fs::path& path) {
+  File f = File::OpenRead(path);
+  ::fdatasync(f.fd());
+  ::posix_fadvise(f.fd(), 0, 0, POSIX_FADV_DONTNEED);
 }
 
 std::string ReadBytes(const fs::path& path) {

@@ -58,6 +58,9 @@ class ScopedEnv {
 };
 
 std::string ReadBytes(const fs::path& path);
+/// Drops the file's pages from the page cache (fdatasync first: clean pages of a file the
+/// test wrote); the kernel may keep some (tests check PageCacheResidency after).
+void Evict(const fs::path& path);
 void WriteBytes(const fs::path& path, std::string_view bytes);
 /// Names of the regular files under `dir`, recursively, relative to it, sorted.
 std::vector<std::string> ListFiles(const fs::path& dir);

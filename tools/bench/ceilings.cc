@@ -57,10 +57,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -385,6 +388,72 @@ Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool d
   j["mmap"] = via_mmap;
   j["flush_mib"] = flush_mib;
   j["digest_xor"] = sink.load();
+  return j;
+}
+
+// ---- ranges: the reads of a load without the rank file -------------------------------------
+// The file ranges of a list (lines "OFFSET LENGTH PATH", e.g. from reshard._C.SourceRankView's
+// read_ranges(): what a rank's load from the HF files or another layout reads), cut into
+// requests of at most `request` bytes, taken in list order by `threads` threads into their own
+// buffers: the least any reader of the same bytes must do on this disk. With --direct each
+// request is widened to whole 4096-byte blocks (the bytes counted are the listed ones).
+Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool direct) {
+  CheckRequest(request, direct);
+  std::ifstream in(list);
+  if (!in) throw ToolError(list + ": cannot open");
+  struct Req {
+    size_t file;
+    uint64_t offset, length;
+  };
+  std::vector<std::unique_ptr<Fd>> fds;
+  std::map<std::string, size_t> index;
+  std::vector<Req> reqs;
+  uint64_t bytes = 0;
+  std::string line;
+  for (size_t no = 1; std::getline(in, line); ++no) {
+    if (line.empty()) continue;
+    std::istringstream ls(line);
+    uint64_t off = 0, len = 0;
+    std::string path;
+    if (!(ls >> off >> len) || !std::getline(ls >> std::ws, path) || path.empty()) {
+      throw ToolError(list + ":" + std::to_string(no) + ": expected \"OFFSET LENGTH PATH\", found \"" + line + "\"");
+    }
+    auto [it, added] = index.emplace(path, fds.size());
+    if (added) fds.push_back(std::make_unique<Fd>(path, direct));
+    for (uint64_t at = off; at < off + len; at += request) {
+      reqs.push_back({it->second, at, std::min(request, off + len - at)});
+    }
+    bytes += len;
+  }
+  if (reqs.empty()) throw ToolError(list + ": no ranges");
+  const uint64_t buf_bytes = request + 2 * kAlign;
+  std::vector<std::unique_ptr<HostBuffer>> bufs;
+  for (unsigned t = 0; t < threads; ++t) bufs.push_back(std::make_unique<HostBuffer>(buf_bytes, false));
+  for (auto& b : bufs) std::memset(b->data(), 0, buf_bytes);
+  std::atomic<size_t> next{0};
+  const auto t0 = Clock::now();
+  RunThreads(threads, [&](unsigned lane, std::atomic<bool>& failed) {
+    char* buf = bufs[lane]->data();
+    while (!failed.load(std::memory_order_relaxed)) {
+      const size_t i = next.fetch_add(1);
+      if (i >= reqs.size()) break;
+      const Req& r = reqs[i];
+      const uint64_t b = direct ? r.offset / kAlign * kAlign : r.offset;
+      fds[r.file]->ReadRange(buf, r.offset + r.length - b, b, direct);
+    }
+  });
+  const double seconds = Since(t0);
+  Json j;
+  j["mode"] = "ranges";
+  j["list"] = list;
+  j["files"] = fds.size();
+  j["ranges_requests"] = reqs.size();
+  j["bytes"] = bytes;
+  j["seconds"] = seconds;
+  j["gbps"] = Gbps(bytes, seconds);
+  j["threads"] = threads;
+  j["request"] = request;
+  j["direct"] = direct;
   return j;
 }
 
@@ -831,6 +900,13 @@ int main(int argc, char** argv) {
   read->add_flag("--mmap", via_mmap, "memcpy from a mapping of the file instead of pread");
   read->add_option("--flush-mib", read_flush_mib, "first write and read this many MiB in all, one thread per core (cold CPU caches)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 20));
+  CLI::App* ranges = app.add_subcommand("ranges", "T threads pread the file ranges of a list (OFFSET LENGTH PATH per line) in order");
+  std::string ranges_list;
+  ranges->add_option("--list", ranges_list, "the list of ranges")->required();
+  ranges->add_option("--threads", threads, "threads (each with its own buffer)")->check(CLI::Range(1u, 1024u));
+  ranges->add_option("--request", request_text, "at most this many bytes per request, e.g. 4MiB");
+  ranges->add_flag("--direct", direct, "O_DIRECT reads (each request widened to whole 4096-byte blocks)");
+  ranges->add_option("--device", device, "unused (every mode takes it)");
   CLI::App* h2d = app.add_subcommand("h2d", "pinned host -> device copy bandwidth");
   common(h2d, false);
   h2d->add_option("--bytes", bytes_text, "bytes copied per repetition (default 1GiB)");
@@ -881,6 +957,8 @@ int main(int argc, char** argv) {
       out = CmdRead(file, threads, request, direct, pinned, device,
                     hash_piece_text == "0" ? 0 : ParseBytes(hash_piece_text, "--hash-piece"), via_mmap,
                     read_flush_mib);
+    } else if (*ranges) {
+      out = CmdRanges(ranges_list, threads, request, direct);
     } else if (*setup) {
       out = CmdSetup(threads, request, reps, device);
     } else if (*flush) {

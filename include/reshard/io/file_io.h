@@ -22,7 +22,8 @@ class File {
   static File Create(const std::filesystem::path& path, unsigned mode = 0644);
   /// The same open file (the same inode, whatever its path names now) opened again for
   /// reading with O_DIRECT, through /proc/self/fd; errors name this file's path. Throws where
-  /// the file system refuses O_DIRECT (tmpfs) or /proc is not mounted.
+  /// the file system refuses O_DIRECT at open (tmpfs) or at the first aligned read, or /proc
+  /// is not mounted.
   File ReopenDirect() const;
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;

@@ -30,7 +30,8 @@ struct LoadTarget {
 /// load whose targets are all on the device, else kReadahead.
 /// kReadahead: buffered reads by the workers while one thread asks the kernel to read ahead
 /// (posix_fadvise WILLNEED) in file order, so the disk sees one sequential stream.
-/// kDirect: O_DIRECT reads into the staging buffers (device targets only).
+/// kDirect: O_DIRECT reads into the staging buffers (a rank file: device targets only; a load
+/// without the rank file, SourceRankView: host targets too, through DirectReader).
 enum class IoMode { kAuto, kBuffered, kDirect, kReadahead };
 
 struct LoadOptions {

@@ -80,6 +80,16 @@ class SourceRankView {
   /// files), in the order the planned tensors first need them.
   virtual std::vector<std::string> files() const = 0;
 
+  /// The file bytes a load of every planned tensor reads: [offset, offset + length) of `path`,
+  /// sorted by path and offset, overlapping and adjacent ranges merged. From another layout
+  /// these are whole checksum chunks (zstd: whole frames), as a load reads them. What a
+  /// benchmark's ceiling for the same reads reads (tools/bench `read --ranges`).
+  struct Range {
+    std::string path;
+    uint64_t offset = 0, length = 0;
+  };
+  virtual std::vector<Range> ReadRanges() const = 0;
+
   /// Loads `targets` (a subset of header().tensors, each named once, nbytes equal) as
   /// LoadRankFile does: host targets in place, device targets through `copier` (options:
   /// threads = reader threads and copier lanes, slots_per_thread; span_bytes is the piece

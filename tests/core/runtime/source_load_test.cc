@@ -2,12 +2,16 @@
 // from another layout's rank files. Every rank's bytes of every world size are compared with
 // the brute-force slice of the tensors the test wrote (tests/core/test_util.h), host targets.
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "core/host_device_copier.h"
 #include "core/test_util.h"
 #include "reshard/base/error.h"
 #include "reshard/format/layout.h"
@@ -53,26 +57,37 @@ class SourceLoadTest : public ::testing::Test {
 
   // Loads every tensor of the view into host memory and compares it with the brute-force
   // slice of rank `rank` of `ws`. Small pieces (span_bytes) so that a tensor is several pieces.
-  // With `io` kDirect the source files are read O_DIRECT (stats say so).
-  void ExpectBruteSlices(const SourceRankView& view, uint32_t ws, uint32_t rank, IoMode io = IoMode::kAuto) {
+  // With `io` kDirect the source files are read O_DIRECT (stats say so). The targets are
+  // page-aligned, as pinned staging is: O_DIRECT reads land straight in them where the
+  // source is aligned too. `copier`: the targets are "device" memory copied through it.
+  void ExpectBruteSlices(const SourceRankView& view, uint32_t ws, uint32_t rank, IoMode io = IoMode::kAuto,
+                         DeviceCopier* copier = nullptr, LoadStats* stats = nullptr,
+                         uint64_t cold_span = 8192) {
     const auto& tensors = view.header().tensors;
     ASSERT_EQ(tensors.size(), tensors_.size());
-    std::vector<std::string> bufs(tensors.size());
+    struct Free {
+      void operator()(char* p) const { std::free(p); }
+    };
+    std::vector<std::unique_ptr<char, Free>> bufs;
     std::vector<LoadTarget> targets;
     for (size_t i = 0; i < tensors.size(); ++i) {
-      bufs[i].assign(tensors[i].nbytes, '\0');
-      targets.push_back({tensors[i].name, bufs[i].data(), tensors[i].nbytes, false});
+      const size_t n = (tensors[i].nbytes + 4095) / 4096 * 4096 + 4096;
+      bufs.emplace_back(static_cast<char*>(std::aligned_alloc(4096, n)));
+      std::memset(bufs.back().get(), 0, n);
+      targets.push_back({tensors[i].name, bufs[i].get(), tensors[i].nbytes, copier != nullptr});
     }
     LoadOptions o;
     o.threads = 3;
-    o.span_bytes = 8192;
+    o.span_bytes = 8192;  // small pieces, so that a tensor is several pieces
+    o.cold_span_bytes = cold_span;
     o.io = io;
-    const LoadStats s = view.Load(targets, nullptr, o);
-    EXPECT_EQ(s.direct_io, io == IoMode::kDirect) << view.description();
+    const LoadStats s = view.Load(targets, copier, o);
+    if (stats) *stats = s;
+    if (io != IoMode::kAuto) EXPECT_EQ(s.direct_io, io == IoMode::kDirect) << view.description();
     uint64_t total = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
       const test::TensorSpec& t = tensors_.at(tensors[i].name);
-      EXPECT_EQ(bufs[i], test::BruteSlice(t, ws, rank))
+      EXPECT_EQ(std::string(bufs[i].get(), tensors[i].nbytes), test::BruteSlice(t, ws, rank))
           << view.description() << ": " << tensors[i].name << " rank " << rank << " of " << ws;
       total += tensors[i].nbytes;
     }
@@ -165,6 +180,12 @@ TEST_F(SourceLoadTest, DirectRunsOfWholeChunksAreEachChecked) {
   tensors_ = big;
   for (uint32_t r = 0; r < 3; ++r) {
     ExpectBruteSlices(*SourceRankView::OfLayout(out, "fsdp2-ws2", Fsdp2(3), r, {}), 3, r, IoMode::kDirect);
+    // From the safetensors file: reads of 64 KiB and more go O_DIRECT (its tensor data starts
+    // at no particular alignment: through the bounce buffer), smaller ones buffered.
+    for (uint64_t span : {uint64_t{8192}, uint64_t{1} << 20}) {
+      ExpectBruteSlices(*SourceRankView::OfCheckpoint(src, Fsdp2(3), r, {}), 3, r, IoMode::kDirect, nullptr, nullptr,
+                        span);
+    }
   }
   const fs::path path = out / "fsdp2-ws2" / RankFileName(0, 2);
   const RankFileReader reader = RankFileReader::Open(path);
@@ -182,6 +203,98 @@ TEST_F(SourceLoadTest, DirectRunsOfWholeChunksAreEachChecked) {
     EXPECT_NE(std::string(err.what()).find(path.string() + ": tensor \"w\" chunk 20: checksum mismatch"),
               std::string::npos)
         << err.what();
+  }
+}
+
+// ReadRanges lists every byte a load reads: with every other byte of the source files'
+// data overwritten, each rank's load is still exact (from the HF files, and from another
+// layout's raw and zstd rank files, whose chunks are listed whole).
+TEST_F(SourceLoadTest, ReadRangesHoldEveryByteALoadReads) {
+  // Overwrites bytes [from, size) of `path` outside the listed ranges of that path.
+  auto scribble = [](const std::string& path, uint64_t from, uint64_t to,
+                     const std::vector<SourceRankView::Range>& ranges) {
+    std::string bytes = test::ReadBytes(path);
+    std::vector<bool> keep(bytes.size(), false);
+    for (const auto& r : ranges) {
+      if (r.path != path) continue;
+      ASSERT_LE(r.offset + r.length, bytes.size()) << path;
+      std::fill(keep.begin() + static_cast<long>(r.offset), keep.begin() + static_cast<long>(r.offset + r.length),
+                true);
+    }
+    for (uint64_t i = from; i < std::min<uint64_t>(to, bytes.size()); ++i) {
+      if (!keep[i]) bytes[i] = static_cast<char>(0xEE);
+    }
+    test::WriteBytes(path, bytes);
+  };
+  auto check_sorted = [](const std::vector<SourceRankView::Range>& ranges) {
+    ASSERT_FALSE(ranges.empty());
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      const auto& a = ranges[i - 1];
+      const auto& b = ranges[i];
+      EXPECT_TRUE(a.path < b.path || (a.path == b.path && a.offset + a.length < b.offset))
+          << "ranges " << i - 1 << " and " << i << " are not sorted and merged";
+    }
+  };
+  // From the HF files: rank 1 of 3 (another rank reads other rows: the scribble must not
+  // matter to this one). Each file is scribbled past its safetensors header.
+  {
+    auto view = SourceRankView::OfCheckpoint(Src(), Fsdp2(3), 1, {});
+    const auto ranges = view->ReadRanges();
+    check_sorted(ranges);
+    for (const std::string& f : view->files()) {
+      const std::string head = test::ReadBytes(f).substr(0, 8);
+      uint64_t n = 0;
+      std::memcpy(&n, head.data(), 8);
+      scribble(f, 8 + n, ~uint64_t{0}, ranges);
+    }
+    ExpectBruteSlices(*view, 3, 1);
+  }
+  SetUp();  // the source again
+  for (Codec codec : {Codec::kRaw, Codec::kZstd}) {
+    fs::remove_all(Out());
+    ConvertTo(3, codec);
+    auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws3", Fsdp2(2), 0, {});
+    const auto ranges = view->ReadRanges();
+    check_sorted(ranges);
+    for (const std::string& f : view->files()) {
+      const RankFileReader r = RankFileReader::Open(f);
+      scribble(f, r.preamble().data_offset, r.preamble().header_offset, ranges);
+    }
+    ExpectBruteSlices(*view, 2, 0);
+  }
+}
+
+// kAuto reads a source out of the page cache O_DIRECT when every target is on the device,
+// through read-ahead when a target is in host memory, and buffered when it is cached; every
+// way lands the same bytes.
+TEST_F(SourceLoadTest, AutoReadsAColdSourceDirectOnlyForDeviceTargets) {
+  ConvertTo(3);
+  auto view = SourceRankView::OfLayout(Out(), "fsdp2-ws3", Fsdp2(2), 1, {});
+  bool direct_possible = true;
+  try {
+    File::OpenRead(view->files().front()).ReopenDirect();
+  } catch (const Error&) {
+    direct_possible = false;
+  }
+  for (bool device : {true, false}) {
+    SCOPED_TRACE(device ? "device targets" : "host targets");
+    for (const std::string& f : view->files()) test::Evict(f);
+    if (PageCacheResidency(view->files().front()) > 0.5) GTEST_SKIP() << "the kernel kept the pages";
+    test::HostDeviceCopier copier;
+    LoadStats cold;
+    ExpectBruteSlices(*view, 2, 1, IoMode::kAuto, device ? &copier : nullptr, &cold);
+    EXPECT_TRUE(cold.cold);
+    EXPECT_EQ(cold.direct_io, device && direct_possible);
+    EXPECT_EQ(copier.misuse, "");
+    LoadStats warm;  // the load read the files: now they are in the page cache
+    for (const std::string& f : view->files()) {
+      std::string all = test::ReadBytes(f);
+      ASSERT_FALSE(all.empty());
+    }
+    ExpectBruteSlices(*view, 2, 1, IoMode::kAuto, device ? &copier : nullptr, &warm);
+    EXPECT_FALSE(warm.cold);
+    EXPECT_FALSE(warm.direct_io);
+    EXPECT_EQ(copier.misuse, "");
   }
 }
 
