@@ -880,6 +880,7 @@ def main(argv=None):
                          "reshard-t16-prepared-zeroed (destinations zeroed on the device first), "
                          "reshard-t16-prepared-flushed (CPU caches flushed before every load)")
     ap.add_argument("--no-cold", action="store_true", help="skip cold-cache runs")
+    ap.add_argument("--no-warm", action="store_true", help="skip warm runs (and the warm-up pass)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start a further repetition only if it is expected to end within this "
                          "many seconds from the start (the first always runs) (default 450 for a "
@@ -1211,6 +1212,9 @@ def run_bench(b: Bench, args, threads) -> int:
     if args.no_cold:
         for s in series:
             s["modes"] = [m for m in s["modes"] if m != "cold"]
+    if args.no_warm:
+        for s in series:
+            s["modes"] = [m for m in s["modes"] if m != "warm"]
     for s in series:
         if s["runner"] == "tool" and s["argv"] is not None and "argv_by_mode" not in s:
             s["argv_by_mode"] = {m: s["argv"] for m in s["modes"]}
@@ -1246,6 +1250,10 @@ def run_bench(b: Bench, args, threads) -> int:
             else:
                 res["tool_mode"] = res.pop("mode", None)
                 res["ok"] = True
+                if res["tool_mode"] == "ranges":  # GB/s of the bytes a load lands, as the loads' are
+                    res["listed_bytes"] = res["bytes"]
+                    res["bytes"] = cases[s["case"]]["tensor_bytes"]
+                    res["gbps"] = res["bytes"] / res["seconds"] / 1e9 if res["seconds"] > 0 else 0.0
         else:
             spec = dict(s["spec"], cold=(mode == "cold"), **(extra_spec or {}))
             if mode != "warm" or discard:
