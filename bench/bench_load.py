@@ -1317,8 +1317,12 @@ def run_bench(b: Bench, args, threads) -> int:
     warm_files += sorted({str(f) for s in series
                           if s["runner"] == "child" and s["spec"].get("view") not in (None, "checkpoint")
                           for f in (Path(s["spec"]["out"]) / s["spec"]["view"]).glob("*.reshard")})
-    t = read_files(warm_files)
-    log(f"warm-up: files read once ({t:.1f} s); one discarded run of each warm series")
+    if any("warm" in s["modes"] for s in series):
+        t = read_files(warm_files)
+        log(f"warm-up: files read once ({t:.1f} s); one discarded run of each warm series")
+    else:  # --no-warm: each cold run is still checked against safe_open slices ("sample")
+        b.notes.append("no warm series: the full correctness check (every tensor of reshard-tN vs "
+                       "safe_open slices) did not run; each cold run checked a sample")
     keeper = None if args.no_keep_runtime else RuntimeKeeper([workdir, b.outdir])
     b.result["correctness"] = {}
     for s in series:

@@ -221,7 +221,8 @@ def main() -> int:
     def log(msg):
         print(f"[{time.perf_counter() - t_start:8.1f}s] {msg}", flush=True)
 
-    result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size, "parts": args.parts,
+    parts = max(1, min(args.parts, args.world_size))
+    result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size, "parts": parts,
               "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
     for size in [float(s) for s in args.sizes.split(",") if s.strip()]:
         ckpt = work / f"saved-{size:g}gb"
@@ -232,7 +233,6 @@ def main() -> int:
         nbytes = sum(f.stat().st_size for f in files)
         ceil, runs = [], []
         pushes = {"both": (False, True), "dirty": (False,), "push": (True,)}[args.ceiling]
-        parts = max(1, min(args.parts, args.world_size))
         for rep in range(args.reps):
             best = None
             for push in pushes:

@@ -127,9 +127,9 @@ class PlannedView : public SourceRankView {
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
   std::vector<std::string> files() const override { return used_files_; }
   std::vector<Range> ReadRanges() const override;
-  // Adds to `out` the file ranges holding bytes [begin, end) of source tensor `t` as a load
-  // reads them.
-  virtual void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const = 0;
+  // Adds to `out` the file ranges a load reads for source bytes [offset, offset + size) of
+  // file `file_index` (a SourceRead's arguments).
+  virtual void AddRanges(size_t file_index, uint64_t offset, uint64_t size, std::vector<Range>& out) const = 0;
 
   RankFileHeader header_;
   std::vector<EntryMap> maps_;  // one per header_.tensors entry
@@ -196,10 +196,17 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
       Fail(ErrorCode::kMismatch, description_ + ": tensor \"" + e.name + "\": " + why);
     }
     for (const EntrySegment& seg : map.segments) {
-      if (seg.kind != EntrySegment::Kind::kSource || seg.count == 0) continue;
+      if (seg.count == 0 || seg.kind == EntrySegment::Kind::kPadding || seg.kind == EntrySegment::Kind::kZero) {
+        continue;
+      }
       const SourceTensor* t = FindSource(seg.source);
-      const uint32_t bits = Info(t->dtype).bits;
-      NoteFiles(*t, seg.source_element * bits / 8, ((seg.source_element + seg.count) * bits + 7) / 8);
+      const uint64_t bits = Info(t->dtype).bits;
+      if (seg.IsSourced()) {  // from its first element to its last (a strided one's rows between)
+        NoteFiles(*t, seg.SourceElementAt(0) * bits / 8, ((seg.SourceElementAt(seg.count - 1) + 1) * bits + 7) / 8);
+      } else {  // dequantized: the weights and their scales, whole (a superset of what is read)
+        NoteFiles(*t, 0, t->nbytes);
+        if (const SourceTensor* sc = FindSource(seg.scale)) NoteFiles(*sc, 0, sc->nbytes);
+      }
     }
     header_.tensors.push_back(std::move(e));
     maps_.push_back(std::move(map));
@@ -208,13 +215,18 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
 
 
 std::vector<SourceRankView::Range> PlannedView::ReadRanges() const {
+  // Every planned entry filled as a load fills it, with a read that records instead of
+  // reading: strided rows, dequantization scales and conversions read what they read.
   std::vector<Range> ranges;
-  for (const EntryMap& map : maps_) {
-    for (const EntrySegment& seg : map.segments) {
-      if (seg.kind != EntrySegment::Kind::kSource || seg.count == 0) continue;
-      const SourceTensor* t = FindSource(seg.source);
-      const uint32_t bits = Info(t->dtype).bits;
-      AddRanges(*t, seg.source_element * bits / 8, ((seg.source_element + seg.count) * bits + 7) / 8, ranges);
+  const SourceLookup lookup = [this](std::string_view name) { return FindSource(name); };
+  const SourceRead record = [&](size_t file_index, uint64_t offset, size_t size, void*) {
+    AddRanges(file_index, offset, size, ranges);
+  };
+  std::vector<char> out(kDefaultPiece), scratch;
+  for (size_t i = 0; i < maps_.size(); ++i) {
+    const uint64_t nbytes = header_.tensors[i].nbytes;
+    for (uint64_t b = 0; b < nbytes; b += kDefaultPiece) {
+      FillEntry(maps_[i], lookup, record, b, std::min<uint64_t>(kDefaultPiece, nbytes - b), out.data(), scratch);
     }
   }
   std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
@@ -489,8 +501,8 @@ class CheckpointView final : public PlannedView {
     }
   }
   void NoteFiles(const SourceTensor& t, uint64_t, uint64_t) override { Note(ckpt_.files[t.file_index].path); }
-  void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const override {
-    out.push_back({ckpt_.files[t.file_index].path, t.offset + begin, end - begin});
+  void AddRanges(size_t file_index, uint64_t offset, uint64_t size, std::vector<Range>& out) const override {
+    out.push_back({ckpt_.files.at(file_index).path, offset, size});
   }
   const SourceTensor* FindSource(std::string_view name) const override { return ckpt_.Find(name); }
 
@@ -578,11 +590,11 @@ class LayoutView final : public PlannedView {
     }
   }
   const SourceTensor* FindSource(std::string_view name) const override { return virt_.Find(name); }
-  void AddRanges(const SourceTensor& t, uint64_t begin, uint64_t end, std::vector<Range>& out) const override {
-    for (uint64_t at = t.offset + begin; at < t.offset + end;) {
+  void AddRanges(size_t, uint64_t offset, uint64_t size, std::vector<Range>& out) const override {
+    for (uint64_t at = offset; at < offset + size;) {
       LayoutBytes::Spot spot;
       if (!bytes_.Locate(at, spot)) return;
-      const uint64_t n = std::min<uint64_t>(t.offset + end - at, spot.left);
+      const uint64_t n = std::min<uint64_t>(offset + size - at, spot.left);
       const RankFileReader& r = bytes_.readers[spot.piece->rank];
       const TensorEntry& e = r.header().tensors[spot.piece->entry];
       const uint64_t cs = r.header().chunk_size;

@@ -402,7 +402,7 @@ Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool
   std::ifstream in(list);
   if (!in) throw ToolError(list + ": cannot open");
   struct Req {
-    size_t file;
+    size_t file, line;
     uint64_t offset, length;
   };
   std::vector<std::unique_ptr<Fd>> fds;
@@ -415,13 +415,20 @@ Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool
     std::istringstream ls(line);
     uint64_t off = 0, len = 0;
     std::string path;
-    if (!(ls >> off >> len) || !std::getline(ls >> std::ws, path) || path.empty()) {
-      throw ToolError(list + ":" + std::to_string(no) + ": expected \"OFFSET LENGTH PATH\", found \"" + line + "\"");
-    }
+    const std::string where = list + ":" + std::to_string(no) + ": ";
+    if (!(ls >> off >> len) || !std::getline(ls >> std::ws, path)) path.clear();
+    while (!path.empty() && std::isspace(static_cast<unsigned char>(path.back()))) path.pop_back();  // \r too
+    if (path.empty()) throw ToolError(where + "expected \"OFFSET LENGTH PATH\", found \"" + line + "\"");
     auto [it, added] = index.emplace(path, fds.size());
-    if (added) fds.push_back(std::make_unique<Fd>(path, direct));
+    if (added) {
+      try {
+        fds.push_back(std::make_unique<Fd>(path, direct));
+      } catch (const ToolError& e) {
+        throw ToolError(where + e.what());
+      }
+    }
     for (uint64_t at = off; at < off + len; at += request) {
-      reqs.push_back({it->second, at, std::min(request, off + len - at)});
+      reqs.push_back({it->second, no, at, std::min(request, off + len - at)});
     }
     bytes += len;
   }
@@ -439,7 +446,11 @@ Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool
       if (i >= reqs.size()) break;
       const Req& r = reqs[i];
       const uint64_t b = direct ? r.offset / kAlign * kAlign : r.offset;
-      fds[r.file]->ReadRange(buf, r.offset + r.length - b, b, direct);
+      try {
+        fds[r.file]->ReadRange(buf, r.offset + r.length - b, b, direct);
+      } catch (const ToolError& e) {
+        throw ToolError(list + ":" + std::to_string(r.line) + ": " + e.what());
+      }
     }
   });
   const double seconds = Since(t0);

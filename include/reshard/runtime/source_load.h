@@ -83,7 +83,7 @@ class SourceRankView {
   /// The file bytes a load of every planned tensor reads: [offset, offset + length) of `path`,
   /// sorted by path and offset, overlapping and adjacent ranges merged. From another layout
   /// these are whole checksum chunks (zstd: whole frames), as a load reads them. What a
-  /// benchmark's ceiling for the same reads reads (tools/bench `read --ranges`).
+  /// benchmark's ceiling for the same reads reads (`reshard_bench_ceilings ranges --list`).
   struct Range {
     std::string path;
     uint64_t offset = 0, length = 0;
