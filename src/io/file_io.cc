@@ -89,6 +89,16 @@ File File::ReopenDirect() const {
   return f;
 }
 
+std::optional<std::vector<File>> ReopenDirect(const std::vector<const File*>& files) {
+  std::vector<File> out;
+  try {
+    for (const File* f : files) out.push_back(f->ReopenDirect());
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  return out;
+}
+
 File File::Create(const std::filesystem::path& path, unsigned mode) {
   // Never through what is already at `path`: a symbolic link (or a hard link) planted there
   // would redirect the write outside the directory. The old entry is unlinked (not followed)

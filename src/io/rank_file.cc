@@ -96,51 +96,40 @@ void DecodeZstdFrame(const void* src, size_t src_size, void* dst, size_t expecte
   }
 }
 
-uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* dst,
-                                   std::string& scratch, uint64_t hash_piece) const {
+uint64_t RankFileReader::ReadChunk(const TensorEntry& t, uint64_t chunk, void* dst, std::string& scratch,
+                                   uint64_t hash_piece, const DirectSource& direct) const {
   const uint64_t cs = header_->chunk_size;
   const uint64_t len = ChunkLength(t, cs, chunk);
   const uint64_t base = preamble_.data_offset + t.offset;
+  auto read = [&](void* buf, uint64_t n, uint64_t offset) {
+    if (direct.file) {
+      direct.reader->Read(*direct.file, buf, n, offset);
+    } else {
+      file_.PReadExact(buf, n, offset);
+    }
+  };
   uint64_t hash = 0;
-  if (t.codec == Codec::kRaw && hash_piece > 0 && hash_piece < len) {
+  if (t.codec == Codec::kRaw && !direct.file && hash_piece > 0 && hash_piece < len) {
     Xxh3Hasher hasher;
     auto* out = static_cast<char*>(dst);
     for (uint64_t at = 0; at < len; at += hash_piece) {
       const uint64_t n = std::min(hash_piece, len - at);
-      file_.PReadExact(out + at, n, base + ChunkBegin(cs, chunk) + at);
+      read(out + at, n, base + ChunkBegin(cs, chunk) + at);
       hasher.Update(out + at, n);
     }
     hash = hasher.Digest();
   } else if (t.codec == Codec::kRaw) {
-    file_.PReadExact(dst, len, base + ChunkBegin(cs, chunk));
+    read(dst, len, base + ChunkBegin(cs, chunk));
     hash = Xxh3(dst, len);
   } else {
     const Frame& f = t.frames[chunk];
     scratch.resize(f.size);
-    file_.PReadExact(scratch.data(), f.size, base + f.offset);
+    read(scratch.data(), f.size, base + f.offset);
     DecodeZstdFrame(scratch.data(), f.size, dst, len,
                     path() + ": tensor \"" + t.name + "\" chunk " + std::to_string(chunk));
     hash = Xxh3(dst, len);
   }
   CheckChunk(t, chunk, hash);
-  return len;
-}
-
-uint64_t RankFileReader::ReadChunkDirect(const TensorEntry& t, uint64_t chunk, void* dst, std::string& scratch,
-                                         const File& direct, DirectReader& reader) const {
-  const uint64_t cs = header_->chunk_size;
-  const uint64_t len = ChunkLength(t, cs, chunk);
-  const uint64_t base = preamble_.data_offset + t.offset;
-  if (t.codec == Codec::kRaw) {
-    reader.Read(direct, dst, len, base + ChunkBegin(cs, chunk));
-  } else {
-    const Frame& f = t.frames[chunk];
-    scratch.resize(f.size);
-    reader.Read(direct, scratch.data(), f.size, base + f.offset);
-    DecodeZstdFrame(scratch.data(), f.size, dst, len,
-                    path() + ": tensor \"" + t.name + "\" chunk " + std::to_string(chunk));
-  }
-  CheckChunk(t, chunk, Xxh3(dst, len));
   return len;
 }
 

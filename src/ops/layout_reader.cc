@@ -88,7 +88,7 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
       continue;
     }
     if (pos == c0 && take == clen && (verify_ || e.codec != Codec::kRaw)) {
-      ReadChunk(rank, e, chunk, out);  // a whole chunk: straight to its destination
+      r.ReadChunk(e, chunk, out, frame_, hash_piece_, Direct(rank));  // a whole chunk: straight to its destination
     } else if (!verify_ && e.codec == Codec::kRaw) {
       const uint64_t at = r.preamble().data_offset + e.offset + pos;
       if (direct_) {
@@ -127,7 +127,7 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
         Cached c;
         c.bytes = std::move(storage);
         c.bytes.resize(clen);
-        ReadChunk(rank, e, chunk, c.bytes.data());  // kept only when read and checked
+        r.ReadChunk(e, chunk, c.bytes.data(), frame_, hash_piece_, Direct(rank));  // kept only when read and checked
         ++partial_reads_;
         c.rank = rank, c.entry = entry, c.chunk = chunk;
         cache_.push_back(std::move(c));
@@ -140,25 +140,6 @@ void LayoutByteReader::ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint
     pos += take;
     n -= take;
   }
-}
-
-void LayoutByteReader::ReadChunk(uint32_t rank, const TensorEntry& e, uint64_t chunk, char* out) {
-  const RankFileReader& r = b_.readers[rank];
-  if (direct_) {
-    r.ReadChunkDirect(e, chunk, out, frame_, (*direct_)[rank], reader_);
-  } else {
-    r.ReadChunk(e, chunk, out, frame_, hash_piece_);
-  }
-}
-
-std::optional<std::vector<File>> OpenDirect(const LayoutBytes& bytes) {
-  std::vector<File> files;
-  try {
-    for (const RankFileReader& r : bytes.readers) files.push_back(r.file().ReopenDirect());
-  } catch (const Error&) {
-    return std::nullopt;
-  }
-  return files;
 }
 
 void OpenLayout(const fs::path& out, const Manifest& manifest, const std::string& key,

@@ -96,19 +96,21 @@ class PlannedView : public SourceRankView {
             const Conversion* conversion, const SourceFingerprint& source,
             const ModelManifest* model, const ParallelPlan* plan = nullptr,
             const std::string& plan_path = "");
-  // One reader thread's source; `direct`: through the files OpenDirect opened.
-  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece, bool direct) const = 0;
-  // Opens the source files again with O_DIRECT (once; later calls return the first's
-  // answer): false where one cannot be (tmpfs), and the load reads buffered.
-  bool OpenDirect() const {
+  // One reader thread's source; `direct`: SourceFiles() opened O_DIRECT (OpenDirect), or null.
+  virtual std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece,
+                                                         const std::vector<File>* direct) const = 0;
+  // The source files as their file indices (a checkpoint's) or ranks (a layout's) name them.
+  virtual std::vector<const File*> SourceFiles() const = 0;
+  // SourceFiles() opened again with O_DIRECT (once; later calls return the first's answer),
+  // or null where one cannot be (tmpfs), and the load reads buffered.
+  const std::vector<File>* OpenDirect() const {
     const std::lock_guard<std::mutex> g(direct_mu_);
     if (!direct_tried_) {
       direct_tried_ = true;
-      direct_ok_ = DoOpenDirect();
+      direct_ = ReopenDirect(SourceFiles());
     }
-    return direct_ok_;
+    return direct_ ? &*direct_ : nullptr;
   }
-  virtual bool DoOpenDirect() const = 0;
   // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
   // (posix_fadvise WILLNEED): a hint, errors ignored.
   virtual void Advise(size_t file_index, uint64_t offset, uint64_t size) const = 0;
@@ -137,7 +139,8 @@ class PlannedView : public SourceRankView {
   std::vector<std::string> used_files_;  // the files this rank's bytes are read from, in order
   std::set<std::string> noted_;
   mutable std::mutex direct_mu_;
-  mutable bool direct_tried_ = false, direct_ok_ = false;
+  mutable bool direct_tried_ = false;
+  mutable std::optional<std::vector<File>> direct_;
   void Note(const std::string& path) {
     if (noted_.insert(path).second) used_files_.push_back(path);
   }
@@ -330,8 +333,10 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // AP: 0.78x the rank file from another layout, cold). Host targets: only when asked.
   bool all_device = true;
   for (const Job& j : jobs) all_device &= j.target->on_device || header_.tensors[j.entry].nbytes == 0;
-  bool direct = options.io == IoMode::kDirect || (options.io == IoMode::kAuto && cold && all_device && any_device);
-  if (direct) direct = OpenDirect();
+  const std::vector<File>* direct = nullptr;
+  if (options.io == IoMode::kDirect || (options.io == IoMode::kAuto && cold && all_device && any_device)) {
+    direct = OpenDirect();
+  }
   unsigned threads = std::max(1u, options.threads);
   // Read O_DIRECT, a view keeps twice the rank file's cold readers busy: its reads are a part
   // of each tensor, scattered over the source, and the disk serves those faster with more
@@ -349,7 +354,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   std::atomic<size_t> taken{0};  // pieces the readers have started (for the read-ahead)
   std::atomic<bool> finished{false};
   std::thread ahead;
-  if (cold && !direct) {
+  if (cold && direct == nullptr) {
     ahead = std::thread([&] {
       constexpr uint64_t kAhead = 512ull << 20;  // bytes advised beyond the readers
       uint64_t advised = 0;
@@ -419,7 +424,7 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   finished = true;
   if (any_device) copier->Synchronize();
   stats.cold = cold;
-  stats.direct_io = direct;
+  stats.direct_io = direct != nullptr;
   stats.stored_bytes = read_bytes.load();
   stats.threads = lanes;
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -479,17 +484,13 @@ class CheckpointView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t, bool direct) const override {
-    return std::make_unique<CheckpointSource>(files_, direct ? &direct_ : nullptr);
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool, uint64_t, const std::vector<File>* direct) const override {
+    return std::make_unique<CheckpointSource>(files_, direct);
   }
-  bool DoOpenDirect() const override {
-    try {
-      for (const File& f : files_) direct_.push_back(f.ReopenDirect());
-    } catch (const Error&) {
-      direct_.clear();
-      return false;
-    }
-    return true;
+  std::vector<const File*> SourceFiles() const override {
+    std::vector<const File*> out;
+    for (const File& f : files_) out.push_back(&f);
+    return out;
   }
   bool Cached(size_t file_index, uint64_t offset) const override {
     return file_index >= files_.size() || ByteCached(files_[file_index].fd(), offset);
@@ -512,7 +513,6 @@ class CheckpointView final : public PlannedView {
   std::optional<ModelManifest> model_;
   const Conversion* conversion_ = nullptr;
   std::vector<File> files_;
-  mutable std::vector<File> direct_;  // files_ opened O_DIRECT (OpenDirect)
 };
 
 // ---- another layout's rank files ---------------------------------------------------------------
@@ -547,12 +547,14 @@ class LayoutView final : public PlannedView {
   }
 
  protected:
-  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece, bool direct) const override {
-    return std::make_unique<LayoutSource>(bytes_, verify, hash_piece, direct ? &*direct_ : nullptr);
+  std::unique_ptr<ThreadSource> MakeThreadSource(bool verify, uint64_t hash_piece,
+                                                 const std::vector<File>* direct) const override {
+    return std::make_unique<LayoutSource>(bytes_, verify, hash_piece, direct);
   }
-  bool DoOpenDirect() const override {
-    direct_ = reshard::OpenDirect(bytes_);
-    return direct_.has_value();
+  std::vector<const File*> SourceFiles() const override {
+    std::vector<const File*> out;
+    for (const RankFileReader& r : bytes_.readers) out.push_back(&r.file());
+    return out;
   }
   bool Cached(size_t, uint64_t offset) const override {
     LayoutBytes::Spot at;
@@ -634,7 +636,6 @@ class LayoutView final : public PlannedView {
  private:
   LayoutBytes bytes_;
   Checkpoint virt_;
-  mutable std::optional<std::vector<File>> direct_;  // the rank files opened O_DIRECT (OpenDirect)
 };
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace reshard {
 
@@ -81,6 +82,10 @@ class DirectReader {
   std::unique_ptr<char, Free> bounce_;
   uint64_t bounced_ = 0;
 };
+
+/// Each of `files` opened again O_DIRECT (File::ReopenDirect), in order; nothing when one of
+/// them cannot be (a file system that refuses O_DIRECT: the caller reads buffered).
+std::optional<std::vector<File>> ReopenDirect(const std::vector<const File*>& files);
 
 /// fsync of a directory, so that a rename inside it is durable.
 void SyncDirectory(const std::filesystem::path& dir);

@@ -45,6 +45,15 @@ class HeaderCache {
   size_t hits_ = 0;
 };
 
+/// Where RankFileReader::ReadChunk reads from instead of the file's page-cached reads: `file`,
+/// the same file opened O_DIRECT (File::ReopenDirect), through `reader` (DirectReader: straight
+/// into an aligned destination, else through its bounce buffer). For files on disk, where
+/// buffered reads fall short of the disk (bench/HISTORY.md §7). Default: none.
+struct DirectSource {
+  const File* file = nullptr;
+  DirectReader* reader = nullptr;
+};
+
 class RankFileReader {
  public:
   /// Opens and validates preamble and header (invariants 1–7). Throws kNotFound / kDataLoss.
@@ -61,16 +70,9 @@ class RankFileReader {
   /// checks its checksum (invariant 8). `scratch` is reused for compressed frames. Returns
   /// the chunk's decoded length. Throws kDataLoss on a checksum mismatch or bad frame.
   /// `hash_piece` > 0: a raw chunk is read in pieces of that many bytes, each hashed right
-  /// after it is read, while it is still in the core's cache.
-  uint64_t ReadChunk(const TensorEntry& tensor, uint64_t chunk, void* dst,
-                     std::string& scratch, uint64_t hash_piece = 0) const;
-
-  /// The same, reading `direct` (this file opened O_DIRECT) through `reader`: the chunk's
-  /// stored bytes whole, straight into `dst` where it is aligned (a raw chunk), else through
-  /// the reader's bounce buffer. For files on disk, where buffered reads fall short of the
-  /// disk (bench/HISTORY.md §7).
-  uint64_t ReadChunkDirect(const TensorEntry& tensor, uint64_t chunk, void* dst, std::string& scratch,
-                           const File& direct, DirectReader& reader) const;
+  /// after it is read, while it is still in the core's cache (not with `direct`: one read).
+  uint64_t ReadChunk(const TensorEntry& tensor, uint64_t chunk, void* dst, std::string& scratch,
+                     uint64_t hash_piece = 0, const DirectSource& direct = {}) const;
 
   /// Throws kDataLoss naming this file, the tensor and the chunk unless `hash` (XXH3-64 of
   /// the chunk's decoded bytes) is the header's chunk_xxh3 of it.

@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,13 +62,14 @@ class LayoutByteReader {
   /// Chunks read because only part of them was wanted (each read whole and checked), and how
   /// many of those are kept now: what tests check of the cache.
   uint64_t partial_chunk_reads() const { return partial_reads_; }
-  /// Bytes read O_DIRECT that went through the bounce buffer (misaligned destinations).
-  uint64_t bounced_bytes() const { return reader_.bounced(); }
   size_t kept_chunks() const { return cache_.size(); }
 
  private:
   void ReadEntry(uint32_t rank, size_t entry, uint64_t pos, uint64_t n, char* out);
-  void ReadChunk(uint32_t rank, const TensorEntry& e, uint64_t chunk, char* out);
+  // Where rank file `rank`'s chunks are read from (its O_DIRECT file, when direct).
+  DirectSource Direct(uint32_t rank) {
+    return {direct_ ? &(*direct_)[rank] : nullptr, &reader_};
+  }
 
   const LayoutBytes& b_;
   bool verify_;
@@ -122,9 +122,5 @@ struct OpenedLayout {
 /// file parses nothing), or nullptr.
 void OpenLayout(const std::filesystem::path& out, const Manifest& manifest, const std::string& key,
                 OpenedLayout& opened, HeaderCache* headers = nullptr);
-
-/// The rank files of `bytes` opened O_DIRECT, in readers' order; nothing when a file system
-/// refuses O_DIRECT for one of them (tmpfs), or a file cannot be opened again.
-std::optional<std::vector<File>> OpenDirect(const LayoutBytes& bytes);
 
 }  // namespace reshard
