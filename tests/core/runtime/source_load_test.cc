@@ -40,15 +40,23 @@ class SourceLoadTest : public ::testing::Test {
   fs::path Src() const { return dir_.path() / "src"; }
   fs::path Out() const { return dir_.path() / "out"; }
 
-  void ConvertTo(uint32_t ws, Codec codec = Codec::kRaw) {
+  void ConvertTo(uint32_t ws, Codec codec = Codec::kRaw) { ConvertDir(Src(), Out(), ws, codec); }
+  static void ConvertDir(const fs::path& src, const fs::path& out, uint32_t ws, Codec codec = Codec::kRaw) {
     ConvertOptions o;
-    o.source = Src();
-    o.out = Out();
+    o.source = src;
+    o.out = out;
     o.layout.world_size = ws;
     o.threads = 2;
     o.codec = codec;
     o.chunk_size = 4096;  // many chunks per tensor: pieces start and end inside chunks
     Convert(o);
+  }
+  // A checkpoint in `src` of one F32 tensor "w" [128, 1024] (64 chunks per rank file at world
+  // size 2): runs of whole chunks, rows that interleave chunks, column splits.
+  static test::TensorMap WriteOneBigTensor(const fs::path& src, uint64_t seed) {
+    test::TensorMap t = test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, seed)}});
+    test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
+    return t;
   }
 
   static LayoutSpec Fsdp2(uint32_t ws) {
@@ -167,21 +175,13 @@ TEST_F(SourceLoadTest, DirectReadsGiveTheSameBytes) {
 // flipped in a chunk in the middle of a run is caught.
 TEST_F(SourceLoadTest, DirectRunsOfWholeChunksAreEachChecked) {
   const fs::path src = dir_.path() / "big", out = dir_.path() / "big-out";
-  test::TensorMap big = test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, 9)}});
-  test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
+  tensors_ = WriteOneBigTensor(src, 9);
   try {
     File::OpenRead(src / "model-00001-of-00001.safetensors").ReopenDirect();
   } catch (const Error& e) {
     GTEST_SKIP() << "this file system refuses O_DIRECT (" << e.what() << ")";
   }
-  ConvertOptions o;
-  o.source = src;
-  o.out = out;
-  o.layout.world_size = 2;
-  o.threads = 2;
-  o.chunk_size = 4096;
-  Convert(o);
-  tensors_ = big;
+  ConvertDir(src, out, 2);
   for (uint32_t r = 0; r < 3; ++r) {
     ExpectBruteSlices(*SourceRankView::OfLayout(out, "fsdp2-ws2", Fsdp2(3), r, {}), 3, r, IoMode::kDirect);
     // From the safetensors file: reads of 64 KiB and more go O_DIRECT (its tensor data starts
@@ -317,8 +317,7 @@ TEST_F(SourceLoadTest, AutoReadsAColdSourceDirectOnlyForDeviceTargets) {
 // reads is wanted): ReadRanges lists each, and nothing else of the file is needed.
 TEST_F(SourceLoadTest, ReadRangesOfAColumnSplitListEveryRow) {
   const fs::path src = dir_.path() / "cols";
-  const test::TensorMap cols = test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, 5)}});
-  test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
+  const test::TensorMap cols = WriteOneBigTensor(src, 5);
   const ParallelPlan plan = ParseParallelPlan(R"J({"format": "reshard.parallel-plan", "format_version": 1,
     "name": "cols", "fsdp": {"mesh_dim": "dp_shard"},
     "rules": [{"pattern": "w", "placements": {"tp": "S(1)"}}]})J", "cols.json");
@@ -414,16 +413,8 @@ TEST_F(SourceLoadTest, FlippedByteInAChunkReadIsCaught) {
 TEST_F(SourceLoadTest, LayoutReaderKeepsChunksOnlyWhenReadAgain) {
   // One tensor of 64 chunks per rank at world size 2.
   const fs::path src = dir_.path() / "big", out = dir_.path() / "big-out";
-  const test::TensorMap big =
-      test::WriteShardedCheckpoint(src, {{test::MakeTensor("w", "F32", {128, 1024}, 7)}});
-  test::WriteBytes(src / "config.json", "{\"model_type\": \"test\"}");
-  ConvertOptions o;
-  o.source = src;
-  o.out = out;
-  o.layout.world_size = 2;
-  o.threads = 2;
-  o.chunk_size = 4096;
-  Convert(o);
+  const test::TensorMap big = WriteOneBigTensor(src, 7);
+  ConvertDir(src, out, 2);
   const std::optional<Manifest> manifest = ReadManifest(out);
   ASSERT_TRUE(manifest);
   OpenedLayout opened;
