@@ -1,8 +1,8 @@
 #include "format/json_util.h"
 
 #include <cctype>
-#include <set>
-#include <unordered_set>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 #include "reshard/base/checksum.h"
@@ -48,65 +48,120 @@ void CheckJsonDepth(std::string_view text, const std::string& path, std::string_
 
 namespace {
 
-// A SAX pass that builds nothing: finds syntax errors and the first duplicate object key.
-// (nlohmann's parser callback cannot be used for this: its DOM builder scans the whole parent
-// object for discarded values after every nested object ends, which is quadratic in the
-// number of tensors of a safetensors header.)
-struct DuplicateKeyFinder {
-  std::vector<std::unordered_set<std::string>> keys;
+// Builds the document in one SAX pass and stops at the first duplicate object key: one
+// tokenization instead of a key-checking pass and then a parse (the rank file header's
+// chunk_xxh3 arrays made the two passes the bulk of a header's parse time). A public-API
+// builder, not nlohmann's parser callback: its DOM builder scans the whole parent object for
+// discarded values after every nested object ends, which is quadratic in the number of
+// tensors of a safetensors header. Only the open containers are held by pointer: an object
+// member never moves, and an array is appended to only when its last child is closed.
+// An array under the key `hex_key` whose elements are all hex16 strings is kept as one binary
+// value of their 64-bit values (HexArrayValues): no string per element (a rank file header
+// holds one per checksum chunk). JSON text never makes a binary value, so one means exactly
+// that; any other element turns the array back into a plain one, element for element.
+class StrictDomBuilder {
+ public:
+  StrictDomBuilder(json& root, std::string_view hex_key) : root_(root), hex_key_(hex_key) {}
   std::string duplicate;
   std::string error;
 
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(json::number_integer_t) { return true; }
-  bool number_unsigned(json::number_unsigned_t) { return true; }
-  bool number_float(json::number_float_t, const std::string&) { return true; }
-  bool string(std::string&) { return true; }
-  bool binary(json::binary_t&) { return true; }
+  bool null() { return Put(nullptr); }
+  bool boolean(bool v) { return Put(v); }
+  bool number_integer(json::number_integer_t v) { return Put(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return Put(v); }
+  bool number_float(json::number_float_t v, const std::string&) { return Put(v); }
+  bool string(std::string& v) {
+    if (hex_) {
+      if (const auto x = ParseHex16(v)) {
+        hex_values_.push_back(*x);
+        return true;
+      }
+    }
+    return Put(std::move(v));
+  }
+  bool binary(json::binary_t& v) { return Put(json::binary_t(std::move(v))); }
   bool start_object(std::size_t) {
-    keys.emplace_back();
+    open_.push_back(&Place(json::object()));
     return true;
   }
   bool key(std::string& k) {
-    if (!keys.back().insert(k).second) {
+    if (open_.back()->contains(k)) {
       duplicate = k;
       return false;  // the first one is reported; stop here
     }
+    key_ = std::move(k);
     return true;
   }
   bool end_object() {
-    keys.pop_back();
+    open_.pop_back();
     return true;
   }
-  bool start_array(std::size_t) { return true; }
-  bool end_array() { return true; }
+  bool start_array(std::size_t) {
+    const bool hex = !hex_key_.empty() && !open_.empty() && open_.back()->is_object() && key_ == hex_key_;
+    open_.push_back(&Place(json::array()));
+    hex_ = hex;
+    hex_values_.clear();
+    return true;
+  }
+  bool end_array() {
+    if (hex_) {
+      json::binary_t bytes(std::vector<uint8_t>(hex_values_.size() * 8));
+      std::memcpy(bytes.data(), hex_values_.data(), bytes.size());
+      *open_.back() = json::binary(std::move(bytes));
+      hex_ = false;
+    }
+    open_.pop_back();
+    return true;
+  }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
     error = e.what();
     return false;
   }
+
+ private:
+  json& Place(json&& v) {
+    if (hex_) {  // not a hex16 string: the values so far become strings again
+      for (const uint64_t x : hex_values_) open_.back()->push_back(Hex16(x));
+      hex_ = false;
+    }
+    if (open_.empty()) return root_ = std::move(v);
+    json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.push_back(std::move(v));
+      return parent.back();
+    }
+    return parent[key_] = std::move(v);
+  }
+  bool Put(json&& v) {
+    Place(std::move(v));
+    return true;
+  }
+
+  json& root_;
+  std::string_view hex_key_;
+  std::vector<json*> open_;
+  std::string key_;
+  bool hex_ = false;  // the innermost open array may still become a binary value
+  std::vector<uint64_t> hex_values_;
 };
 
 }  // namespace
 
-json ParseStrictJson(std::string_view text, const std::string& path, std::string_view what) {
+json ParseStrictJson(std::string_view text, const std::string& path, std::string_view what,
+                     std::string_view hex_array_key) {
   CheckJsonDepth(text, path, what);
-  DuplicateKeyFinder finder;
-  json::sax_parse(text.begin(), text.end(), &finder);
-  if (!finder.error.empty()) {
+  json doc;
+  StrictDomBuilder builder(doc, hex_array_key);
+  json::sax_parse(text.begin(), text.end(), &builder);
+  if (!builder.error.empty()) {
     Fail(ErrorCode::kDataLoss,
-         path + ": " + std::string(what) + " is not valid JSON (" + finder.error + ")");
+         path + ": " + std::string(what) + " is not valid JSON (" + builder.error + ")");
   }
-  if (!finder.duplicate.empty()) {
+  if (!builder.duplicate.empty()) {
     Fail(ErrorCode::kDataLoss, path + ": " + std::string(what) + ": duplicate key \"" +
-                                   Printable(finder.duplicate) + "\"");
+                                   Printable(builder.duplicate) + "\"");
   }
-  try {
-    return json::parse(text.begin(), text.end());
-  } catch (const json::exception& e) {  // not expected after the pass above
-    Fail(ErrorCode::kDataLoss,
-         path + ": " + std::string(what) + " is not valid JSON (" + e.what() + ")");
-  }
+  return doc;
 }
 
 std::string Describe(const json& value) {
@@ -146,6 +201,14 @@ uint64_t GetHex16(const json& value, const std::string& path, const std::string&
     if (auto v = ParseHex16(value.get_ref<const std::string&>())) return *v;
   }
   FailField(path, field, Describe(value), "16 lower-case hex digits");
+}
+
+std::optional<std::vector<uint64_t>> HexArrayValues(const json& value) {
+  if (!value.is_binary()) return std::nullopt;
+  const json::binary_t& bytes = value.get_binary();
+  std::vector<uint64_t> v(bytes.size() / 8);
+  std::memcpy(v.data(), bytes.data(), v.size() * 8);
+  return v;
 }
 
 const json& GetArray(const json& value, const std::string& path, const std::string& field) {

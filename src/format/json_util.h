@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -23,8 +25,15 @@ void CheckJsonDepth(std::string_view text, const std::string& path, std::string_
 
 /// Parses `text` (depth checked first by CheckJsonDepth), rejecting duplicate object keys at
 /// any depth. Throws kDataLoss naming `path` and `what` ("header", "manifest", ...).
+/// `hex_array_key`: an array that is the value of this key in an object, and holds only
+/// strings of 16 lower-case hex digits, is parsed into a binary value (read it with
+/// HexArrayValues), not a string per element; any other such array is left as it is.
 nlohmann::json ParseStrictJson(std::string_view text, const std::string& path,
-                               std::string_view what);
+                               std::string_view what, std::string_view hex_array_key = {});
+
+/// The values of an array ParseStrictJson kept whole (see hex_array_key), in order; nullopt
+/// for any other value.
+std::optional<std::vector<uint64_t>> HexArrayValues(const nlohmann::json& value);
 
 /// Short description of a JSON value's type and value for error messages.
 std::string Describe(const nlohmann::json& value);

@@ -336,7 +336,7 @@ DTensorSharding ParseDTensorEntry(const json& e, const TensorEntry& t, const Ran
 }  // namespace
 
 RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std::string& path) {
-  json j = internal::ParseStrictJson(text, path, "header");
+  json j = internal::ParseStrictJson(text, path, "header", "chunk_xxh3");
   if (!j.is_object()) FailField(path, "header", Describe(j), "a JSON object");
   RankFileHeader h;
   std::string format = GetString(Member(j, "format", path, "header"), path, "format");
@@ -523,15 +523,22 @@ RankFileHeader ParseHeader(std::string_view text, uint64_t data_size, const std:
                 "inside the data region of " + std::to_string(data_size) + " bytes");
     }
     previous_end = end;
-    const json& chunks = GetArray(Member(e, "chunk_xxh3", path, f), path, f + ".chunk_xxh3");
+    // Parsed whole (ParseStrictJson's hex_array_key) when every entry is hex16; else one by
+    // one, which names the first bad entry.
+    const json& chunks = Member(e, "chunk_xxh3", path, f);
     const uint64_t n_chunks = t.ChunkCount(h.chunk_size);
-    if (chunks.size() != n_chunks) {
-      FailField(path, f + ".chunk_xxh3", std::to_string(chunks.size()) + " entries",
-                std::to_string(n_chunks) + " (ceil(nbytes / chunk_size))");
+    if (auto values = internal::HexArrayValues(chunks)) {
+      t.chunk_xxh3 = std::move(*values);
+    } else {
+      GetArray(chunks, path, f + ".chunk_xxh3");
+      t.chunk_xxh3.reserve(chunks.size());
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        t.chunk_xxh3.push_back(GetHex16(chunks[c], path, f + ".chunk_xxh3[" + std::to_string(c) + "]"));
+      }
     }
-    for (size_t c = 0; c < chunks.size(); ++c) {
-      t.chunk_xxh3.push_back(
-          GetHex16(chunks[c], path, f + ".chunk_xxh3[" + std::to_string(c) + "]"));
+    if (t.chunk_xxh3.size() != n_chunks) {
+      FailField(path, f + ".chunk_xxh3", std::to_string(t.chunk_xxh3.size()) + " entries",
+                std::to_string(n_chunks) + " (ceil(nbytes / chunk_size))");
     }
     if (t.codec == Codec::kRaw) {
       if (t.stored_size != t.nbytes) {

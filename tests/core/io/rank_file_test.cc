@@ -2,6 +2,7 @@
 // with the test's own decoder, read back through RankFileReader, and then broken one
 // invariant at a time. Header edits re-serialize the JSON and recompute header_xxh3 and the
 // preamble (test_util's EditRankHeader), so that each variant fails for exactly one reason.
+#include <cctype>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -507,6 +508,16 @@ const HeaderCase kHeaderCases[] = {
      {"tensor \"model.embed_tokens.weight\".chunk_xxh3", "found 2 entries", "expected 1 (ceil"}},
     {"ChunkXxh3NotHex", [](ojson& h) { Entry(h, kEmbed)["chunk_xxh3"][0] = "xyz"; },
      {"tensor \"model.embed_tokens.weight\".chunk_xxh3[0]", "16 lower-case hex digits"}},
+    // After valid entries (parsed whole while every entry is hex16): still the entry named.
+    {"ChunkXxh3UpperCaseAfterValidOnes",
+     [](ojson& h) {
+       std::string x = Entry(h, kBig)["chunk_xxh3"][1].get<std::string>();
+       for (char& c : x) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+       Entry(h, kBig)["chunk_xxh3"][1] = x == Entry(h, kBig)["chunk_xxh3"][1] ? "ABCDEF0123456789" : x;
+     },
+     {"tensor \"model.layers.2.big\".chunk_xxh3[1]", "16 lower-case hex digits"}},
+    {"ChunkXxh3NotAnArray", [](ojson& h) { Entry(h, kEmbed)["chunk_xxh3"] = test::RefHex16(7); },
+     {"tensor \"model.embed_tokens.weight\".chunk_xxh3", "expected an array"}},
     {"Xxh3NotMatchingChunks", [](ojson& h) { Entry(h, kEmbed)["xxh3"] = test::RefHex16(1); },
      {"tensor \"model.embed_tokens.weight\".xxh3", "found 0000000000000001",
       "the checksum of chunk_xxh3"}},
