@@ -95,7 +95,8 @@ def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log,
     return res
 
 
-def convert_dtensor(reshard: str, src: Path, out: Path, mesh: str, rank: int, workdir: Path, log):
+def convert_dtensor(reshard: str, src: Path, out: Path, mesh: str, rank: int, workdir: Path, log,
+                    chunk_size: int = 0):
     """The plan of transformers' own tp plan of the checkpoint's model, fully_shard over the
     first mesh dim, and `reshard convert --mesh MESH --plan` into OUT (kept while it exists).
     Returns (rank `rank`'s file, the conversion's record)."""
@@ -110,7 +111,8 @@ def convert_dtensor(reshard: str, src: Path, out: Path, mesh: str, rank: int, wo
     # Only rank `rank`'s file (--ranks): the other coordinates are not timed, and the GPU
     # machine's disk holds the source, two FSDP2 layouts and this one only so.
     p = subprocess.run([reshard, "convert", str(src), "-o", str(out), "--mesh", mesh, "--plan", str(plan),
-                        "--ranks", f"{rank}-{rank}"], capture_output=True, text=True, env=env)
+                        "--ranks", f"{rank}-{rank}", *(["--chunk-size", str(chunk_size)] if chunk_size else [])],
+                       capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"bench_load: reshard convert --mesh {mesh} failed:\n{p.stderr.strip()[-3000:]}")
     layouts = json.loads((out / "reshard.json").read_text())["layouts"]
@@ -847,6 +849,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per series (default 3; 1 with --quick/--cpu-smoke)")
     ap.add_argument("--rank", type=int, default=0, help="rank of world size --world-size measured (default 0)")
     ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--chunk-size", type=int, default=0,
+                    help="--chunk-size of every conversion (0: reshard convert's default): the rank "
+                         "file's and the --view-ws layout's chunk, to time both at another chunk size")
     ap.add_argument("--view-chunk-size", type=int, default=0,
                     help="also convert the --view-ws layout with this --chunk-size into its own OUT and time "
                          "the rank's load from it (series reshard-wsNc-tT-prepared): how much of a load from "
@@ -1024,7 +1029,8 @@ def run_bench(b: Bench, args, threads) -> int:
     sizes = ({args.world_size} if "rank" in want else set()) | ({1} if "whole" in want else set())
     if args.view_ws and "rank" in want:  # the other layout the rank case is also read from
         sizes.add(args.view_ws)
-    b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log)
+    b.result["convert"] = convert(str(reshard), src, out, sorted(sizes, reverse=True), ck, log,
+                                  chunk_size=args.chunk_size)
     out_chunked = None
     if args.view_chunk_size and args.view_ws and "rank" in want:
         out_chunked = workdir / f"out-{args.size_gb:g}gb-c{args.view_chunk_size}"
@@ -1033,7 +1039,7 @@ def run_bench(b: Bench, args, threads) -> int:
     file_2d = None
     if args.mesh and "rank" in want:
         file_2d, b.result["convert"]["dtensor"] = convert_dtensor(str(reshard), src, out, args.mesh, args.rank,
-                                                                   workdir, log)
+                                                                   workdir, log, args.chunk_size)
     src_files = sorted(str(p) for p in src.glob("*.safetensors"))
     cases = {
         "rank": {"title": f"rank {args.rank} of world size {args.world_size}",

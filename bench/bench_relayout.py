@@ -44,8 +44,9 @@ from common import drop_caches, machine_info, utc_now  # noqa: E402
 HIDDEN, INTER, VOCAB = 2048, 5632, 32000
 
 
-def make_saved(path: Path, size_gb: float, log) -> dict:
-    """A saved FSDP2 ws1 checkpoint of about size_gb GB of bf16 weights (+ AdamW state)."""
+def make_saved(path: Path, size_gb: float, log, chunk_size: int = 0) -> dict:
+    """A saved FSDP2 ws1 checkpoint of about size_gb GB of bf16 weights (+ AdamW state), saved
+    with chunk_size-byte checksum chunks (0: reshard.save's default)."""
     stamp = path / "bench-stamp.json"
     if stamp.exists():
         return json.loads(stamp.read_text())
@@ -83,7 +84,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 for p in model.parameters():
     p.grad = torch.distributed.tensor.DTensor.from_local(p.to_local() * 1e-3, p.device_mesh, p.placements)
 opt.step()
-reshard.save(model, {str(path)!r}, optimizer=opt, step=1)
+reshard.save(model, {str(path)!r}, optimizer=opt, step=1{f", chunk_size={chunk_size}" if chunk_size else ""})
 dist.destroy_process_group()
 """
     t0 = time.perf_counter()
@@ -167,7 +168,7 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
-def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int, ranks: str = "") -> dict:
+def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int, ranks: str = "", chunk_size: int = 0) -> dict:
     """The command's wall time from start to exit and its peak RSS: the high-water mark of its
     own memory (VmHWM, read every 10 ms until it exits; wait4's ru_maxrss would include this
     script's RSS at the fork, which Linux carries across exec). ranks: --ranks A-B."""
@@ -176,6 +177,8 @@ def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int, ranks: str = "
         cmd += ["--ranks", ranks]
     if threads:
         cmd += ["--threads", str(threads)]
+    if chunk_size:
+        cmd += ["--chunk-size", str(chunk_size)]
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hwm = 0
@@ -210,6 +213,9 @@ def main() -> int:
                          "runs as PARTS commands with --ranks (as a job split by target rank does), each part's "
                          "rank files timed and removed before the next, and the ceiling copies a 1/PARTS share at "
                          "a time; seconds are summed")
+    ap.add_argument("--chunk-size", type=int, default=0,
+                    help="checksum chunk of the saved checkpoint and of the relayout's files (0: the defaults of "
+                         "reshard.save and reshard relayout)")
     ap.add_argument("--ceiling", choices=("both", "dirty", "push"), default="both",
                     help="the copy ceiling's write-back: the faster of both (default), or one")
     args = ap.parse_args()
@@ -223,10 +229,10 @@ def main() -> int:
 
     parts = max(1, min(args.parts, args.world_size))
     result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size, "parts": parts,
-              "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
+              "chunk_size": args.chunk_size or None, "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
     for size in [float(s) for s in args.sizes.split(",") if s.strip()]:
-        ckpt = work / f"saved-{size:g}gb"
-        desc = make_saved(ckpt, size, log)
+        ckpt = work / (f"saved-{size:g}gb" + (f"-c{args.chunk_size}" if args.chunk_size else ""))
+        desc = make_saved(ckpt, size, log, args.chunk_size)
         manifest = (ckpt / "reshard.json").read_bytes()
         undo(ckpt, args.world_size, manifest)
         files = saved_files(ckpt)
@@ -247,7 +253,8 @@ def main() -> int:
             for part in range(parts):
                 drop_caches()
                 ranks = f"{part * args.world_size // parts}-{(part + 1) * args.world_size // parts - 1}"
-                p = run_relayout(reshard, ckpt, args.world_size, args.threads, ranks if parts > 1 else "")
+                p = run_relayout(reshard, ckpt, args.world_size, args.threads, ranks if parts > 1 else "",
+                                args.chunk_size)
                 r["seconds"] += p["seconds"]
                 r["peak_rss_bytes"] = max(r["peak_rss_bytes"], p["peak_rss_bytes"])
                 r["parts"].append({"ranks": ranks, **p})
