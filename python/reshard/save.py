@@ -599,7 +599,7 @@ def _atexit_pending() -> None:
 
 
 def save(model: nn.Module, out: str, optimizer=None, step: Optional[int] = None, *,
-         source: Optional[str] = None, chunk_size: int = 2 << 20,
+         source: Optional[str] = None, chunk_size: int = _C.DEFAULT_CHUNK_SIZE,
          staging_bytes: int = 32 << 20, verify: bool = False, blocking: bool = True,
          snapshot: str = "auto", base: bool = False):
     """Saves `model` (FSDP2, FSDP1 or plain; on CUDA or CPU) as a reshard output directory OUT.

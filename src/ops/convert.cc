@@ -284,7 +284,7 @@ ConvertResult Convert(const ConvertOptions& options) {
              std::to_string(kMaxConvertChunkSize) + " (1 GiB): each worker thread holds up "
              "to three buffers of a chunk (source, zstd frame, dtype conversion) and a loader "
              "stages whole zstd chunks in pinned memory (lanes x slots x chunk); chunks beyond "
-             "a few MiB gain nothing (default 2 MiB)");
+             "a few MiB gain nothing (default " + std::to_string(kDefaultChunkSize) + ")");
   }
   if (!ParseDTypePolicy(o.layout.dtype)) {
     Fail(ErrorCode::kInvalidArgument,

@@ -251,6 +251,8 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.attr("ReshardError") = errors->attr("ReshardError");
+  // What `reshard convert --chunk-size` and reshard.save(chunk_size=) write when not told.
+  m.attr("DEFAULT_CHUNK_SIZE") = reshard::kDefaultChunkSize;
 
   m.def("rank_file_name", &reshard::RankFileName, py::arg("rank"), py::arg("world_size"),
         "rank-RRRRR-of-WWWWW.reshard (formats/rank-file.md).");

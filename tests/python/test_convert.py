@@ -25,7 +25,7 @@ from checkpoints import load_source, weight_files
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZES = [1, 2, 3, 5, 8]
-DEFAULT_CHUNK = 2 * 1024 * 1024
+DEFAULT_CHUNK = 256 * 1024  # formats/rank-file.md: the default chunk_size
 
 # (arch, dtype, sharded, chunk_size or None for the default): every arch, both dtypes,
 # sharded and single-file sources, default and 4 KiB chunks (multi-chunk tensors).

@@ -81,7 +81,7 @@ class LayoutByteReader {
   // one being read always fits). A DTensor
   // layout's Shard(1) tensor interleaves its ranks row by row (each row is one run of every
   // tensor-parallel rank): one cached chunk per rank reads each chunk once instead of once per
-  // row (up to 16 tensor-parallel ranks at the default 2 MiB chunks).
+  // row (up to 16 tensor-parallel ranks).
   static constexpr size_t kCachedChunks = 16;
   static constexpr uint64_t kCachedBytes = 32ull << 20;
   struct Cached {
