@@ -54,11 +54,11 @@ namespace {
 // builder, not nlohmann's parser callback: its DOM builder scans the whole parent object for
 // discarded values after every nested object ends, which is quadratic in the number of
 // tensors of a safetensors header. Only the open containers are held by pointer: an object
-// member never moves, and an array is appended to only when its last child is closed.
+// member never moves, and an array is appended to only while none of its children is open.
 // An array under the key `hex_key` whose elements are all hex16 strings is kept as one binary
 // value of their 64-bit values (HexArrayValues): no string per element (a rank file header
-// holds one per checksum chunk). JSON text never makes a binary value, so one means exactly
-// that; any other element turns the array back into a plain one, element for element.
+// holds one per checksum chunk), in host byte order (never written out). JSON text never makes
+// a binary value, so one means exactly that; any other element turns the array back into a plain one, element for element.
 class StrictDomBuilder {
  public:
   StrictDomBuilder(json& root, std::string_view hex_key) : root_(root), hex_key_(hex_key) {}
@@ -106,7 +106,7 @@ class StrictDomBuilder {
   bool end_array() {
     if (hex_) {
       json::binary_t bytes(std::vector<uint8_t>(hex_values_.size() * 8));
-      std::memcpy(bytes.data(), hex_values_.data(), bytes.size());
+      if (!bytes.empty()) std::memcpy(bytes.data(), hex_values_.data(), bytes.size());  // no null memcpy
       *open_.back() = json::binary(std::move(bytes));
       hex_ = false;
     }
@@ -207,7 +207,7 @@ std::optional<std::vector<uint64_t>> HexArrayValues(const json& value) {
   if (!value.is_binary()) return std::nullopt;
   const json::binary_t& bytes = value.get_binary();
   std::vector<uint64_t> v(bytes.size() / 8);
-  std::memcpy(v.data(), bytes.data(), v.size() * 8);
+  if (!v.empty()) std::memcpy(v.data(), bytes.data(), v.size() * 8);  // an empty array: no null memcpy
   return v;
 }
 

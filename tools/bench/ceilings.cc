@@ -70,6 +70,7 @@
 #include <vector>
 
 #include "reshard/base/checksum.h"  // the XXH3 implementations, timed alone
+#include "reshard/format/rank_file_format.h"  // DecodePreamble, ParseHeader (the header mode)
 #include "reshard/io/file_io.h"  // PageCacheResidency (mincore), no loading code
 
 namespace {
@@ -882,6 +883,39 @@ Json CmdSpin(uint64_t ms, unsigned threads) {
 
 }  // namespace
 
+// The parse a first load pays once per process: the header's JSON text (read into memory
+// first, not timed) through ParseHeader, best and median of `reps`.
+Json CmdHeader(const std::string& path, unsigned reps) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) throw ToolError(path + ": cannot read");
+  if (bytes.size() < reshard::kPreambleSize) throw ToolError(path + ": shorter than a rank file's preamble");
+  const reshard::Preamble p =
+      reshard::DecodePreamble(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
+  const std::string_view text(bytes.data() + p.header_offset, p.header_size);
+  std::vector<double> ms;
+  uint64_t chunks = 0, tensors = 0;
+  for (unsigned i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const reshard::RankFileHeader h = reshard::ParseHeader(text, p.data_size, path);
+    ms.push_back(Since(t0) * 1e3);
+    tensors = h.tensors.size();
+    chunks = 0;
+    for (const reshard::TensorEntry& t : h.tensors) chunks += t.chunk_xxh3.size();
+  }
+  std::sort(ms.begin(), ms.end());
+  Json j;
+  j["mode"] = "header";
+  j["file"] = path;
+  j["header_bytes"] = p.header_size;
+  j["tensors"] = tensors;
+  j["chunks"] = chunks;
+  j["reps"] = reps;
+  j["best_ms"] = ms.front();
+  j["median_ms"] = ms[ms.size() / 2];
+  return j;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{
       "I/O and copy ceilings for the reshard loader benchmark (bench/bench_load.py). Each "
@@ -940,6 +974,11 @@ int main(int argc, char** argv) {
   CLI::App* spin = app.add_subcommand("spin", "keep T threads busy for N ms (no memory traffic)");
   spin->add_option("--ms", spin_ms, "milliseconds (default 50)")->check(CLI::Range(uint64_t{1}, uint64_t{600000}));
   spin->add_option("--threads", threads, "threads (default 1)")->check(CLI::Range(1u, 1024u));
+  std::string header_file;
+  unsigned header_reps = 20;
+  CLI::App* header = app.add_subcommand("header", "time ParseHeader of a rank file's header (in memory, --reps times)");
+  header->add_option("--file", header_file, "a rank file")->required();
+  header->add_option("--reps", header_reps, "parses timed (default 20)")->check(CLI::Range(1u, 100000u));
   CLI::App* pipe = app.add_subcommand(
       "pipeline", "T threads: pread -> 2 pinned buffers each -> cudaMemcpyAsync on own stream");
   common(pipe, true);
@@ -976,6 +1015,8 @@ int main(int argc, char** argv) {
       out = CmdFlush(flush_mib, threads);
     } else if (*hash) {
       out = CmdHash(hash_mib, threads, request);
+    } else if (*header) {
+      out = CmdHeader(header_file, header_reps);
     } else if (*spin) {
       out = CmdSpin(spin_ms, threads);
     } else if (*h2d) {

@@ -281,29 +281,33 @@ TEST(LoadRankFile, LeadInCopiesTheFirstSpanInGrowingParts) {
 }
 
 TEST(LoadRankFile, DefaultLeadInOnMiBSizedTensors) {
-  // The default options on a file with the default 2 MiB chunks and tensors of several MiB:
-  // every thread's first span (4 MiB) goes out in parts of 1 MiB, 2 MiB, then the rest.
-  Fixture f;
-  MakeFile(f, {{"w", {(5 << 20) / 4 + 123}}, {"v", {(3 << 20) / 4}}, {"t", {1000}}}, 2 << 20);
-  RankFileReader r = RankFileReader::Open(f.path);
-  LoadOptions o;
-  o.io = IoMode::kBuffered;
-  o.threads = 2;
-  ASSERT_EQ(o.lead_in_bytes, 1u << 20);
-  Destinations lead = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier a;
-  LoadDiagnostics ra;
-  LoadRankFile(r, lead.targets, &a, o, &ra);
-  o.lead_in_bytes = 0;
-  Destinations whole = MakeDestinations(f, [](size_t) { return true; });
-  HostDeviceCopier b;
-  LoadRankFile(r, whole.targets, &b, o);
-  EXPECT_EQ(a.misuse, "");
-  EXPECT_EQ(b.misuse, "");
-  EXPECT_GE(a.copies, b.copies + 2);  // at least two parts split off the first spans
-  EXPECT_EQ(ra.span_bytes, 4u << 20);
-  ExpectLanded(f, lead);
-  ExpectLanded(f, whole);
+  // The default options on files with tensors of several MiB, at the default chunk size and
+  // at 2 MiB (the default before 2026-12): every thread's first span (4 MiB) goes out in
+  // parts of 1 MiB, 2 MiB, then the rest.
+  for (const uint64_t chunk : {kDefaultChunkSize, uint64_t{2} << 20}) {
+    SCOPED_TRACE("chunk_size " + std::to_string(chunk));
+    Fixture f;
+    MakeFile(f, {{"w", {(5 << 20) / 4 + 123}}, {"v", {(3 << 20) / 4}}, {"t", {1000}}}, chunk);
+    RankFileReader r = RankFileReader::Open(f.path);
+    LoadOptions o;
+    o.io = IoMode::kBuffered;
+    o.threads = 2;
+    ASSERT_EQ(o.lead_in_bytes, 1u << 20);
+    Destinations lead = MakeDestinations(f, [](size_t) { return true; });
+    HostDeviceCopier a;
+    LoadDiagnostics ra;
+    LoadRankFile(r, lead.targets, &a, o, &ra);
+    o.lead_in_bytes = 0;
+    Destinations whole = MakeDestinations(f, [](size_t) { return true; });
+    HostDeviceCopier b;
+    LoadRankFile(r, whole.targets, &b, o);
+    EXPECT_EQ(a.misuse, "");
+    EXPECT_EQ(b.misuse, "");
+    EXPECT_GE(a.copies, b.copies + 2);  // at least two parts split off the first spans
+    EXPECT_EQ(ra.span_bytes, 4u << 20);
+    ExpectLanded(f, lead);
+    ExpectLanded(f, whole);
+  }
 }
 
 // Keeps the calling thread on one of its CPUs alone until destroyed (threads it starts
