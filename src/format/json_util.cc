@@ -58,7 +58,8 @@ namespace {
 // An array under the key `hex_key` whose elements are all hex16 strings is kept as one binary
 // value of their 64-bit values (HexArrayValues): no string per element (a rank file header
 // holds one per checksum chunk), in host byte order (never written out). JSON text never makes
-// a binary value, so one means exactly that; any other element turns the array back into a plain one, element for element.
+// a binary value, so one means exactly that; any other element turns the array back into a
+// plain one, element for element.
 class StrictDomBuilder {
  public:
   StrictDomBuilder(json& root, std::string_view hex_key) : root_(root), hex_key_(hex_key) {}

@@ -881,18 +881,16 @@ Json CmdSpin(uint64_t ms, unsigned threads) {
   return j;
 }
 
-}  // namespace
-
-// The parse a first load pays once per process: the header's JSON text (read into memory
-// first, not timed) through ParseHeader, best and median of `reps`.
+// The parse a first load pays once per process: the header's JSON text (the preamble and the
+// header read first, not timed) through ParseHeader, best and median of `reps`.
 Json CmdHeader(const std::string& path, unsigned reps) {
-  std::ifstream in(path, std::ios::binary);
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!in.good() && !in.eof()) throw ToolError(path + ": cannot read");
-  if (bytes.size() < reshard::kPreambleSize) throw ToolError(path + ": shorter than a rank file's preamble");
-  const reshard::Preamble p =
-      reshard::DecodePreamble(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path);
-  const std::string_view text(bytes.data() + p.header_offset, p.header_size);
+  const reshard::File f = reshard::File::OpenRead(path);
+  if (f.Size() < reshard::kPreambleSize) throw ToolError(path + ": shorter than a rank file's preamble");
+  uint8_t pre[reshard::kPreambleSize];
+  f.PReadExact(pre, sizeof pre, 0);
+  const reshard::Preamble p = reshard::DecodePreamble(pre, f.Size(), path);
+  std::string text(p.header_size, '\0');
+  f.PReadExact(text.data(), text.size(), p.header_offset);
   std::vector<double> ms;
   uint64_t chunks = 0, tensors = 0;
   for (unsigned i = 0; i < reps; ++i) {
@@ -915,6 +913,8 @@ Json CmdHeader(const std::string& path, unsigned reps) {
   j["median_ms"] = ms[ms.size() / 2];
   return j;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{

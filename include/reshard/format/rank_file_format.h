@@ -26,7 +26,8 @@ inline constexpr uint64_t kDataOffset = 4096;
 inline constexpr uint64_t kMaxHeaderSize = 256ull << 20;
 // 256 KiB: a reader of part of a file (another world size's load, relayout by parts) reads
 // whole chunks, so smaller chunks read fewer bytes it does not need; a rank's own load reads
-// spans of many chunks, so it does not care (formats/rank-file.md, *Reading part of a file*).
+// spans of many chunks (host loads no slower, the GPU load still to measure: bench/HISTORY.md
+// §15; formats/rank-file.md, *Reading part of a file*).
 inline constexpr uint64_t kDefaultChunkSize = 256ull << 10;
 // The largest chunk_size a reader accepts (formats/rank-file.md), and the largest that
 // `reshard convert --chunk-size` writes (each worker thread holds up to three chunk buffers;
