@@ -61,14 +61,17 @@ RESULT_TAG = "@@RESULT "
 KV_HEADS = 8  # grouped-query attention, as in Llama 3
 
 
-def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log, chunk_size: int = 0) -> dict:
+def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log, chunk_size: int = 0,
+            ranks: str = "") -> dict:
     """reshard convert for each world size into one OUT (re-done if the source changed);
-    chunk_size: --chunk-size (0: the default)."""
+    chunk_size: --chunk-size (0: the default); ranks: --ranks A-B ("": all)."""
     stamp = out / "bench-stamp.json"
     st = os.stat(reshard)  # a rebuilt reshard may write another format: convert again
     want = {"source": ck_desc["params"], "reshard": [st.st_size, st.st_mtime_ns]}
     if chunk_size:
         want["chunk_size"] = chunk_size
+    if ranks:
+        want["ranks"] = ranks
     if out.exists() and (not stamp.exists() or json.loads(stamp.read_text()) != want):
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +79,8 @@ def convert(reshard: str, src: Path, out: Path, world_sizes, ck_desc: dict, log,
     for w in world_sizes:
         t0 = time.perf_counter()
         p = subprocess.run([reshard, "convert", str(src), "-o", str(out), "--world-size", str(w), "--json",
-                            *(["--chunk-size", str(chunk_size)] if chunk_size else [])],
+                            *(["--chunk-size", str(chunk_size)] if chunk_size else []),
+                            *(["--ranks", ranks] if ranks else [])],
                            capture_output=True, text=True)
         if p.returncode != 0:
             raise SystemExit(f"bench_load: reshard convert --world-size {w} failed "
@@ -856,6 +860,10 @@ def main(argv=None):
                     help="also convert the --view-ws layout with this --chunk-size into its own OUT and time "
                          "the rank's load from it (series reshard-wsNc-tT-prepared): how much of a load from "
                          "another layout goes to whole chunks read for part of their bytes")
+    ap.add_argument("--alt-chunk-size", type=int, default=0,
+                    help="also convert the timed rank's own file (only that rank, --ranks R-R) with this "
+                         "--chunk-size into its own OUT and time it (series reshard-rc-tT-prepared): the "
+                         "rank file at two chunk sizes in one run")
     ap.add_argument("--view-ws", type=int, default=4,
                     help="also convert this world size and read the rank case from it (0: no)")
     ap.add_argument("--mesh", default="",
@@ -1036,6 +1044,13 @@ def run_bench(b: Bench, args, threads) -> int:
         out_chunked = workdir / f"out-{args.size_gb:g}gb-c{args.view_chunk_size}"
         b.result["convert"]["view_chunked"] = convert(str(reshard), src, out_chunked, [args.view_ws], ck, log,
                                                       chunk_size=args.view_chunk_size)
+    alt_rank_file = None
+    if args.alt_chunk_size and "rank" in want and args.world_size > 1:
+        out_alt = workdir / f"out-{args.size_gb:g}gb-rc{args.alt_chunk_size}"
+        b.result["convert"]["rank_alt_chunk"] = convert(str(reshard), src, out_alt, [args.world_size], ck, log,
+                                                        chunk_size=args.alt_chunk_size,
+                                                        ranks=f"{args.rank}-{args.rank}")
+        alt_rank_file = str(rank_file(out_alt, args.world_size, args.rank))
     file_2d = None
     if args.mesh and "rank" in want:
         file_2d, b.result["convert"]["dtensor"] = convert_dtensor(str(reshard), src, out, args.mesh, args.rank,
@@ -1169,6 +1184,9 @@ def run_bench(b: Bench, args, threads) -> int:
                       verify=True, io="auto", prepare=True, second_load=True, diagnostic=True,
                       pre_argv=[str(ceilings), "spin", "--ms", "30", "--threads",
                                 str(os.cpu_count() or 1)])
+        if case == "rank" and alt_rank_file:  # the same rank file at --alt-chunk-size
+            child(case, f"reshard-rc-t{top}-prepared", "reshard", ["cold", "warm"], threads=top,
+                  verify=True, io="auto", prepare=gpu, second_load=True, rank_file=alt_rank_file)
         if case == "rank":
             # Without the rank file of this world size: straight from the Hugging Face files,
             # and from another world size's layout (issue 23).
@@ -1315,7 +1333,7 @@ def run_bench(b: Bench, args, threads) -> int:
     # children map (for RuntimeKeeper), and, for reshard at the top thread count, compares every
     # tensor with safe_open slices of the source (the correctness check).
     warm_files = src_files + [c["rank_file"] for c in cases.values()]
-    warm_files += sorted({s["spec"]["rank_file"] for s in series if s["runner"] == "child" and s["spec"].get("dtensor")})
+    warm_files += sorted({s["spec"]["rank_file"] for s in series if s["runner"] == "child"} - set(warm_files))
     warm_files += sorted({s["spec"]["preload_file"] for s in series
                           if s["runner"] == "child" and s["spec"].get("preload_file")})
     # A view of another layout reads that layout's rank files: warm runs need them cached too
