@@ -192,9 +192,22 @@ def run_relayout(reshard: str, ckpt: Path, ws: int, threads: int, ranks: str = "
     return {"seconds": seconds, "peak_rss_bytes": hwm, "summary": json.loads(out or "{}")}
 
 
-def undo(ckpt: Path, ws: int, manifest: bytes) -> None:
-    shutil.rmtree(ckpt / f"fsdp2-ws{ws}", ignore_errors=True)
+def undo(ckpt: Path, ws: int, manifest: bytes, write_to: str = "") -> None:
+    new = ckpt / f"fsdp2-ws{ws}"
+    if new.is_symlink():
+        new.unlink()
+    shutil.rmtree(new, ignore_errors=True)
+    if write_to:
+        shutil.rmtree(Path(write_to) / new.name, ignore_errors=True)
     (ckpt / "reshard.json").write_bytes(manifest)
+
+
+def redirect(ckpt: Path, ws: int, write_to: str) -> None:
+    """The new layout's directory as a link to an empty one under write_to (--write-to)."""
+    if write_to:
+        target = Path(write_to) / f"fsdp2-ws{ws}"
+        target.mkdir(parents=True)
+        (ckpt / f"fsdp2-ws{ws}").symlink_to(target, target_is_directory=True)
 
 
 def main() -> int:
@@ -216,6 +229,11 @@ def main() -> int:
     ap.add_argument("--chunk-size", type=int, default=0,
                     help="checksum chunk of the saved checkpoint and of the relayout's files (0: the defaults of "
                          "reshard.save and reshard relayout)")
+    ap.add_argument("--write-to", default="",
+                    help="for a disk that can hold the saved checkpoint but not its relayout beside it: the new "
+                         "layout (through a symbolic link CKPT/fsdp2-wsM -> WRITE_TO/fsdp2-wsM) and the ceiling's "
+                         "copies are written to this directory on another file system (e.g. /dev/shm); both then "
+                         "read the disk and write there, so the ratio is that of the read side, whole")
     ap.add_argument("--ceiling", choices=("both", "dirty", "push"), default="both",
                     help="the copy ceiling's write-back: the faster of both (default), or one")
     args = ap.parse_args()
@@ -229,13 +247,15 @@ def main() -> int:
 
     parts = max(1, min(args.parts, args.world_size))
     result = {"date": utc_now(), "machine": machine_info(work), "world_size": args.world_size, "parts": parts,
+              "write_to": args.write_to or None,
               "chunk_size": args.chunk_size or None, "command": " ".join([sys.executable, *sys.argv]), "sizes": []}
     for size in [float(s) for s in args.sizes.split(",") if s.strip()]:
         ckpt = work / (f"saved-{size:g}gb" + (f"-c{args.chunk_size}" if args.chunk_size else ""))
         desc = make_saved(ckpt, size, log, args.chunk_size)
         manifest = (ckpt / "reshard.json").read_bytes()
-        undo(ckpt, args.world_size, manifest)
+        undo(ckpt, args.world_size, manifest, args.write_to)
         files = saved_files(ckpt)
+        scratch = Path(args.write_to) / "scratch" if args.write_to else work / "scratch"
         nbytes = sum(f.stat().st_size for f in files)
         ceil, runs = [], []
         pushes = {"both": (False, True), "dirty": (False,), "push": (True,)}[args.ceiling]
@@ -245,13 +265,14 @@ def main() -> int:
                 t = 0.0
                 for part in range(parts):
                     drop_caches()
-                    t += ceiling_copy(files, work / "scratch", args.copy_threads, push, part, parts)
+                    t += ceiling_copy(files, scratch, args.copy_threads, push, part, parts)
                 best = t if best is None else min(best, t)
             ceil.append(best)
             r = {"seconds": 0.0, "peak_rss_bytes": 0, "parts": []}
             new_bytes = 0
             for part in range(parts):
                 drop_caches()
+                redirect(ckpt, args.world_size, args.write_to)
                 ranks = f"{part * args.world_size // parts}-{(part + 1) * args.world_size // parts - 1}"
                 p = run_relayout(reshard, ckpt, args.world_size, args.threads, ranks if parts > 1 else "",
                                 args.chunk_size)
@@ -260,7 +281,7 @@ def main() -> int:
                 r["parts"].append({"ranks": ranks, **p})
                 new_bytes += sum(f.stat().st_size for f in (ckpt / f"fsdp2-ws{args.world_size}").rglob("*")
                                  if f.is_file())
-                undo(ckpt, args.world_size, manifest)
+                undo(ckpt, args.world_size, manifest, args.write_to)
             runs.append(r)
             log(f"{size:g} GB rep {rep + 1}: ceiling {nbytes / ceil[-1] / 1e9:.3f} GB/s ({ceil[-1]:.2f} s); "
                 f"relayout {nbytes / r['seconds'] / 1e9:.3f} GB/s ({r['seconds']:.2f} s), peak RSS "
