@@ -444,7 +444,7 @@ int RunCli(int argc, char** argv) {
   relayout->add_flag("--commit-only", relayout_commit_only,
                      "write no rank file: only commit the new layout if all of its rank files "
                      "are there (an explicit final step after split runs)");
-  relayout->add_option("--threads", ro.threads, "worker threads (default: all cores)");
+  relayout->add_option("--threads", ro.threads, "worker threads (default: twice the cores: it waits on the disk)");
   relayout->add_option("--compress", relayout_compress, "zstd or zstd:LEVEL; raw by default");
   relayout->add_option("--chunk-size", ro.chunk_size, "bytes per checksum chunk of the new files")
       ->capture_default_str();

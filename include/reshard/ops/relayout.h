@@ -49,7 +49,7 @@ struct RelayoutOptions {
   std::optional<std::pair<uint32_t, uint32_t>> ranks;  // inclusive; all when unset
   /// Write no rank file; only commit the new layout when all its rank files are there.
   bool commit_only = false;
-  unsigned threads = 0;                                 // 0: hardware concurrency
+  unsigned threads = 0;                                 // 0: twice the hardware concurrency
   Codec codec = Codec::kRaw;
   int zstd_level = 3;
   uint64_t chunk_size = kDefaultChunkSize;
