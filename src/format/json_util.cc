@@ -165,7 +165,44 @@ json ParseStrictJson(std::string_view text, const std::string& path, std::string
   return doc;
 }
 
+namespace {
+
+bool HoldsKeptArray(const json& j) {
+  if (j.is_binary()) return true;
+  if (j.is_structured()) {
+    for (const json& v : j) {
+      if (HoldsKeptArray(v)) return true;
+    }
+  }
+  return false;
+}
+
+// `j` with every array ParseStrictJson kept whole (a binary value) turned back into the
+// array of hex16 strings it was read from, so an error shows the file's own text. Recursion
+// is bounded: every parsed document passed CheckJsonDepth.
+json KeptArraysBack(const json& j) {
+  if (j.is_binary()) {
+    json a = json::array();
+    for (const uint64_t v : HexArrayValues(j).value_or(std::vector<uint64_t>{})) a.push_back(Hex16(v));
+    return a;
+  }
+  if (j.is_object()) {
+    json o = json::object();
+    for (auto it = j.begin(); it != j.end(); ++it) o[it.key()] = KeptArraysBack(it.value());
+    return o;
+  }
+  if (j.is_array()) {
+    json a = json::array();
+    for (const json& v : j) a.push_back(KeptArraysBack(v));
+    return a;
+  }
+  return j;
+}
+
+}  // namespace
+
 std::string Describe(const json& value) {
+  if (HoldsKeptArray(value)) return Describe(KeptArraysBack(value));
   std::string s = value.dump();
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return std::string(value.type_name()) + " " + s;

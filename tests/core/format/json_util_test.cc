@@ -120,6 +120,23 @@ TEST(ParseStrictJson, AnArrayOfHex16UnderTheKeyIsOneBinaryValue) {
   EXPECT_FALSE(HexArrayValues(a["a"][1]).has_value());
 }
 
+TEST(ParseStrictJson, ErrorsDescribeAKeptArrayAsTheFileWroteIt) {
+  // Describe (every "found ..." of an error) shows the hex strings, not the binary value the
+  // parse kept them as: the type the file has and the text it holds.
+  const json j = ParseStrictJson(R"({"t": {"name": "w", "chunk_xxh3": ["0123456789abcdef"]}, "u": []})",
+                                 "f.json", "header", "chunk_xxh3");
+  ASSERT_TRUE(j["t"]["chunk_xxh3"].is_binary());
+  EXPECT_EQ(Describe(j["t"]["chunk_xxh3"]), "array [\"0123456789abcdef\"]");
+  EXPECT_EQ(Describe(j["t"]), R"(object {"chunk_xxh3":["0123456789abcdef"],"name":"w"})");
+  const std::string whole = Describe(j);
+  EXPECT_EQ(whole.rfind("object {\"t\":{\"chunk_xxh3\":[\"0123456789abcdef\"]", 0), 0u) << whole;
+  EXPECT_EQ(whole.find("bytes"), std::string::npos) << whole;
+  // An error naming the field shows it too.
+  EXPECT_TRUE(ThrowsError([&] { GetString(j["t"]["chunk_xxh3"], "f.json", "t.chunk_xxh3"); }, ErrorCode::kDataLoss,
+                          {"f.json", "t.chunk_xxh3", "array [\"0123456789abcdef\"]", "a string"}));
+  EXPECT_EQ(Describe(json::parse("[1, 2]")), "array [1,2]");  // nothing kept: as before
+}
+
 TEST(ParseStrictJson, RefusesADuplicateKeyAtAnyDepth) {
   for (const auto& [text, key] : std::vector<std::pair<std::string, std::string>>{
            {R"({"a": 1, "a": 2})", "a"},
