@@ -12,6 +12,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "format/json_util.h"
 #include "reshard/base/checksum.h"
@@ -77,7 +78,7 @@ class Verifier {
     } else if (fs::exists(o_.path / kManifestName)) {
       CollectFromManifest(layouts);
     } else {
-      ReadRankState();
+      ReadRankState(o_.path);
       LayoutFiles l;
       l.key = o_.path.filename().string();
       l.dir = o_.path;
@@ -99,6 +100,12 @@ class Verifier {
       layouts.push_back(std::move(l));
     }
     for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/fs::is_directory(o_.path));
+    // Each listed layout's optimizer state (KEY/optim, written by reshard.save and relayout):
+    // its rank files are not in the manifest, so they are found here and checked as
+    // `reshard verify OUT/KEY/optim` checks them.
+    if (manifest_) {
+      for (const auto& [key, ml] : manifest_->layouts) VerifyOptimizerDir(key, ml);
+    }
     // A layout `reshard relayout` made from another layout of OUT: compared with that layout
     // element for element (its optimizer state too), as --source compares a conversion.
     if (manifest_) {
@@ -111,6 +118,11 @@ class Verifier {
         report_.source_bytes_compared += compared;
       }
     }
+    // A file both checks open (a layout and the relayout comparison) is reported once.
+    std::set<std::tuple<std::string, std::string, std::string>> said;
+    std::erase_if(report_.problems, [&](const VerifyProblem& p) {
+      return !said.insert({p.file, p.tensor, p.message}).second;
+    });
     report_.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return std::move(report_);
@@ -187,8 +199,8 @@ class Verifier {
   // and their state tensors ("rank_state", formats/manifest.md). Under use_orig_params the
   // ranks hold state for different parameters, so each rank file is checked against its own
   // list rather than against rank 0's file.
-  void ReadRankState() {
-    const fs::path meta = o_.path / "optimizer.json";
+  void ReadRankState(const fs::path& dir) {
+    const fs::path meta = dir / "optimizer.json";
     std::error_code ec;
     if (!fs::is_regular_file(meta, ec)) return;
     const std::string mpath = meta.string();
@@ -218,6 +230,42 @@ class Verifier {
     } catch (const Error& e) {
       Problem(mpath, "", e.what());
     }
+  }
+
+  // OUT/KEY/optim of a layout the manifest lists, when there is one: every rank file there
+  // (header, checksums, the same tensors on every rank, or each rank's own list in
+  // optimizer.json), none missing, optimizer.json present. Never compared with --source (the
+  // source holds no optimizer state).
+  void VerifyOptimizerDir(const std::string& key, const ManifestLayout& ml) {
+    const fs::path dir = o_.path / ml.dir / "optim";
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) return;
+    LayoutFiles l{key + "/optim", dir, ml.world_size, {}, ml.Layout(), {}};
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      const auto name = e.path().filename().string();
+      if (name.starts_with("rank-") && name.ends_with(".reshard")) l.files.push_back(e.path());
+    }
+    std::sort(l.files.begin(), l.files.end());
+    const bool has_meta = fs::is_regular_file(dir / "optimizer.json", ec);
+    if (l.files.empty() && !has_meta) return;  // an empty directory: no optimizer state kept
+    const std::string remedy =
+        !ml.from.empty()
+            ? "remove the optim directory and run: reshard relayout " + o_.path.string() + " " +
+                  ml.Layout().ConvertFlags() + " --from " + ml.from
+            : "this checkpoint's optimizer state is incomplete: save it again (reshard.save into a new "
+              "directory) or resume from an older one";
+    if (!has_meta) {
+      Problem((dir / "optimizer.json").string(), "",
+              "missing (reshard.load_optimizer reads the param groups from it); " + remedy);
+    }
+    if (l.files.empty()) {
+      Problem(dir.string(), "", "optimizer.json but no rank-*.reshard files; " + remedy);
+      return;
+    }
+    rank_state_.reset();
+    ReadRankState(dir);
+    VerifyLayout(l, /*whole_layout=*/true, /*compare_source=*/false);
+    rank_state_.reset();
   }
 
   void CollectFromManifest(std::vector<LayoutFiles>& layouts) {
@@ -270,6 +318,19 @@ class Verifier {
   // (the source named when --source gave it), or, for a checkpoint saved from training, a new
   // save (a save cannot be completed from elsewhere).
   std::string Remedy(const LayoutFiles& l, uint32_t rank, bool saved = false) const {
+    // A layout `reshard relayout` made (the manifest names the layout it came from): that
+    // command writes the rank again, model and optimizer files alike (it rewrites a file that
+    // is missing or does not open; one that opens but holds a bad chunk has to be removed
+    // first).
+    const std::string key = l.key.ends_with("/optim") ? l.key.substr(0, l.key.size() - 6) : l.key;
+    if (manifest_) {
+      auto it = manifest_->layouts.find(key);
+      if (it != manifest_->layouts.end() && !it->second.from.empty()) {
+        const std::string r = std::to_string(rank);
+        return "remove the damaged file if it is there and run: reshard relayout " + o_.path.string() + " " +
+               it->second.Layout().ConvertFlags() + " --from " + it->second.from + " --ranks " + r + "-" + r;
+      }
+    }
     if (saved || (manifest_source_ && manifest_source_->saved)) {
       return "this checkpoint, saved from training, is incomplete: save it again (reshard.save "
              "into a new directory) or resume from an older one";
@@ -282,7 +343,7 @@ class Verifier {
            (o_.source ? "" : " (SRC: the checkpoint it was converted from)");
   }
 
-  void VerifyLayout(LayoutFiles& l, bool whole_layout) {
+  void VerifyLayout(LayoutFiles& l, bool whole_layout, bool compare_source = true) {
     std::vector<RankFileReader> readers;
     std::set<uint32_t> unreadable;  // present but broken: reported, not "missing"
     for (const auto& p : l.files) {
@@ -295,7 +356,10 @@ class Verifier {
         const bool numbered =
             name.size() > 10 && std::from_chars(name.data() + 5, name.data() + 10, r).ec == std::errc();
         // A file whose size the manifest check already reported is not a second problem.
-        if (!(numbered && l.reported.count(r))) Problem(p.string(), "", e.what());
+        // What to run is said where the layout's directory is known (OUT, a layout, optim/).
+        if (!(numbered && l.reported.count(r))) {
+          Problem(p.string(), "", std::string(e.what()) + (numbered && whole_layout ? "; " + Remedy(l, r) : ""));
+        }
         if (numbered) unreadable.insert(r);
       }
     }
@@ -413,7 +477,7 @@ class Verifier {
         }
       }
     }
-    const bool compare = ckpt_.has_value();
+    const bool compare = compare_source && ckpt_.has_value();
     // A conversion recorded beside the layouts (OUT/reshard-model.json): the rank files hold
     // the model's names and shapes, each made of source tensors by it.
     std::optional<ModelManifest> model;

@@ -269,6 +269,47 @@ def test_relayout_refusals_and_damage(cli, tmp_path, saved_fsdp2):
     assert str(f) in v.out, v.out
 
 
+def test_verify_out_checks_every_optimizer_file(cli, tmp_path, saved_fsdp2):
+    """`reshard verify OUT` of a saved checkpoint checks each layout's optim/ rank files too (not
+    listed in the manifest): a flipped byte, a missing rank file, a missing optimizer.json are
+    named; for a layout made by relayout the remedy is the relayout command, and following it
+    makes the checkpoint verify again."""
+    _, saved, _ = saved_fsdp2
+    ok = _copy(saved, tmp_path, "ok")
+    v = cli("verify", ok, rc=0)
+    assert "OK: 8 files" in v.out, v.out  # 4 model + 4 optimizer rank files
+
+    flip = _copy(saved, tmp_path, "flip")
+    f = flip / "fsdp2-ws4" / "optim" / rf.rank_file_name(1, 4)
+    t = next(t for t in rf.RankFile.open(str(f)).header["tensors"] if t["nbytes"] > 64)
+    data = bytearray(f.read_bytes())
+    data[4096 + t["offset"] + 5] ^= 0x04
+    f.write_bytes(bytes(data))
+    v = cli("verify", flip, rc=1)
+    assert f"{f}: tensor \"{t['name']}\"" in v.out and "checksum mismatch" in v.out, v.out
+
+    gone = _copy(saved, tmp_path, "gone")
+    (gone / "fsdp2-ws4" / "optim" / rf.rank_file_name(2, 4)).unlink()
+    v = cli("verify", gone, rc=1)
+    assert f"{gone / 'fsdp2-ws4' / 'optim' / rf.rank_file_name(2, 4)}: rank 2 of 4 is missing" in v.out, v.out
+
+    meta = _copy(saved, tmp_path, "meta")
+    (meta / "fsdp2-ws4" / "optim" / "optimizer.json").unlink()
+    v = cli("verify", meta, rc=1)
+    assert f"{meta / 'fsdp2-ws4' / 'optim' / 'optimizer.json'}: missing" in v.out, v.out
+
+    # A layout made by relayout: the remedy named is the command that writes the rank again.
+    made = _copy(saved, tmp_path, "made")
+    _relayout(cli, made, 2)
+    f = made / "fsdp2-ws2" / "optim" / rf.rank_file_name(1, 2)
+    f.write_bytes(f.read_bytes()[:5000])
+    v = cli("verify", made, rc=1)
+    cmd = f"reshard relayout {made} --world-size 2 --from fsdp2-ws4 --ranks 1-1"
+    assert str(f) in v.out and cmd in v.out, v.out
+    cli(*cmd.split()[1:], rc=0)
+    cli("verify", made, rc=0)
+
+
 def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)
