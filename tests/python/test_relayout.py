@@ -310,6 +310,30 @@ def test_verify_out_checks_every_optimizer_file(cli, tmp_path, saved_fsdp2):
     cli("verify", made, rc=0)
 
 
+def test_relayout_in_parts_and_commit_only(cli, tmp_path, saved_fsdp2):
+    """A relayout run rank range by rank range (--ranks): each run says which ranks are still
+    missing; the run that writes the last one commits; `--commit-only`, the explicit final
+    step, fails (exit 3, naming what is missing) while ranks are missing and succeeds after;
+    it refuses --ranks / --split-from-env (it writes nothing)."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    r = cli("relayout", saved, "--world-size", 3, "--commit-only", rc=3)
+    assert "fsdp2-ws3 not committed: 3 of its 3 rank files are missing" in r.err, r.err
+    assert "fsdp2-ws3" not in rf.read_manifest(str(saved))["layouts"]
+    r = cli("relayout", saved, "--world-size", 3, "--commit-only", "--ranks", "0-1", rc=2)
+    assert "--commit-only" in r.err and "--ranks does not apply" in r.err, r.err
+    r = cli("relayout", saved, "--world-size", 3, "--ranks", "1-1", rc=0)
+    assert "2 rank file(s) missing: ranks 0, 2" in r.out, r.out
+    r = cli("relayout", saved, "--world-size", 3, "--ranks", "0-0", rc=0)
+    assert "1 rank file(s) missing: rank 2" in r.out, r.out
+    r = cli("relayout", saved, "--world-size", 3, "--commit-only", rc=3)
+    assert "1 of its 3 rank files are missing" in r.err, r.err
+    r = cli("relayout", saved, "--world-size", 3, "--ranks", "2-2", rc=0)
+    assert "is complete and listed" in r.out, r.out
+    cli("relayout", saved, "--world-size", 3, "--commit-only", rc=0)
+    cli("verify", saved, rc=0)
+
+
 def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)

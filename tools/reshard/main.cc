@@ -735,7 +735,12 @@ int RunCli(int argc, char** argv) {
       }
       if (!relayout_plan.empty()) ro.plan_file = relayout_plan;
       if (!relayout_ranks.empty() && relayout_split) {
-        throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
+        throw CLI::ValidationError("--split-from-env", "--ranks was given too, and both choose the ranks; pass one");
+      }
+      if (relayout_commit_only && (!relayout_ranks.empty() || relayout_split)) {
+        throw CLI::ValidationError("--commit-only", std::string("writes no rank file, so ") +
+                                                        (relayout_split ? "--split-from-env" : "--ranks") +
+                                                        " does not apply; pass one");
       }
       if (!relayout_ranks.empty()) ro.ranks = ParseRankRange(relayout_ranks);
       std::string split_what;
@@ -772,6 +777,11 @@ int RunCli(int argc, char** argv) {
         if (!split_what.empty()) j["split"] = split_what;
         std::cout << j.dump(2) << "\n";
       } else {
+        std::string missing;  // the first ranks still to write, for the message below
+        for (size_t i = 0; i < r.ranks_missing.size() && i < 8; ++i) {
+          missing += (i ? ", " : "") + std::to_string(r.ranks_missing[i]);
+        }
+        if (r.ranks_missing.size() > 8) missing += ", ...";
         std::printf("%s -> %s%s: wrote %zu rank file(s) (%zu up to date), %s read in %.2f s (%s)\n",
                     r.from_key.c_str(), r.layout_key.c_str(), r.optimizer ? " with optimizer state" : "",
                     r.ranks_written.size(), r.ranks_up_to_date.size(), Bytes(r.bytes_read).c_str(), r.seconds,
@@ -780,9 +790,19 @@ int RunCli(int argc, char** argv) {
           std::printf("layout %s is complete and listed in %s/reshard.json\n", r.layout_key.c_str(),
                       relayout_out.c_str());
         } else {
-          std::printf("layout %s is not complete yet (%zu rank file(s) missing): run the remaining ranks "
-                      "into the same directory\n", r.layout_key.c_str(), r.ranks_missing.size());
+          std::printf("layout %s is not complete yet (%zu rank file(s) missing: rank%s %s): run the remaining "
+                      "ranks into the same directory (--ranks A-B)\n",
+                      r.layout_key.c_str(), r.ranks_missing.size(), r.ranks_missing.size() > 1 ? "s" : "",
+                      missing.c_str());
         }
+      }
+      // An explicit final step that could not commit is a failure: the script running it
+      // must not go on as if the layout were there.
+      if (relayout_commit_only && !r.committed) {
+        std::fprintf(stderr, "reshard relayout --commit-only: layout %s not committed: %zu of its %u rank files "
+                             "are missing; write them first (reshard relayout %s ... --ranks A-B)\n",
+                     r.layout_key.c_str(), r.ranks_missing.size(), r.world_size, relayout_out.c_str());
+        return 3;
       }
       return 0;
     }
