@@ -143,14 +143,39 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{args.src}: no config.json; a Hugging Face checkpoint directory is needed",
               file=sys.stderr)
         return 3
-    model = build_meta_model(args.src, args.model_class)
-    m = model_manifest(model, checkpoint=args.src, quantized=args.quantized)
+    from .errors import ReshardError
+
+    # A checkpoint reshard.save wrote holds the model's own names and no Hugging Face weight
+    # files: nothing to convert, so no conversion is captured. A conversion's output is not its
+    # source: the Hugging Face checkpoint it came from is what to pass (the names it converts).
+    hf_weights = any(n.endswith((".safetensors", ".bin", ".index.json")) for n in os.listdir(args.src))
+    own_names = False
+    if not hf_weights and os.path.exists(os.path.join(args.src, "reshard.json")):
+        try:
+            with open(os.path.join(args.src, "reshard.json")) as f:
+                own_names = "saved" in (json.load(f).get("source") or {})
+        except (OSError, ValueError, AttributeError):
+            own_names = False
+        if not own_names:
+            print(f"python -m reshard.model_manifest: {args.src} is the output of reshard convert, not a "
+                  "checkpoint: pass the Hugging Face checkpoint it was converted from (its weight names are "
+                  f"what the manifest records), e.g. python -m reshard.model_manifest HF_DIR -o "
+                  f"{os.path.join(args.src, 'reshard-model.json')}", file=sys.stderr)
+            return 3
+    try:
+        model = build_meta_model(args.src, args.model_class)
+        m = model_manifest(model, checkpoint=None if own_names else args.src, quantized=args.quantized)
+    except (ReshardError, ValueError, OSError) as e:  # ValueError: transformers on a config it cannot build
+        print(f"python -m reshard.model_manifest: {args.src}: {e}" if str(args.src) not in str(e)
+              else f"python -m reshard.model_manifest: {e}", file=sys.stderr)
+        return 3
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_manifest(m, args.out)
-    conv = m["conversion"]
+    conv = m.get("conversion", {"targets": [], "refused": []})
     print(f"wrote {args.out}: {m['model_class']}, {len(m['params'])} parameters, "
           f"{len(m['modules'])} modules, default wrap {m['no_split_modules'] or '(root only)'}, "
-          f"{len(conv['targets'])} tensor(s) converted from the checkpoint's names"
+          + (f"{len(conv['targets'])} tensor(s) converted from the checkpoint's names" if not own_names
+             else "the checkpoint holds the model's own names (a reshard output): no conversion")
           + (f", {len(conv['refused'])} refused" if conv["refused"] else "")
           + (f", FP8 weights: {conv['quantization']['policy']}" if conv.get("quantization") else ""))
     return 0

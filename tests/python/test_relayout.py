@@ -334,6 +334,31 @@ def test_relayout_in_parts_and_commit_only(cli, tmp_path, saved_fsdp2):
     cli("verify", saved, rc=0)
 
 
+def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
+    """`python -m reshard.model_manifest` (which relayout's FSDP1 refusal tells users to run) on
+    a checkpoint reshard.save wrote: a manifest with no conversion (the names are the model's);
+    on a conversion's output or an unbuildable config: exit 3 with a message, no traceback."""
+    from reshard import model_manifest
+
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    assert model_manifest.main([str(saved), "-o", str(saved / "reshard-model.json")]) == 0
+    m = json.loads((saved / "reshard-model.json").read_text())
+    assert "conversion" not in m and m["model_class"] and m["params"], sorted(m)
+    assert "no conversion" in capsys.readouterr().out
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    shutil.copy(saved / "config.json", conv / "config.json")
+    (conv / "reshard.json").write_text(json.dumps({"source": {"files": [], "fingerprint": "0" * 16}}))
+    assert model_manifest.main([str(conv), "-o", str(tmp_path / "x.json")]) == 3
+    assert "the output of reshard convert" in capsys.readouterr().err
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "config.json").write_text("{}")
+    assert model_manifest.main([str(junk), "-o", str(tmp_path / "y.json")]) == 3
+    assert "model_type" in capsys.readouterr().err and not (tmp_path / "y.json").exists()
+
+
 def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)
