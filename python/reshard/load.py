@@ -5,6 +5,7 @@ copy engine moves the bytes; buffers are restored as from_pretrained has them.""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -113,7 +114,22 @@ def convert_command(out: str, flags: str, note: str = "") -> str:
         notes = "; ".join(n for n in ("OUT: a new directory, not the checkpoint; then reshard.load(model, OUT)",
                                       note) if n)
         return f"reshard convert <checkpoint> -o OUT {flags} ({notes})"
+    if _saved_checkpoint(out):
+        notes = "; ".join(n for n in (f"OUT: a new directory: {out} holds a checkpoint reshard.save wrote, which "
+                                      "a conversion never writes into; the same checkpoint at another world size "
+                                      f"or mesh: reshard relayout {out} {flags}", note) if n)
+        return f"reshard convert <checkpoint> -o OUT {flags} ({notes})"
     return f"reshard convert <checkpoint> -o {out} {flags}" + (f" ({note})" if note else "")
+
+
+def _saved_checkpoint(out: str) -> bool:
+    """Whether OUT/reshard.json says reshard.save wrote OUT (its source is a save, not files)."""
+    try:
+        with open(os.path.join(out, "reshard.json")) as f:
+            source = json.load(f).get("source")
+        return isinstance(source, dict) and "saved" in source
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def open_job_file(out: str, world_size: int, coord: int, live_dtype: Optional[torch.dtype] = None):

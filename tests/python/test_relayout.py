@@ -359,6 +359,22 @@ def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
     assert "model_type" in capsys.readouterr().err and not (tmp_path / "y.json").exists()
 
 
+def test_load_errors_never_suggest_converting_into_a_saved_checkpoint(tmp_path, saved_fsdp2):
+    """The command load errors suggest (convert_command): into OUT for a conversion's output, a
+    new directory (and relayout for another world size) for a checkpoint reshard.save wrote,
+    which convert refuses to write into."""
+    from reshard.load import convert_command
+
+    _, saved, _ = saved_fsdp2
+    c = convert_command(str(saved), "--world-size 3")
+    assert c.startswith("reshard convert <checkpoint> -o OUT --world-size 3") and \
+        f"reshard relayout {saved} --world-size 3" in c, c
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    (conv / "reshard.json").write_text(json.dumps({"source": {"files": [], "fingerprint": "0" * 16}}))
+    assert convert_command(str(conv), "--world-size 3") == f"reshard convert <checkpoint> -o {conv} --world-size 3"
+
+
 def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)
