@@ -454,6 +454,16 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
                                           " (the same world size, kind" + (o.mesh ? ", mesh and plan" : "") +
                                           "): nothing to do");
   }
+  // An original layout (the save's own, or a conversion's: no `from`) is what the others are
+  // made from and what `verify` compares them with: never rewritten from one of its copies.
+  if (auto it = manifest->layouts.find(key); it != manifest->layouts.end() && it->second.from.empty()) {
+    Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + key + " is already there, and it is not a "
+                                          "copy made by relayout but this checkpoint's own (" +
+                                          (manifest->source.saved ? "saved" : "converted") +
+                                          "): relayout never rewrites it from " + from +
+                                          "; nothing was written (check it with: reshard verify " + o.out.string() +
+                                          ")");
+  }
   uint32_t first = 0, last = target.world_size - 1;
   if (o.ranks) {
     std::tie(first, last) = *o.ranks;

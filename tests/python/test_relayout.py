@@ -332,6 +332,12 @@ def test_relayout_in_parts_and_commit_only(cli, tmp_path, saved_fsdp2):
     assert "is complete and listed" in r.out, r.out
     cli("relayout", saved, "--world-size", 3, "--commit-only", rc=0)
     cli("verify", saved, rc=0)
+    # The save's own layout is never rewritten from a copy of it (--from names the copy).
+    own = saved / "fsdp2-ws4" / rf.rank_file_name(0, 4)
+    before = own.read_bytes()
+    r = cli("relayout", saved, "--world-size", 4, "--from", "fsdp2-ws3", "--chunk-size", 8192, rc=2)
+    assert "fsdp2-ws4 is already there" in r.err and "never rewrites it from fsdp2-ws3" in r.err, r.err
+    assert own.read_bytes() == before and rf.read_manifest(str(saved))["layouts"]["fsdp2-ws3"]["from"] == "fsdp2-ws4"
 
 
 def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
