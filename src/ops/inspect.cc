@@ -4,6 +4,7 @@
 #include <map>
 #include <sstream>
 
+#include "ops/path_hint.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
 #include "reshard/base/human.h"
@@ -192,7 +193,14 @@ json Inspect(const fs::path& path) {
     const auto n = e.path().filename().string();
     if (n.starts_with("rank-") && n.ends_with(".reshard")) return LayoutJson(path, 0);
   }
-  return SourceJson(path);
+  try {
+    return SourceJson(path);
+  } catch (const Error& e) {
+    // Not a checkpoint either: say what it is when it is near one (step-* checkpoints below).
+    const std::string hint = e.code() == ErrorCode::kNotFound ? PathHint(path) : std::string();
+    if (hint.empty()) throw;
+    Fail(ErrorCode::kNotFound, path.string() + ": " + hint);
+  }
 }
 
 // Names and strings from the files (tensor names, paths, writer) with terminal control

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "format/json_util.h"
+#include "ops/path_hint.h"
 #include "ops/rank_fill.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
@@ -374,6 +375,8 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   const std::string mpath = (o.out / kManifestName).string();
   std::optional<Manifest> manifest = ReadManifest(o.out);
   if (!manifest) {
+    const std::string hint = PathHint(o.out);
+    if (!hint.empty()) Fail(ErrorCode::kNotFound, o.out.string() + ": " + hint);
     Fail(ErrorCode::kNotFound, mpath + ": no such file: " + o.out.string() +
                                    " is not a complete checkpoint (reshard.save) or conversion");
   }

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "format/json_util.h"
+#include "ops/path_hint.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"
@@ -90,7 +91,9 @@ class Verifier {
       if (l.files.empty()) {
         std::error_code lec;
         const bool started = fs::exists(o_.path / kLockName, lec);  // convert takes it first
+        const std::string hint = PathHint(o_.path);
         Problem(o_.path.string(), "",
+                !hint.empty() ? hint :
                 std::string("no reshard.json and no rank-*.reshard files: not a reshard output "
                             "directory") +
                     (started ? " (a reshard convert into it started and did not finish: run it "

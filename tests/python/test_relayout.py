@@ -381,6 +381,36 @@ def test_load_errors_never_suggest_converting_into_a_saved_checkpoint(tmp_path, 
     assert convert_command(str(conv), "--world-size 3") == f"reshard convert <checkpoint> -o {conv} --world-size 3"
 
 
+def test_paths_near_a_checkpoint_are_named(cli, tmp_path, saved_fsdp2):
+    """OUT given as a path near a checkpoint (a --save-dir of step-* checkpoints, a layout
+    directory, a rank file, nothing at all, a Hugging Face checkpoint): relayout, verify, inspect
+    and reshard.load say what it is and what to pass instead (ops/path_hint.cc, in C++, and
+    reshard.layout.path_hint)."""
+    from reshard.layout import path_hint
+
+    _, saved, _ = saved_fsdp2
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    step = _copy(saved, runs, "step-00000010")
+    want = f"pass one, e.g. {step}"
+    for args in (("relayout", runs, "--world-size", 3), ("inspect", runs)):
+        r = cli(*args, rc=3)
+        assert want in r.err, r.err
+    assert want in cli("verify", runs, rc=1).out
+    assert want in path_hint(str(runs))
+    layout = step / "fsdp2-ws4"
+    r = cli("relayout", layout, "--world-size", 3, rc=3)
+    assert f"a layout directory of {step}: pass that directory" in r.err, r.err
+    assert path_hint(str(layout)).startswith(f"a layout directory of {step}")
+    assert path_hint(str(layout / "optim")).startswith(f"a layout directory of {step}")
+    assert f"({step})" in path_hint(str(layout / rf.rank_file_name(0, 4)))
+    assert path_hint(str(layout / "optim" / rf.rank_file_name(0, 4))).endswith(f"({step}), and each rank finds "
+                                                                              "its own file")
+    assert "no such file or directory" in cli("relayout", tmp_path / "nope", "--world-size", 3, rc=3).err
+    assert path_hint(str(tmp_path / "nope")) == "no such file or directory"
+    assert path_hint(str(tmp_path)) == ""  # nothing better to say than "no reshard.json"
+
+
 def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved_fsdp2):
     saved = _copy(saved_fsdp2[1], tmp_path)
     rng = random.Random(7)
