@@ -542,6 +542,27 @@ def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path, reshard_b
     print(f"\nrefusal under torchrun: {elapsed:.1f} s, {len(proc.stderr.splitlines())} lines of stderr")
 
 
+def test_resume_at_another_world_size_is_refused_on_every_rank(tiny, tmp_path, reshard_bin):
+    """A reshard.train checkpoint of 2 ranks resumed by 1 (its weights and optimizer state
+    relaid to world size 1): the trainer state (data position, random state) is per rank, so
+    the resume is refused by name on every rank, one line, exit 3 -- not a silent resume with
+    another rank's data position (nor, at a larger world size, some ranks dying in a
+    collective)."""
+    saves = tmp_path / "saves"
+    _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", tiny["out2"], "--steps", "1",
+          "--seq-len", "32", "--batch-size", "2", "--save-dir", saves], timeout=300)
+    step = saves / "step-00000001"
+    _run([reshard_bin, "relayout", step, "--world-size", "1"])
+    proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "1", "-m", "reshard.train", tiny["out2"],
+                      "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--resume", saves],
+                     timeout=300, expect_rc=1)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("reshard.train: ")]
+    assert len(lines) == 1, log
+    assert "trainer state (step, data position, random state) of 2 rank(s)" in lines[0] and \
+        "this job has 1" in lines[0] and "run it with 2 processes" in lines[0], lines[0]
+    assert "exitcode  : 3" in proc.stderr, log
+
+
 def test_pointing_at_the_hugging_face_directory_loads_it(tiny, tmp_path):
     """reshard.train on the source checkpoint instead of its conversion: each rank reads its
     part of the Hugging Face files directly (nothing written beside them), and says so."""

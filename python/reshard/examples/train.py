@@ -944,9 +944,25 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     if resume:
         reshard.load_optimizer(opt, model, resume)
         tpath = os.path.join(resume, "trainer", f"rank-{rank:05d}.json")
-        if not os.path.exists(tpath):
-            raise SystemExit(f"--resume: {tpath} is missing (a checkpoint of another world size, "
-                             "or not written by reshard.train)")
+        # Checked alike on every rank (the files, not this rank's alone), so that all ranks stop
+        # together rather than some going on into a collective the others never join.
+        tdir = os.path.join(resume, "trainer")
+        saved_ranks = sorted(n for n in os.listdir(tdir) if n.startswith("rank-") and n.endswith(".json")) \
+            if os.path.isdir(tdir) else []
+        if len(saved_ranks) != world or not os.path.exists(tpath):
+            e = reshard.LayoutMismatchError(
+                f"--resume: {resume} holds the trainer state (step, data position, random state) of "
+                f"{len(saved_ranks)} rank(s) in {tdir}, this job has {world}: each rank's data position and "
+                f"random state are its own, so reshard.train resumes only at the world size that saved them "
+                f"(run it with {len(saved_ranks)} processes). The weights and optimizer state themselves load at "
+                f"any world size: reshard relayout {resume} --world-size {world}, then reshard.load + "
+                f"reshard.load_optimizer in your own loop" if saved_ranks else
+                f"--resume: {tdir} holds no trainer state (rank-*.json): {resume} was not written by "
+                f"reshard.train --save-dir; load it with reshard.load + reshard.load_optimizer instead")
+            if rank == 0:
+                print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+            dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
+            raise JobError(e, 0, world, printed=True)
         with open(tpath) as f:
             tstate = json.load(f)
         start_step = int(tstate["step"])
