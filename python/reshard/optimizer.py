@@ -182,7 +182,10 @@ def _dtensor_optim_layout(out: str, model: nn.Module, job, params: Optional[dict
     if not keys:
         raise NotFoundError(f"{out}: no optimizer state for a DTensor layout of the mesh {job.mesh_flag()} of "
                             f"this job (layouts: {', '.join(sorted(manifest.get('layouts', {}))) or 'none'}); "
-                            "was it saved with reshard.save(model, OUT, optimizer=...) by a job on this mesh?")
+                            "was it saved with reshard.save(model, OUT, optimizer=...) by a job on this mesh? "
+                            "The state of another layout of OUT becomes this mesh's offline: reshard relayout "
+                            f"{out} --mesh {job.mesh_flag()} --plan PLAN.json (PLAN.json: this job's parallel plan, "
+                            "formats/parallel-plan.md)")
     if len(keys) == 1:
         return keys[0]
     if params is None:
@@ -307,8 +310,10 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
         with open(meta_path) as f:
             meta = json.load(f)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep (hostile file)
-        raise CorruptFileError(f"{meta_path}: not valid JSON nested at most 64 levels deep "
-                               f"({type(e).__name__}: {str(e)[:200]})") from None
+        what = "nested too deep (more than the interpreter's recursion limit)" if isinstance(e, RecursionError) \
+            else f"not valid JSON (truncated or damaged: {str(e)[:200]})"
+        raise CorruptFileError(f"{meta_path}: {what}; the checkpoint's optimizer description is damaged: "
+                               "restore it from a copy, or resume from another checkpoint") from None
     if meta.get("format") != "reshard.optimizer" or meta.get("format_version") != 1:
         raise CorruptFileError(f"{meta_path}: not a reshard optimizer description (format version 1)")
     if meta.get("layout", key) != key:

@@ -226,6 +226,17 @@ def test_relayout_refusals_and_damage(cli, tmp_path, saved_fsdp2):
     torchrun(1, WORKER, "--out", out, "--save", saved, "--result", res, "--mode", "refused",
              "--expect", f"reshard relayout {saved} --world-size 1")
 
+    # A truncated optimizer.json of this job's layout: named as damaged, with what to do.
+    cut = tmp_path / "cut"
+    shutil.copytree(saved, cut)
+    _relayout(cli, cut, 1)
+    meta = cut / "fsdp2-ws1" / "optim" / "optimizer.json"
+    meta.write_bytes(meta.read_bytes()[:40])
+    res = tmp_path / "refused-cut"
+    res.mkdir()
+    torchrun(1, WORKER, "--out", out, "--save", cut, "--result", res, "--mode", "refused",
+             "--expect", f"{meta}: not valid JSON (truncated or damaged")
+
     # A flipped byte in a source chunk: refused naming the file, nothing committed.
     bad = tmp_path / "bad"
     shutil.copytree(saved, bad)
