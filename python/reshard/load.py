@@ -336,6 +336,24 @@ def _rank_label() -> str:
     return "0"
 
 
+def _refuse_ties_held_apart(hf_model: nn.Module, out: str) -> None:
+    """A pair the model ties (all_tied_weights_keys) that OUT holds with different values would
+    load one value into both; from_pretrained unties it instead (reshard.ties). Refused, naming
+    both, before any byte moves; the same on every rank (decided from the layout's headers)."""
+    from .ties import differing_tied_pairs, untie_message
+
+    ties = getattr(hf_model, "all_tied_weights_keys", None)
+    if not isinstance(ties, dict) or not ties:
+        return
+    differ = differing_tied_pairs(out, [(str(t), str(s)) for t, s in ties.items()],
+                                  getattr(hf_model, "base_model_prefix", "") or "")
+    if differ:
+        raise LayoutMismatchError(
+            untie_message(differ, out) + ": loaded tied, the model would hold one of the two values in both. "
+            f"Build it with reshard.empty_model({out!r}), which unties them as from_pretrained does, or build it "
+            "from a config with tie_word_embeddings=False")
+
+
 def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, adapter) -> LoadReport:
     from .adapters import adapter_names, is_peft_model, load_adapters
     from .load_fsdp1 import fsdp1_units, load_fsdp1
@@ -361,6 +379,7 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
     from .model import require_fsdp2_sharded
 
     require_fsdp2_sharded(model, "reshard.load")
+    _refuse_ties_held_apart(hf_model, out)
 
     dt_job = dtensor_job(model)
     if dt_job is not None:  # tensor / expert parallel on a mesh of several dims

@@ -248,6 +248,7 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_co
     keep_in_fp32_as_from_pretrained(model, dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    untie_as_from_pretrained(model, out)
     init_buffers_as_from_pretrained(model)
     model._reshard_buffers = buffer_values(model)
     model._reshard_unsaved = compute_unsaved_params(model)
@@ -258,6 +259,38 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_co
         model = wrap(model, peft_config, adapter_name)
     prepare_quietly()  # the copy engine's set-up overlaps fully_shard / to_empty
     return model
+
+
+def untie_as_from_pretrained(model: nn.Module, out: str) -> None:
+    """A tied pair that OUT holds apart, with different values (reshard.ties), is untied as
+    from_pretrained unties it: the target gets a parameter of its own (meta, to be loaded), the
+    pair leaves all_tied_weights_keys, and a tie_word_embeddings config says False (so that a
+    later tie_weights() does not tie it again). Warns as transformers does."""
+    import warnings
+
+    from .ties import differing_tied_pairs, untie_message
+
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if not isinstance(ties, dict) or not ties:
+        return
+    differ = differing_tied_pairs(out, [(str(t), str(s)) for t, s in ties.items()],
+                                  getattr(model, "base_model_prefix", "") or "")
+    if not differ:
+        return
+    warnings.warn(untie_message(differ, out) + ": reshard.empty_model builds them untied, as from_pretrained "
+                  "does; update the config with tie_word_embeddings=False to silence this warning", stacklevel=3)
+    embeddings = set()
+    if hasattr(model, "get_input_embeddings") and hasattr(model, "get_output_embeddings"):
+        inp, outp = model.get_input_embeddings(), model.get_output_embeddings()
+        embeddings = {id(getattr(inp, "weight", None)), id(getattr(outp, "weight", None))} - {id(None)}
+    for target, source in differ:
+        owner_name, _, attr = target.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        src = model.get_parameter(source)
+        if id(src) in embeddings and getattr(model.config, "tie_word_embeddings", False):
+            model.config.tie_word_embeddings = False
+        setattr(owner, attr, nn.Parameter(torch.empty_like(src, device="meta"), requires_grad=src.requires_grad))
+        ties.pop(target, None)
 
 
 def reference_class(model: nn.Module):

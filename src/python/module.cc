@@ -438,6 +438,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("shard", &ShardOf, "(start, end) rows of dim 0, None when whole")
       .def_readonly("nbytes", &reshard::TensorEntry::nbytes)
       .def_readonly("stored_size", &reshard::TensorEntry::stored_size)
+      .def_readonly("chunk_xxh3", &reshard::TensorEntry::chunk_xxh3,
+                    "each chunk's XXH3-64 of this rank's bytes, from the header (no data read)")
       .def_property_readonly("codec", [](const reshard::TensorEntry& e) {
         return std::string(reshard::CodecName(e.codec));
       })

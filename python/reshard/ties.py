@@ -1,0 +1,132 @@
+"""Tied parameters the checkpoint holds apart. transformers' from_pretrained unties a tied pair
+(``all_tied_weights_keys``, e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight`` under
+``tie_word_embeddings``) when the checkpoint holds both names with different values (it warns
+"both are present in the checkpoints with different values, so we will NOT tie them"). A model
+built tied from such a config would load one of the two into both: ``reshard.empty_model``
+builds it untied as from_pretrained does, and ``reshard.load`` refuses a model that still ties
+them.
+
+Decided from the headers of one complete FSDP2 or DTensor layout of OUT, all of its rank files
+(no data read, the same answer on every rank): two entries with the same shape, dtype, rows
+and chunks hold the same values exactly when every chunk's XXH3-64 is equal in every file.
+For OUT a Hugging Face checkpoint of safetensors files: the two tensors compared in slices of
+64 MiB (read only when the files hold both names, which save_pretrained does not write for a
+tie it keeps). Not decided (nothing said) for .bin checkpoints (torch.save writes both names of
+a tie, one storage) or an FSDP1 layout only."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterable, List, Optional, Tuple
+
+
+def _layout_files(out: str) -> Optional[List[str]]:
+    from .layout import read_manifest
+
+    manifest = read_manifest(out) if os.path.isdir(out) else None
+    if not manifest:
+        return None
+    for key, lay in sorted(manifest.get("layouts", {}).items()):
+        if lay.get("kind") in ("fsdp2", "dtensor") and lay.get("complete") and not lay.get("parts") \
+                and len(lay.get("ranks", [])) == lay.get("world_size"):
+            return [os.path.join(out, lay.get("dir", key), r["file"]) for r in lay["ranks"]]
+    return None
+
+
+def _safetensors_files(out: str) -> Dict[str, str]:
+    """Tensor name -> safetensors file of the Hugging Face checkpoint directory OUT ({} if none)."""
+    import json
+
+    if not os.path.isdir(out):
+        return {}
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(out, v) for k, v in json.load(f).get("weight_map", {}).items()}
+    single = os.path.join(out, "model.safetensors")
+    if not os.path.isfile(single):
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _hf_pairs_differ(out: str, pairs, prefix: str) -> Optional[List[Tuple[str, str]]]:
+    """differing_tied_pairs for OUT a directory of safetensors files; None when it is not one.
+    The two tensors are compared bit for bit (as bytes: torch.equal's NaN != NaN aside), rows in
+    slices of about 64 MiB each."""
+    import torch
+    from safetensors import safe_open
+
+    from .load import file_key
+
+    where = _safetensors_files(out)
+    if not where:
+        return None
+    differ = []
+    for target, source in pairs:
+        a, b = file_key(target, where, prefix), file_key(source, where, prefix)
+        if a is None or b is None or a == b:
+            continue
+        with safe_open(where[a], framework="pt") as fa, safe_open(where[b], framework="pt") as fb:
+            x, y = fa.get_slice(a), fb.get_slice(b)
+            shape = list(x.get_shape())
+            if x.get_dtype() != y.get_dtype() or shape != list(y.get_shape()):
+                differ.append((target, source))
+                continue
+            if len(shape) < 1:
+                same = fa.get_tensor(a).view(-1).view(torch.uint8).equal(fb.get_tensor(b).view(-1).view(torch.uint8))
+            else:
+                row = 1
+                for d in shape[1:]:
+                    row *= d
+                step = max(1, (64 << 20) // max(1, row * 8))  # 8: the widest element
+                same = all(x[r:r + step].reshape(-1).view(torch.uint8).equal(y[r:r + step].reshape(-1).view(torch.uint8))
+                           for r in range(0, shape[0], step))
+            if not same:
+                differ.append((target, source))
+    return differ
+
+
+def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str = "") -> List[Tuple[str, str]]:
+    """Of `pairs` (target, source) of model names, those OUT holds both of with different values
+    (or different shapes or dtypes); [] when it holds one or neither, or cannot say."""
+    from .engine import open_rank_file
+    from .load import file_key
+
+    pairs = list(pairs)
+    if not pairs:
+        return []
+    files = _layout_files(out)
+    if not files:
+        hf = _hf_pairs_differ(out, pairs, prefix)
+        return hf or []
+    first: Dict[str, object] = {t.name: t for t in open_rank_file(files[0]).tensors}
+    both = []
+    for target, source in pairs:
+        a, b = file_key(target, first, prefix), file_key(source, first, prefix)
+        if a is not None and b is not None and a != b:
+            both.append((target, source, a, b))
+    if not both:  # the usual case (save_pretrained stores one name of a tie): one header read
+        return []
+    entries = [first] + [{t.name: t for t in open_rank_file(f).tensors} for f in files[1:]]
+    differ = []
+    for target, source, a, b in both:
+        for e in entries:
+            x, y = e.get(a), e.get(b)
+            if x is None or y is None or x.flat is not None or y.flat is not None:
+                break  # not both here as whole entries: nothing to say
+            if (x.dtype, list(x.global_shape), list(x.local_shape), x.shard) != \
+                    (y.dtype, list(y.global_shape), list(y.local_shape), y.shard) or \
+                    list(x.chunk_xxh3) != list(y.chunk_xxh3):
+                differ.append((target, source))
+                break
+    return differ
+
+
+def untie_message(pairs: List[Tuple[str, str]], out: str) -> str:
+    names = "; ".join(f"{t} and {s}" for t, s in pairs)
+    return (f"{out} holds {names} with different values, but the model ties them (its config: "
+            "tie_word_embeddings, or the model's own tied keys); from_pretrained unties them in this case "
+            "(\"both are present in the checkpoints with different values, so we will NOT tie them\")")
