@@ -345,8 +345,14 @@ def _refuse_ties_held_apart(hf_model: nn.Module, out: str) -> None:
     ties = getattr(hf_model, "all_tied_weights_keys", None)
     if not isinstance(ties, dict) or not ties:
         return
+    shapes = {}
+    for t in ties:
+        try:
+            shapes[str(t)] = list(hf_model.get_parameter(str(t)).shape)  # global (a DTensor's too)
+        except AttributeError:
+            pass
     differ = differing_tied_pairs(out, [(str(t), str(s)) for t, s in ties.items()],
-                                  getattr(hf_model, "base_model_prefix", "") or "")
+                                  getattr(hf_model, "base_model_prefix", "") or "", shapes)
     if differ:
         raise LayoutMismatchError(
             untie_message(differ, out) + ": loaded tied, the model would hold one of the two values in both. "

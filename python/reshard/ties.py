@@ -52,7 +52,7 @@ def _safetensors_files(out: str) -> Dict[str, str]:
         return {k: single for k in f.keys()}
 
 
-def _hf_pairs_differ(out: str, pairs, prefix: str) -> Optional[List[Tuple[str, str]]]:
+def _hf_pairs_differ(out: str, pairs, prefix: str, shapes=None) -> Optional[List[Tuple[str, str]]]:
     """differing_tied_pairs for OUT a directory of safetensors files; None when it is not one.
     The two tensors are compared bit for bit (as bytes: torch.equal's NaN != NaN aside), rows in
     slices of about 64 MiB each."""
@@ -72,6 +72,8 @@ def _hf_pairs_differ(out: str, pairs, prefix: str) -> Optional[List[Tuple[str, s
         with safe_open(where[a], framework="pt") as fa, safe_open(where[b], framework="pt") as fb:
             x, y = fa.get_slice(a), fb.get_slice(b)
             shape = list(x.get_shape())
+            if shapes is not None and target in shapes and shape != list(shapes[target]):
+                continue  # another model: the load's own refusal says so
             if x.get_dtype() != y.get_dtype() or shape != list(y.get_shape()):
                 differ.append((target, source))
                 continue
@@ -89,9 +91,12 @@ def _hf_pairs_differ(out: str, pairs, prefix: str) -> Optional[List[Tuple[str, s
     return differ
 
 
-def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str = "") -> List[Tuple[str, str]]:
+def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str = "",
+                         shapes: Optional[Dict[str, List[int]]] = None) -> List[Tuple[str, str]]:
     """Of `pairs` (target, source) of model names, those OUT holds both of with different values
-    (or different shapes or dtypes); [] when it holds one or neither, or cannot say."""
+    (or different shapes or dtypes); [] when it holds one or neither, or cannot say. `shapes`
+    (target name -> the model's shape): a pair whose entry in OUT has another shape is skipped,
+    left to the load's own "another model" refusal."""
     from .engine import open_rank_file
     from .load import file_key
 
@@ -100,13 +105,14 @@ def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str
         return []
     files = _layout_files(out)
     if not files:
-        hf = _hf_pairs_differ(out, pairs, prefix)
+        hf = _hf_pairs_differ(out, pairs, prefix, shapes)
         return hf or []
     first: Dict[str, object] = {t.name: t for t in open_rank_file(files[0]).tensors}
     both = []
     for target, source in pairs:
         a, b = file_key(target, first, prefix), file_key(source, first, prefix)
-        if a is not None and b is not None and a != b:
+        if a is not None and b is not None and a != b and \
+                (shapes is None or target not in shapes or list(first[a].global_shape) == list(shapes[target])):
             both.append((target, source, a, b))
     if not both:  # the usual case (save_pretrained stores one name of a tie): one header read
         return []

@@ -112,6 +112,14 @@ def test_a_model_built_tied_is_refused_for_a_checkpoint_holding_the_pair_apart(s
         with pytest.raises(reshard.LayoutMismatchError, match="lm_head.weight and model.embed_tokens.weight with "
                                                               "different values"):
             reshard.load(model, str(out))
+    # Another model altogether (tied, other shapes): the load's own refusal, not the tie's.
+    other = transformers.AutoConfig.from_pretrained(sources["apart"])
+    other.hidden_size, other.intermediate_size = 32, 64
+    model = transformers.AutoModelForCausalLM.from_config(other, dtype=torch.bfloat16)
+    for out in (sources["apart-ws1"], sources["apart"]):
+        with pytest.raises(reshard.LayoutMismatchError, match="global shape") as e:
+            reshard.load(model, str(out))
+        assert "different values" not in str(e.value), e.value
     # Equal values: tied, as from_pretrained ties them, and loaded.
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(sources["equal"]),
                                                           dtype=torch.bfloat16)
