@@ -5,7 +5,6 @@ copy engine moves the bytes; buffers are restored as from_pretrained has them.""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -16,7 +15,7 @@ from torch import nn
 from .engine import (LoadReport, ProgressLine, default_threads, load_tensors, load_via_host, open_rank_file, target,
                      target_device)
 from .errors import InvalidArgumentError, LayoutMismatchError, NotFoundError, UnsupportedError
-from .layout import POLICY_NAMES, layout_key, layout_rank_file, require_manifest, torch_dtype
+from .layout import POLICY_NAMES, layout_key, layout_rank_file, read_manifest, require_manifest, torch_dtype
 from .model import clean_name, fresh_buffers, persistent_buffer_names, unsaved_names, unsaved_values
 from .sources import open_job_source
 
@@ -124,12 +123,13 @@ def convert_command(out: str, flags: str, note: str = "") -> str:
 
 def _saved_checkpoint(out: str) -> bool:
     """Whether OUT/reshard.json says reshard.save wrote OUT (its source is a save, not files)."""
+    from .errors import ReshardError
+
     try:
-        with open(os.path.join(out, "reshard.json")) as f:
-            source = json.load(f).get("source")
-        return isinstance(source, dict) and "saved" in source
-    except (OSError, ValueError, AttributeError):
+        manifest = read_manifest(out)
+    except ReshardError:  # a damaged manifest: the load's own error says so
         return False
+    return manifest is not None and "saved" in manifest.get("source", {})
 
 
 def open_job_file(out: str, world_size: int, coord: int, live_dtype: Optional[torch.dtype] = None):

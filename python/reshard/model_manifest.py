@@ -143,18 +143,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{args.src}: no config.json; a Hugging Face checkpoint directory is needed",
               file=sys.stderr)
         return 3
-    from .errors import ReshardError
-
     # A checkpoint reshard.save wrote holds the model's own names and no Hugging Face weight
     # files: nothing to convert, so no conversion is captured. A conversion's output is not its
     # source: the Hugging Face checkpoint it came from is what to pass (the names it converts).
+    from .errors import ReshardError
+
     hf_weights = any(n.endswith((".safetensors", ".bin", ".index.json")) for n in os.listdir(args.src))
     own_names = False
     if not hf_weights and os.path.exists(os.path.join(args.src, "reshard.json")):
+        from .layout import read_manifest
+
         try:
-            with open(os.path.join(args.src, "reshard.json")) as f:
-                own_names = "saved" in (json.load(f).get("source") or {})
-        except (OSError, ValueError, AttributeError):
+            own_names = "saved" in (read_manifest(args.src) or {}).get("source", {})
+        except ReshardError:
             own_names = False
         if not own_names:
             print(f"python -m reshard.model_manifest: {args.src} is the output of reshard convert, not a "
