@@ -114,33 +114,9 @@ def require_manifest(out: str, command: str) -> Dict[str, Any]:
 def path_hint(out: str) -> str:
     """What OUT is, when it is not a reshard output directory but is near one (a rank file, a
     layout directory, a --save-dir holding step-* checkpoints) or is not there: the path to pass
-    instead. "" when there is nothing better to say."""
-    if not os.path.exists(out):
-        return "no such file or directory"
-    norm = os.path.normpath(out)
-    parent = os.path.dirname(norm)
-    name = os.path.basename(norm)
-    if os.path.isfile(norm) and name.startswith("rank-") and name.endswith(".reshard"):
-        top = os.path.dirname(parent)
-        if os.path.basename(parent) == "optim":
-            top = os.path.dirname(top)
-        return (f"a rank file, not an output directory: pass the directory that holds reshard.json "
-                f"({top or '.'}), and each rank finds its own file")
-    if os.path.isdir(norm):
-        try:
-            names = os.listdir(norm)
-        except OSError:
-            return ""
-        if any(n.startswith("rank-") and n.endswith(".reshard") for n in names):
-            top = os.path.dirname(parent) if name == "optim" else parent
-            if os.path.exists(os.path.join(top or ".", "reshard.json")):
-                return (f"a layout directory of {top or '.'}: pass that directory (the one with reshard.json); "
-                        "the layout is chosen for the job")
-        steps = sorted(n for n in names if os.path.exists(os.path.join(norm, n, "reshard.json")))
-        if steps:
-            return (f"no reshard.json here, but {len(steps)} checkpoint(s) below it: pass one, e.g. "
-                    f"{os.path.join(out, steps[-1])}")
-    return ""
+    instead. "" when there is nothing better to say. The core's rule (src/ops/path_hint.cc), as
+    relayout, verify and inspect say it."""
+    return _C.path_hint(str(out))
 
 
 def layout_rank_file(out: str, key: str, rank: int, world_size: int,

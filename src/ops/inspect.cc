@@ -4,7 +4,7 @@
 #include <map>
 #include <sstream>
 
-#include "ops/path_hint.h"
+#include "reshard/ops/path_hint.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"
 #include "reshard/base/human.h"

@@ -1,4 +1,4 @@
-#include "ops/path_hint.h"
+#include "reshard/ops/path_hint.h"
 
 #include <algorithm>
 #include <system_error>
@@ -27,7 +27,7 @@ std::string PathHint(const fs::path& out) {
   };
   if (fs::is_regular_file(p, ec) && IsRankFileName(name)) {
     return "a rank file, not an output directory: pass the directory that holds reshard.json (" +
-           top_of(parent).string() + ")";
+           top_of(parent).string() + "), and each rank finds its own file";
   }
   if (!fs::is_directory(p, ec)) return "";
   bool rank_files = false, hf = false;
@@ -40,7 +40,8 @@ std::string PathHint(const fs::path& out) {
     if (e.is_directory(sec) && fs::exists(e.path() / "reshard.json", sec)) steps.push_back(n);
   }
   if (rank_files && fs::exists(top_of(p) / "reshard.json", ec)) {
-    return "a layout directory of " + top_of(p).string() + ": pass that directory (the one with reshard.json)";
+    return "a layout directory of " + top_of(p).string() +
+           ": pass that directory (the one with reshard.json); the layout is chosen for the job";
   }
   if (!steps.empty()) {
     std::sort(steps.begin(), steps.end());

@@ -14,7 +14,7 @@
 #include <thread>
 
 #include "format/json_util.h"
-#include "ops/path_hint.h"
+#include "reshard/ops/path_hint.h"
 #include "ops/rank_fill.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/error.h"

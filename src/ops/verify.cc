@@ -15,7 +15,7 @@
 #include <tuple>
 
 #include "format/json_util.h"
-#include "ops/path_hint.h"
+#include "reshard/ops/path_hint.h"
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"

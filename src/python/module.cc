@@ -34,6 +34,7 @@
 #include "reshard/io/rank_file.h"
 #include "reshard/ops/build_info.h"
 #include "reshard/ops/export.h"
+#include "reshard/ops/path_hint.h"
 #include "reshard/plan/byte_map.h"
 #include "reshard/runtime/copier_cache.h"
 #include "reshard/runtime/knobs.h"
@@ -271,6 +272,9 @@ PYBIND11_MODULE(_C, m) {
       "The FSDP2 chunk rule: (start, end) rows of n that shard `rank` of `world_size` holds.");
   m.def("flat_entry_name", &reshard::FlatEntryName, py::arg("unit"),
         "The rank-file entry of an FSDP1 unit's FlatParameter.");
+  m.def("path_hint", [](const std::string& out) { return reshard::PathHint(out); }, py::arg("out"),
+        "What OUT is when it is not a reshard output directory but is near one, and what to pass "
+        "instead (empty when nothing better than 'no reshard.json' can be said).");
   m.def(
       "read_manifest",
       [](const std::string& out) -> std::optional<std::string> {

@@ -1,7 +1,6 @@
 #pragma once
 // What a path given as OUT is, when it is not a reshard output directory but is near one: for
-// the errors of relayout, verify and inspect (the Python package says the same:
-// reshard.layout.path_hint).
+// the errors of relayout, verify and inspect, and of reshard.load (reshard.layout.path_hint calls it).
 #include <filesystem>
 #include <string>
 
