@@ -411,7 +411,7 @@ class ReshardView:
         targets = [self._C.LoadTarget(n, t.data_ptr(), t.numel() * t.element_size(), self.device.type == "cuda")
                    for n, t in self.tensors.items() if t.numel()]
         self.report = view.load(targets, device=self.spec.get("cuda_device", 0), threads=self.spec["threads"],
-                                verify=self.spec.get("verify", True))
+                                verify=self.spec.get("verify", True), io=self.spec.get("io", "auto"))
         # Phases of the user's call (diagnostics): opening and planning the view, then its load.
         self.phases = {"open_s": t1 - t0, "load_s": time.perf_counter() - t1}
         return self.tensors
@@ -908,7 +908,9 @@ def main(argv=None):
     ap.add_argument("--diag-env", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="environment of a diagnostic series; each use is one more series: "
                          "reshard-tN-prepared-env, -env2, -env3, ..., e.g. --diag-env RESHARD_STREAMS=1 "
-                         "--diag-env RESHARD_STREAMS=4")
+                         "--diag-env RESHARD_STREAMS=4; for the HF view's series (reshard-hf-tN-prepared-env*) "
+                         "io=auto|direct|readahead|buffered and threads=N are its load's arguments, not "
+                         "environment")
     ap.add_argument("--flush-cpu-caches", type=int, default=0, metavar="MIB",
                     help="before every warm run, write and read MIB MiB in another process "
                          "(reshard_bench_ceilings flush): a ceiling tool then starts as cold in "
@@ -1194,8 +1196,13 @@ def run_bench(b: Bench, args, threads) -> int:
                   prepare=gpu, second_load=True, view="checkpoint")
             for n, group in enumerate(args.diag_env, start=1):  # diagnostics: with the knobs of --diag-env
                 knobs = dict(kv.split("=", 1) for kv in group.split(",") if kv)
+                # Two of them are the call's, not the environment's: io=auto|direct|readahead|buffered
+                # (the view's load(io=)) and threads=N (its readers, and the prepared pool's lanes).
+                io = knobs.pop("io", "auto")
+                t = int(knobs.pop("threads", top))
                 child(case, f"reshard-hf-t{top}-prepared-env{n if n > 1 else ''}", "view", ["cold", "warm"],
-                      threads=top, prepare=gpu, second_load=True, view="checkpoint", diagnostic=True, env=knobs)
+                      threads=t, prepare=gpu, second_load=True, view="checkpoint", diagnostic=True, env=knobs,
+                      io=io)
             if out_chunked:
                 child(case, f"reshard-ws{args.view_ws}c-t{top}-prepared", "view", ["cold", "warm"],
                       threads=top, prepare=gpu, second_load=True, view=f"fsdp2-ws{args.view_ws}",

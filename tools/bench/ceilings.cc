@@ -398,7 +398,11 @@ Json CmdRead(const std::string& path, unsigned threads, uint64_t request, bool d
 // requests of at most `request` bytes, taken in list order by `threads` threads into their own
 // buffers: the least any reader of the same bytes must do on this disk. With --direct each
 // request is widened to whole 4096-byte blocks (the bytes counted are the listed ones).
-Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool direct) {
+// Order: "list" (as listed), "spread" (round robin over the ranges: request k of every range
+// before request k+1 of any, so the requests in flight are far apart), "shuffle" (a fixed
+// pseudo-random permutation).
+Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool direct,
+               const std::string& order) {
   CheckRequest(request, direct);
   std::ifstream in(list);
   if (!in) throw ToolError(list + ": cannot open");
@@ -434,6 +438,26 @@ Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool
     bytes += len;
   }
   if (reqs.empty()) throw ToolError(list + ": no ranges");
+  if (order == "spread") {
+    std::map<size_t, uint64_t> seen;  // line -> requests of that range so far
+    std::vector<std::pair<uint64_t, size_t>> key;  // (index within its range, position)
+    for (size_t i = 0; i < reqs.size(); ++i) key.emplace_back(seen[reqs[i].line]++, i);
+    std::stable_sort(key.begin(), key.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<Req> spread;
+    for (const auto& k : key) spread.push_back(reqs[k.second]);
+    reqs.swap(spread);
+  } else if (order == "shuffle") {
+    uint64_t x = 0x9E3779B97F4A7C15ull;  // splitmix64, fixed seed: the same order every run
+    for (size_t i = reqs.size() - 1; i > 0; --i) {
+      x += 0x9E3779B97F4A7C15ull;
+      uint64_t z = x;
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      std::swap(reqs[i], reqs[(z ^ (z >> 31)) % (i + 1)]);
+    }
+  } else if (order != "list") {
+    throw ToolError("--order " + order + ": expected list, spread or shuffle");
+  }
   const uint64_t buf_bytes = request + 2 * kAlign;
   std::vector<std::unique_ptr<HostBuffer>> bufs;
   for (unsigned t = 0; t < threads; ++t) bufs.push_back(std::make_unique<HostBuffer>(buf_bytes, false));
@@ -466,6 +490,7 @@ Json CmdRanges(const std::string& list, unsigned threads, uint64_t request, bool
   j["threads"] = threads;
   j["request"] = request;
   j["direct"] = direct;
+  j["order"] = order;
   return j;
 }
 
@@ -951,6 +976,8 @@ int main(int argc, char** argv) {
   ranges->add_option("--threads", threads, "threads (each with its own buffer)")->check(CLI::Range(1u, 1024u));
   ranges->add_option("--request", request_text, "at most this many bytes per request, e.g. 4MiB");
   ranges->add_flag("--direct", direct, "O_DIRECT reads (each request widened to whole 4096-byte blocks)");
+  std::string ranges_order = "list";
+  ranges->add_option("--order", ranges_order, "list (as listed), spread (round robin over the ranges) or shuffle");
   ranges->add_option("--device", device, "unused (every mode takes it)");
   CLI::App* h2d = app.add_subcommand("h2d", "pinned host -> device copy bandwidth");
   common(h2d, false);
@@ -1008,7 +1035,7 @@ int main(int argc, char** argv) {
                     hash_piece_text == "0" ? 0 : ParseBytes(hash_piece_text, "--hash-piece"), via_mmap,
                     read_flush_mib);
     } else if (*ranges) {
-      out = CmdRanges(ranges_list, threads, request, direct);
+      out = CmdRanges(ranges_list, threads, request, direct, ranges_order);
     } else if (*setup) {
       out = CmdSetup(threads, request, reps, device);
     } else if (*flush) {
