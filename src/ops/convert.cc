@@ -419,9 +419,12 @@ ConvertResult Convert(const ConvertOptions& options) {
                       parallel ? &*parallel : nullptr);
   for (uint32_t r = first; r <= last; ++r) {
     const RankPlan plan = converter.Plan(r);
-    if (RankFileUpToDate(dir / RankFileName(r, o.layout.world_size), converter.Header(r, plan), o.codec)) {
+    std::string damage;
+    if (RankFileUpToDate(dir / RankFileName(r, o.layout.world_size), converter.Header(r, plan), o.codec,
+                         /*check_data=*/true, threads, &damage)) {
       result.ranks_up_to_date.push_back(r);
     } else {
+      if (!damage.empty()) result.ranks_damaged.emplace_back(r, damage);
       todo.push_back(r);
       for (const auto& t : plan.tensors) converter.total_bytes += t.nbytes;
     }

@@ -55,7 +55,11 @@ RankFillStats WriteRankFiles(std::vector<RankFileJob>& jobs, const SourceLookup&
 /// Whether `path` is a valid rank file (preamble, header) whose header has the layout
 /// fields, rank, source and chunk_size of `want`, every non-empty entry stored with `codec`,
 /// and exactly `want`'s entries (name, dtype, shapes, rows, flat), in order: what a re-run
-/// need not write again.
-bool RankFileUpToDate(const std::filesystem::path& path, const RankFileHeader& want, Codec codec);
+/// need not write again. With `check_data`, also every chunk read and checked against the
+/// header's checksum and every padding byte checked (on `threads` threads): a file damaged
+/// after it was written (a flipped byte; the header intact) is not up to date, and `damage`,
+/// when given, receives what was found (empty when the file is missing or its header differs).
+bool RankFileUpToDate(const std::filesystem::path& path, const RankFileHeader& want, Codec codec,
+                      bool check_data = false, unsigned threads = 1, std::string* damage = nullptr);
 
 }  // namespace reshard

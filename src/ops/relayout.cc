@@ -554,15 +554,20 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   };
   for (uint32_t r = first; !o.commit_only && r <= last; ++r) {
     RankFileJob mj = model_job(r);
-    bool fresh = RankFileUpToDate(mj.path, mj.header, o.codec);
+    std::string damage, optim_damage;
+    bool fresh = RankFileUpToDate(mj.path, mj.header, o.codec, /*check_data=*/true, threads, &damage);
     std::optional<RankFileJob> oj;
     if (optim) {
       oj = optim_job(r, mj.header);
-      fresh = RankFileUpToDate(oj->path, oj->header, o.codec) && fresh;
+      fresh = RankFileUpToDate(oj->path, oj->header, o.codec, /*check_data=*/fresh, threads, &optim_damage) &&
+              fresh;
     }
     if (fresh) {
       result.ranks_up_to_date.push_back(r);
       continue;
+    }
+    for (const std::string* d : {&damage, &optim_damage}) {
+      if (!d->empty()) result.ranks_damaged.emplace_back(r, *d);
     }
     result.ranks_written.push_back(r);
     for (const EntryMap& m : mj.maps) total += m.nbytes;

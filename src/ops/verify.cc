@@ -323,14 +323,13 @@ class Verifier {
   std::string Remedy(const LayoutFiles& l, uint32_t rank, bool saved = false) const {
     // A layout `reshard relayout` made (the manifest names the layout it came from): that
     // command writes the rank again, model and optimizer files alike (it rewrites a file that
-    // is missing or does not open; one that opens but holds a bad chunk has to be removed
-    // first).
+    // is missing, does not open, or holds a chunk that does not match its checksum).
     const std::string key = l.key.ends_with("/optim") ? l.key.substr(0, l.key.size() - 6) : l.key;
     if (manifest_) {
       auto it = manifest_->layouts.find(key);
       if (it != manifest_->layouts.end() && !it->second.from.empty()) {
         const std::string r = std::to_string(rank);
-        return "remove the damaged file if it is there and run: reshard relayout " + o_.path.string() + " " +
+        return "run: reshard relayout " + o_.path.string() + " " +
                it->second.Layout().ConvertFlags() + " --from " + it->second.from + " --ranks " + r + "-" + r;
       }
     }
@@ -344,6 +343,18 @@ class Verifier {
     if (l.spec) cmd += " " + l.spec->ConvertFlags();
     return cmd + " --ranks " + std::to_string(rank) + "-" + std::to_string(rank) +
            (o_.source ? "" : " (SRC: the checkpoint it was converted from)");
+  }
+
+  // "; " and what to run, for the first damaged byte found in a rank's file (a chunk that
+  // does not match its checksum, nonzero padding); empty for the rank's later ones, and when
+  // only part of a layout is checked. Thread-safe (chunks are checked in parallel).
+  std::string RemedyOnce(const LayoutFiles& l, const RankFileHeader& h, bool whole_layout) {
+    if (!whole_layout) return "";
+    {
+      const std::lock_guard<std::mutex> g(mu_);
+      if (!remedied_.insert({l.dir.string(), h.rank}).second) return "";
+    }
+    return "; " + Remedy(l, h.rank, h.source.saved.has_value());
   }
 
   void VerifyLayout(LayoutFiles& l, bool whole_layout, bool compare_source = true) {
@@ -397,7 +408,7 @@ class Verifier {
       try {
         r.CheckPadding();
       } catch (const Error& e) {
-        Problem(r.path(), "", e.what());
+        Problem(r.path(), "", e.what() + RemedyOnce(l, h, whole_layout));
       }
       const fs::path expected_name = RankFileName(h.rank, h.world_size);
       if (fs::path(r.path()).filename() != expected_name) {
@@ -638,7 +649,7 @@ class Verifier {
             compared[i] = len;
           }
         } catch (const std::exception& e) {
-          Problem(r.path(), t.name, e.what());
+          Problem(r.path(), t.name, e.what() + RemedyOnce(l, r.header(), whole_layout));
         }
         return lengths[i];
       };
@@ -661,6 +672,7 @@ class Verifier {
   std::string rank_state_path_;
   std::vector<File> sources_;
   std::mutex mu_;
+  std::set<std::pair<std::string, uint32_t>> remedied_;  // (layout dir, rank): RemedyOnce said it
   VerifyReport report_;
 };
 

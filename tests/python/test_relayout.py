@@ -319,6 +319,20 @@ def test_verify_out_checks_every_optimizer_file(cli, tmp_path, saved_fsdp2):
     assert str(f) in v.out and cmd in v.out, v.out
     cli(*cmd.split()[1:], rc=0)
     cli("verify", made, rc=0)
+    # A flipped byte (the header intact: the file looks as a re-run would write it): the same
+    # remedy writes it again and says so, where it once found the rank up to date.
+    f = made / "fsdp2-ws2" / rf.rank_file_name(1, 2)
+    t = next(t for t in rf.RankFile.open(str(f)).header["tensors"] if t["nbytes"] > 64)
+    data = bytearray(f.read_bytes())
+    data[4096 + t["offset"] + 7] ^= 0x10
+    f.write_bytes(bytes(data))
+    v = cli("verify", made, rc=1)
+    assert str(f) in v.out and "checksum mismatch" in v.out and cmd in v.out, v.out
+    again = cli(*cmd.split()[1:], rc=0)
+    assert "rank 1: the file there was damaged, written again" in again.out and str(f) in again.out, again.out
+    cli("verify", made, rc=0)
+    r = _relayout(cli, made, 2, "--from", "fsdp2-ws4")
+    assert r["ranks_up_to_date"] == [0, 1] and r["ranks_damaged"] == [], r
 
 
 def test_relayout_in_parts_and_commit_only(cli, tmp_path, saved_fsdp2):

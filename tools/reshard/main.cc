@@ -83,6 +83,18 @@ void ParseCompress(const std::string& text, reshard::ConvertOptions& o) {
 }
 
 std::string Bytes(double bytes) { return reshard::FormatBytes(bytes); }
+
+// Rank files a re-run found damaged (the header as it would write it, the bytes not) and wrote again.
+nlohmann::json DamagedJson(const std::vector<std::pair<uint32_t, std::string>>& damaged) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& [rank, problem] : damaged) j.push_back({{"rank", rank}, {"problem", problem}});
+  return j;
+}
+void PrintDamaged(const std::vector<std::pair<uint32_t, std::string>>& damaged) {
+  for (const auto& [rank, problem] : damaged) {
+    std::printf("rank %u: the file there was damaged, written again (%s)\n", rank, problem.c_str());
+  }
+}
 std::string Rate(double bytes, double seconds) {
   return seconds > 0 ? reshard::FormatRate(bytes / seconds) : "-";
 }
@@ -681,6 +693,7 @@ int RunCli(int argc, char** argv) {
                             {"world_size", r.world_size},
                             {"ranks_written", r.ranks_written},
                             {"ranks_up_to_date", r.ranks_up_to_date},
+                            {"ranks_damaged", DamagedJson(r.ranks_damaged)},
                             {"bytes_read", r.bytes_read},
                             {"bytes_stored", r.bytes_stored},
                             {"bytes_decoded", r.bytes_decoded},
@@ -695,6 +708,7 @@ int RunCli(int argc, char** argv) {
         std::cout << r.layout_dir.string() << ": all " << r.ranks_up_to_date.size()
                   << " requested rank files are already up to date; nothing to do\n";
       } else {
+        PrintDamaged(r.ranks_damaged);
         std::printf("wrote %zu rank file(s) of %s into %s: %s read in %.2f s (%s)",
                     r.ranks_written.size(), r.layout_key.c_str(), r.layout_dir.c_str(),
                     Bytes(r.bytes_read).c_str(), r.seconds, Rate(r.bytes_read, r.seconds).c_str());
@@ -768,6 +782,7 @@ int RunCli(int argc, char** argv) {
                             {"optimizer", r.optimizer},
                             {"ranks_written", r.ranks_written},
                             {"ranks_up_to_date", r.ranks_up_to_date},
+                            {"ranks_damaged", DamagedJson(r.ranks_damaged)},
                             {"ranks_missing", r.ranks_missing},
                             {"bytes_read", r.bytes_read},
                             {"bytes_stored", r.bytes_stored},
@@ -782,6 +797,7 @@ int RunCli(int argc, char** argv) {
           missing += (i ? ", " : "") + std::to_string(r.ranks_missing[i]);
         }
         if (r.ranks_missing.size() > 8) missing += ", ...";
+        PrintDamaged(r.ranks_damaged);
         std::printf("%s -> %s%s: wrote %zu rank file(s) (%zu up to date), %s read in %.2f s (%s)\n",
                     r.from_key.c_str(), r.layout_key.c_str(), r.optimizer ? " with optimizer state" : "",
                     r.ranks_written.size(), r.ranks_up_to_date.size(), Bytes(r.bytes_read).c_str(), r.seconds,

@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/format/layout.h"
@@ -44,6 +45,9 @@ struct ConvertResult {
   std::filesystem::path layout_dir;
   std::vector<uint32_t> ranks_written;
   std::vector<uint32_t> ranks_up_to_date;  // already complete, left alone
+  /// Ranks whose file was there with the right header but damaged bytes (a chunk that does not
+  /// match its checksum, nonzero padding): rewritten (also in ranks_written), with what was found.
+  std::vector<std::pair<uint32_t, std::string>> ranks_damaged;
   uint64_t bytes_read = 0;        // source tensor bytes read
   uint64_t bytes_decoded = 0;     // tensor bytes in the written files
   uint64_t bytes_stored = 0;      // bytes written to rank files (after compression)

@@ -20,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "reshard/format/layout.h"
@@ -65,6 +66,9 @@ struct RelayoutResult {
   bool optimizer = false;  // the source has optimizer state, and so does the new layout
   std::vector<uint32_t> ranks_written;
   std::vector<uint32_t> ranks_up_to_date;
+  /// Ranks whose file was there with the right header but damaged bytes (a chunk that does not
+  /// match its checksum, nonzero padding): rewritten (also in ranks_written), with what was found.
+  std::vector<std::pair<uint32_t, std::string>> ranks_damaged;
   uint64_t bytes_read = 0;     // source bytes read (whole chunks)
   uint64_t bytes_decoded = 0;  // tensor bytes written (model and optimizer)
   uint64_t bytes_stored = 0;

@@ -350,6 +350,26 @@ TEST_F(ConvertTest, RerunIsANoOp) {
   }
   EXPECT_EQ(test::ReadBytes(Out() / "reshard.json"), manifest);
 
+  // A file damaged after it was written (a tensor byte flipped, the header intact) is not up
+  // to date: a re-run writes it again and says what it found; the others are left alone.
+  {
+    std::string raw = test::ReadBytes(RankPath(3, 2));
+    raw[4096] ^= 0x40;  // the first byte of the data region: the first tensor's first byte
+    test::WriteBytes(RankPath(3, 2), raw);
+    const ConvertResult fixed = Convert(Options(3));
+    EXPECT_EQ(fixed.ranks_written, (std::vector<uint32_t>{2}));
+    EXPECT_EQ(fixed.ranks_up_to_date, (std::vector<uint32_t>{0, 1}));
+    ASSERT_EQ(fixed.ranks_damaged.size(), 1u);
+    EXPECT_EQ(fixed.ranks_damaged[0].first, 2u);
+    EXPECT_NE(fixed.ranks_damaged[0].second.find("checksum"), std::string::npos) << fixed.ranks_damaged[0].second;
+    EXPECT_NE(fixed.ranks_damaged[0].second.find(RankPath(3, 2).filename().string()), std::string::npos)
+        << fixed.ranks_damaged[0].second;
+    ExpectRanksMatchSource(3, tensors_, /*raw=*/true);
+    const ConvertResult quiet = Convert(Options(3));
+    EXPECT_TRUE(quiet.ranks_written.empty());
+    EXPECT_TRUE(quiet.ranks_damaged.empty());
+  }
+
   // A different codec is a different file: rewritten.
   const ConvertResult z = Convert(Options(3, Codec::kZstd));
   EXPECT_EQ(z.ranks_written, (std::vector<uint32_t>{0, 1, 2}));
