@@ -111,6 +111,10 @@ class PlannedView : public SourceRankView {
     }
     return direct_ ? &*direct_ : nullptr;
   }
+  // Whether a cold load onto the device reads O_DIRECT (else through the page cache, a
+  // thread asking the kernel to read ahead in source order). Measured per kind of source:
+  // bench/HISTORY.md §18.
+  virtual bool DirectWhenCold() const = 0;
   // Asks the kernel to read source bytes [offset, offset + size) of `file_index` ahead
   // (posix_fadvise WILLNEED): a hint, errors ignored.
   virtual void Advise(size_t file_index, uint64_t offset, uint64_t size) const = 0;
@@ -328,22 +332,26 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   if (cold && options.cold_span_bytes && options.cold_span_bytes != options.span_bytes) {
     cut(options.cold_span_bytes);
   }
-  // A source on disk bound for the device is read O_DIRECT, as the rank-file loader reads
-  // its file (ChooseIo): buffered reads with kernel read-ahead fell short of the disk (run
-  // AP: 0.78x the rank file from another layout, cold). Host targets: only when asked.
+  // Another layout's rank files on disk bound for the device are read O_DIRECT, as the
+  // rank-file loader reads its file (ChooseIo): buffered reads with kernel read-ahead fell
+  // short of the disk there (run AP: 0.78x the rank file from another layout, cold). The
+  // Hugging Face files the other way round: a rank's part of every tensor came 1.42 GB/s
+  // through the page cache with read-ahead against 1.09 O_DIRECT, the rank file 1.68 (run
+  // CL1, bench/HISTORY.md §18). Host targets: O_DIRECT only when asked.
   bool all_device = true;
   for (const Job& j : jobs) all_device &= j.target->on_device || header_.tensors[j.entry].nbytes == 0;
   const std::vector<File>* direct = nullptr;
-  if (options.io == IoMode::kDirect || (options.io == IoMode::kAuto && cold && all_device && any_device)) {
+  if (options.io == IoMode::kDirect ||
+      (options.io == IoMode::kAuto && cold && all_device && any_device && DirectWhenCold())) {
     direct = OpenDirect();
   }
   unsigned threads = std::max(1u, options.threads);
-  // Read O_DIRECT, a view keeps twice the rank file's cold readers busy: its reads are a part
-  // of each tensor, scattered over the source, and the disk serves those faster with more
-  // requests in flight (run AR, bench/HISTORY.md §14: 16 readers against 8 gave 1.31 against
-  // 1.17 GB/s from another layout, 1.06 against 0.98 from the HF files; the rank file's one
-  // sequential file is best at 8, §7).
-  if (cold && options.cold_threads) threads = std::min(threads, (direct ? 2 : 1) * options.cold_threads);
+  // Cold, a view keeps twice the rank file's cold readers busy: its reads are a part of each
+  // tensor, scattered over the source, and the disk serves those faster with more requests
+  // in flight (run AR, bench/HISTORY.md §14: 16 readers against 8 gave 1.31 against 1.17
+  // GB/s from another layout O_DIRECT; run CL1, §18: from the HF files through the page
+  // cache 1.42 at 16; the rank file's one sequential file is best at 8, §7).
+  if (cold && options.cold_threads) threads = std::min(threads, 2 * options.cold_threads);
   const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), threads));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
   if (any_device) {
@@ -495,6 +503,7 @@ class CheckpointView final : public PlannedView {
   bool Cached(size_t file_index, uint64_t offset) const override {
     return file_index >= files_.size() || ByteCached(files_[file_index].fd(), offset);
   }
+  bool DirectWhenCold() const override { return false; }
   void Advise(size_t file_index, uint64_t offset, uint64_t size) const override {
     if (file_index < files_.size()) {
       ::posix_fadvise(files_[file_index].fd(), static_cast<off_t>(offset), static_cast<off_t>(size),
@@ -565,6 +574,7 @@ class LayoutView final : public PlannedView {
     const uint64_t in_file = e.codec == Codec::kRaw ? pos : e.frames[pos / r.header().chunk_size].offset;
     return ByteCached(r.file().fd(), r.preamble().data_offset + e.offset + in_file);
   }
+  bool DirectWhenCold() const override { return true; }
   void Advise(size_t, uint64_t offset, uint64_t size) const override {
     // The virtual range's pieces, as LayoutSource::Read walks them; raw entries only.
     const uint64_t end = offset + size;
