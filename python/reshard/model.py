@@ -226,6 +226,19 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_co
     from accelerate import init_empty_weights
 
     out = resolve_source(out, revision)
+    if os.path.isdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+        from .layout import path_hint
+
+        hint = path_hint(out)  # a layout directory, a --save-dir of step-* checkpoints: what to pass
+        if hint.startswith("a Hugging Face checkpoint"):  # it is one, less its config
+            hint = ""
+        raise NotFoundError(
+            f"reshard.empty_model: {os.path.join(out, 'config.json')} is missing: the model is built from "
+            "it. " + (f"This is {hint}" if hint else
+                      "Pass a directory reshard convert or reshard.save wrote (they copy the source's "
+                      "config.json beside the layouts), a Hugging Face checkpoint directory, or a model id "
+                      "in the local Hugging Face cache; to add it to this one, copy config.json from the "
+                      "checkpoint it came from"))
     config = transformers.AutoConfig.from_pretrained(out)
     if model_class is None:
         archs = getattr(config, "architectures", None) or []

@@ -161,6 +161,25 @@ def test_live_dtype_differs_converts_like_to(ckpts, tmp_path):
         assert torch.equal(p, q.to(torch.float32)), name
 
 
+def test_empty_model_without_config_says_what_to_pass(ckpts, tmp_path):
+    """reshard.empty_model of a directory with no config.json: a reshard error naming the file and
+    what to pass (was transformers' ValueError about an unrecognized model); a layout directory
+    passed for OUT gets the path to pass instead."""
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "out"
+    convert(src, out, 2)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(reshard.NotFoundError, match=r"bare/config.json is missing: the model is built from it\. "
+                                                    r"Pass a directory reshard convert or reshard.save wrote"):
+        reshard.empty_model(str(bare))
+    with pytest.raises(reshard.NotFoundError) as e:
+        reshard.empty_model(str(out / "fsdp2-ws2"))
+    assert "fsdp2-ws2/config.json is missing" in str(e.value), str(e.value)
+    assert f"This is a layout directory of {out}: pass that directory" in str(e.value), str(e.value)
+    reshard.empty_model(str(out))  # the output directory itself builds
+
+
 def test_refuses_missing_layout_with_command(ckpts, tmp_path):
     src = ckpts[("llama", "bf16")]
     out = tmp_path / "out"
