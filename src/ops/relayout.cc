@@ -364,10 +364,20 @@ std::pair<uint32_t, uint32_t> LauncherProcess(const std::function<const char*(co
   }
   if (getenv("RANK") && getenv("WORLD_SIZE")) return pair("RANK", "WORLD_SIZE", 0);
   if (getenv("SLURM_PROCID") && getenv("SLURM_NTASKS")) return pair("SLURM_PROCID", "SLURM_NTASKS", 0);
+  // Half a pair set (RANK without WORLD_SIZE, ...): name what is there and what is missing.
+  std::string half;
+  for (const auto& [a, b] : {std::pair{"SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT"}, std::pair{"RANK", "WORLD_SIZE"},
+                             std::pair{"SLURM_PROCID", "SLURM_NTASKS"}}) {
+    if ((getenv(a) != nullptr) != (getenv(b) != nullptr)) {
+      const char* set = getenv(a) ? a : b;
+      half += std::string(half.empty() ? "" : "; ") + set + "=" + Printable(getenv(set)) + " is set but " +
+              (getenv(a) ? b : a) + " is not";
+    }
+  }
   Fail(ErrorCode::kInvalidArgument,
-       "--split-from-env: none of SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (a Slurm array), "
-       "RANK/WORLD_SIZE (torchrun) or SLURM_PROCID/SLURM_NTASKS (srun) is set; run under a "
-       "launcher, or pass --ranks A-B");
+       "--split-from-env: " + (half.empty() ? std::string("none of ") : half + ", and no complete pair of ") +
+           "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (a Slurm array), RANK/WORLD_SIZE (torchrun) or "
+           "SLURM_PROCID/SLURM_NTASKS (srun) is set; run under a launcher, or pass --ranks A-B");
 }
 
 RelayoutResult Relayout(const RelayoutOptions& o) {

@@ -487,7 +487,10 @@ def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved
     e = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("SLURM_")}
     r = subprocess.run([reshard_bin, "relayout", str(saved), "--world-size", "2", "--split-from-env"],
                        capture_output=True, text=True, env=e)
-    assert r.returncode == 2 and "RANK/WORLD_SIZE" in r.stderr, r.stderr
+    assert r.returncode == 2 and "none of SLURM_ARRAY_TASK_ID" in r.stderr and "RANK/WORLD_SIZE" in r.stderr, r.stderr
+    r = subprocess.run([reshard_bin, "relayout", str(saved), "--world-size", "2", "--split-from-env"],
+                       capture_output=True, text=True, env=dict(e, RANK="1"))
+    assert r.returncode == 2 and "RANK=1 is set but WORLD_SIZE is not, and no complete pair of" in r.stderr, r.stderr
 
     # reshard convert splits the same way: two torchrun-like processes, one shared OUT.
     src = checkpoint("llama", "bf16")
