@@ -280,6 +280,27 @@ def load_optimizer(optimizer, model: nn.Module, out: str) -> int:
     return len(new_state)
 
 
+def _group_difference(saved: List[str], live: List[Optional[str]], most: int = 4) -> str:
+    """What differs between a param group as saved and as the optimizer holds it (names; None
+    for a tensor that is no parameter of the model), the first few of each kind."""
+    def some(names):
+        names = [repr(n) if n is not None else "a tensor that is no parameter of the model" for n in names]
+        return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+    missing = [n for n in saved if n not in set(live)]
+    extra = [n for n in live if n not in set(saved)]
+    said = []
+    if missing:
+        said.append(f"{len(missing)} saved parameter(s) not in it ({some(missing)})")
+    if extra:
+        said.append(f"{len(extra)} of its parameter(s) not saved ({some(extra)})")
+    if not said:
+        i = next(i for i, (a, b) in enumerate(zip(saved, live)) if a != b)
+        said.append(f"the same {len(saved)} parameters in another order (position {i}: saved {saved[i]!r}, "
+                    f"the optimizer's {live[i]!r})")
+    return "; ".join(said)
+
+
 def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int, coord: int,
                only: Optional[set], dt_job):
     """One layout's optimizer state for this rank, checked, nothing moved: (rank file, (native
@@ -338,7 +359,9 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
         live = [names.get(id(p)) for p in g["params"]]
         if live != saved["params"]:
             raise LayoutMismatchError(f"{meta_path}: param_groups[{gi}] holds other parameters than the "
-                               "optimizer's (names or order differ)")
+                                      f"optimizer's: {_group_difference(saved['params'], live)}. Build the "
+                                      "optimizer over the same parameters, in the same groups and order, "
+                                      "as the job that saved")
     entries = {t.name: t for t in rank_file.tensors}
     new_state: Dict[torch.Tensor, Dict[str, Any]] = {}
     targets: list = []

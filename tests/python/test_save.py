@@ -329,6 +329,17 @@ def _plain_cross_dtype(out, saved, save_dtype, load_dtype):
     fresh(input_ids=ids, labels=ids).loss.backward()
     opt2.step()  # the first step of the resumed job: the state's dtype is the parameters'
     assert all(v.dtype == q.dtype for q, st in opt2.state.items() for k, v in st.items() if k != "step")
+    # An optimizer over other parameters than the save's is refused, naming them.
+    named = list(fresh.named_parameters())
+    for params, said in (
+            ([p for n, p in named if "embed" not in n], r"1 saved parameter\(s\) not in it \('model.embed_tokens.weight'\)"),
+            ([p for _, p in reversed(named)], r"the same \d+ parameters in another order \(position 0: saved "
+                                               r"'model.embed_tokens.weight'"),
+            ([p for _, p in named] + [torch.nn.Parameter(torch.zeros(2))],
+             r"1 of its parameter\(s\) not saved \(a tensor that is no parameter of the model\)")):
+        with pytest.raises(reshard.LayoutMismatchError, match=r"param_groups\[0\] holds other parameters than the "
+                                                             r"optimizer's: " + said):
+            reshard.load_optimizer(torch.optim.AdamW(params, lr=1e-2), fresh, str(saved))
 
 
 def test_load_optimizer_casts_state_to_the_live_dtype(checkpoint, cli, tmp_path):
