@@ -1,6 +1,7 @@
 #include "reshard/ops/inspect.h"
 
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -116,6 +117,36 @@ json LayoutJson(const fs::path& dir, uint32_t world_size_hint) {
           {"stored_size", stored}, {"complete", ws > 0 && files.size() == ws}};
 }
 
+// A layout's optimizer state (KEY/optim, written by reshard.save and relayout): null when there
+// is none; else its rank files as LayoutJson lists them and optimizer.json's optimizer class,
+// or what is wrong with them (inspect describes, `reshard verify OUT` checks).
+json OptimizerJson(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return nullptr;
+  json j;
+  try {
+    j = LayoutJson(dir, 0);
+  } catch (const Error& e) {
+    return {{"path", dir.string()}, {"error", e.what()}};
+  }
+  const fs::path meta = dir / "optimizer.json";
+  try {
+    std::ifstream in(meta, std::ios::binary);
+    if (!in) {
+      j["error"] = meta.string() + ": missing";
+    } else {
+      const json m = json::parse(in, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/false);
+      if (m.is_object() && m.contains("class") && m["class"].is_string()) j["class"] = m["class"];
+      if (m.is_object() && m.contains("param_groups") && m["param_groups"].is_array()) {
+        j["param_groups"] = m["param_groups"].size();
+      }
+    }
+  } catch (const std::exception& e) {
+    j["error"] = meta.string() + ": not valid JSON (" + e.what() + ")";
+  }
+  return j;
+}
+
 json SourceJson(const fs::path& path) {
   Checkpoint ckpt = OpenCheckpoint(path);
   json files = json::array();
@@ -180,14 +211,21 @@ json Inspect(const fs::path& path) {
         lj["param_dtype"] = l.param_dtype;
       }
       if (!l.parts.empty()) lj["parts"] = l.parts;
+      if (!l.from.empty()) lj["from"] = l.from;
+      lj["optimizer"] = OptimizerJson(path / l.dir / "optim");
       layouts[key] = std::move(lj);
     }
-    return {{"kind", "output"},
-            {"path", path.string()},
-            {"source_fingerprint", Hex16(m->source.fingerprint)},
-            {"source_files", m->source.files.size()},
-            {"aux_files", m->aux_files},
-            {"layouts", layouts}};
+    json out = {{"kind", "output"},
+                {"path", path.string()},
+                {"source_fingerprint", Hex16(m->source.fingerprint)},
+                {"source_files", m->source.files.size()},
+                {"aux_files", m->aux_files},
+                {"layouts", layouts}};
+    if (m->source.saved) {
+      out["saved"] = {{"id", Hex16(m->source.saved->id)}, {"step", nullptr}};
+      if (m->source.saved->step) out["saved"]["step"] = *m->source.saved->step;
+    }
+    return out;
   }
   for (const auto& e : fs::directory_iterator(path)) {
     const auto n = e.path().filename().string();
@@ -232,16 +270,38 @@ std::string RenderInspect(const json& d) {
       }
       o << "\n";
     }
+    if (l.contains("from")) o << "    made by reshard relayout from layout " << Esc(l["from"]) << "\n";
     for (const auto& r : l["ranks"]) {
       o << "    rank " << r["rank"] << "  " << Esc(r["file"]) << "  "
         << Bytes(r["nbytes"]) << "  (" << r["tensor_count"] << " tensors, file "
         << Bytes(r["file_size"]) << ")\n";
     }
+    if (l.contains("optimizer") && !l["optimizer"].is_null()) {
+      const json& op = l["optimizer"];
+      o << "    optimizer state (optim/):";
+      if (op.contains("class")) o << " " << Esc(op["class"]) << ",";
+      if (op.contains("ranks")) {
+        o << " " << op["ranks"].size() << " rank files"
+          << (op["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", " << Bytes(op["nbytes"])
+          << " of tensor data";
+      }
+      if (op.contains("error")) o << " " << Esc(op["error"]);
+      o << "\n";
+    } else if (d.contains("saved")) {
+      o << "    no optimizer state (saved without optimizer=)\n";
+    }
   };
-  if (kind == "output") {
+  if (kind == "output" && d.contains("saved")) {
+    o << Esc(d["path"]) << ": checkpoint saved from training by reshard.save ("
+      << (d["saved"]["step"].is_null() ? std::string("no step given")
+                                       : "step " + std::to_string(d["saved"]["step"].get<uint64_t>()))
+      << ", save " << Esc(d["saved"]["id"]) << ")\n";
+  } else if (kind == "output") {
     o << Esc(d["path"]) << ": reshard output of source "
       << Esc(d["source_fingerprint"]) << " (" << d["source_files"]
       << " weight files)\n";
+  }
+  if (kind == "output") {
     o << "  aux files: ";
     for (const auto& a : d["aux_files"]) o << Esc(a) << " ";
     o << "\n";

@@ -365,6 +365,36 @@ def test_relayout_in_parts_and_commit_only(cli, tmp_path, saved_fsdp2):
     assert own.read_bytes() == before and rf.read_manifest(str(saved))["layouts"]["fsdp2-ws3"]["from"] == "fsdp2-ws4"
 
 
+def test_inspect_a_saved_checkpoint(checkpoint, cli, tmp_path, saved_fsdp2):
+    """`reshard inspect` of a checkpoint reshard.save wrote says so (step, save id; it was "0
+    weight files"), each layout's optimizer state (class, rank files, bytes) and which layout a
+    relayout made it from; --json carries the same; a damaged optim/ is described, not fatal."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    _relayout(cli, saved, 2)
+    txt = cli("inspect", saved, rc=0).out
+    assert "checkpoint saved from training by reshard.save (step 10, save " in txt, txt
+    assert "weight files" not in txt, txt
+    assert txt.count("optimizer state (optim/): AdamW, ") == 2, txt
+    assert "optimizer state (optim/): AdamW, 4 rank files (complete)" in txt, txt
+    assert "made by reshard relayout from layout fsdp2-ws4" in txt, txt
+    j = json.loads(cli("inspect", saved, "--json", rc=0).out)
+    assert j["saved"]["step"] == 10 and len(j["saved"]["id"]) == 16, j["saved"]
+    assert j["layouts"]["fsdp2-ws2"]["from"] == "fsdp2-ws4" and "from" not in j["layouts"]["fsdp2-ws4"]
+    op = j["layouts"]["fsdp2-ws4"]["optimizer"]
+    assert op["class"] == "AdamW" and op["complete"] and len(op["ranks"]) == 4 and op["nbytes"] > 0, op
+    (saved / "fsdp2-ws2" / "optim" / "optimizer.json").unlink()
+    (saved / "fsdp2-ws2" / "optim" / rf.rank_file_name(1, 2)).unlink()
+    txt = cli("inspect", saved, rc=0).out
+    assert "optimizer state (optim/): 1 rank files (INCOMPLETE)" in txt and "optimizer.json: missing" in txt, txt
+    # A conversion's output: as before, no optimizer lines.
+    out = tmp_path / "conv"
+    cli("convert", checkpoint("llama", "bf16"), "-o", out, "--world-size", 2, rc=0)
+    txt = cli("inspect", out, rc=0).out
+    assert "reshard output of source" in txt and "optimizer" not in txt, txt
+    assert json.loads(cli("inspect", out, "--json", rc=0).out)["layouts"]["fsdp2-ws2"]["optimizer"] is None
+
+
 def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
     """`python -m reshard.model_manifest` (which relayout's FSDP1 refusal tells users to run) on
     a checkpoint reshard.save wrote: a manifest with no conversion (the names are the model's);
