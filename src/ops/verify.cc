@@ -19,6 +19,7 @@
 #include "reshard/base/checksum.h"
 #include "reshard/base/dtype_convert.h"
 #include "reshard/base/error.h"
+#include "reshard/base/human.h"
 #include "reshard/format/checkpoint.h"
 #include "reshard/format/manifest.h"
 #include "reshard/io/checkpoint.h"
@@ -121,6 +122,7 @@ class Verifier {
         report_.source_bytes_compared += compared;
       }
     }
+    if (manifest_) NoteLeftovers();
     // A file both checks open (a layout and the relayout comparison) is reported once.
     std::set<std::tuple<std::string, std::string, std::string>> said;
     std::erase_if(report_.problems, [&](const VerifyProblem& p) {
@@ -314,6 +316,62 @@ class Verifier {
     }
     for (const auto& a : m->aux_files) {
       if (!fs::exists(o_.path / a)) Problem((o_.path / a).string(), "", "listed in the manifest but missing");
+    }
+  }
+
+  // OUT's leftovers (VerifyReport::notes): rank-file temporaries in a listed layout's
+  // directory or its optim/, and directories of rank files the manifest does not list.
+  void NoteLeftovers() {
+    std::map<std::string, std::string> listed;  // directory name -> layout key
+    for (const auto& [key, ml] : manifest_->layouts) listed[ml.dir] = key;
+    auto temporaries = [](const fs::path& dir, uint64_t& bytes) {
+      size_t n = 0;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir, ec)) {
+        const std::string name = e.path().filename().string();
+        if (name.starts_with(".") && name.find(".tmp-") != std::string::npos && e.is_regular_file(ec)) {
+          ++n;
+          bytes += e.file_size(ec);
+        }
+      }
+      return n;
+    };
+    std::error_code ec;
+    std::vector<fs::path> dirs;
+    for (const auto& e : fs::directory_iterator(o_.path, ec)) {
+      if (e.is_directory(ec) && !e.path().filename().string().starts_with(".")) dirs.push_back(e.path());
+    }
+    std::sort(dirs.begin(), dirs.end());
+    const std::string rerun = "if no convert, relayout or save is writing into " + o_.path.string() +
+                              " now, run the command that was writing it again (it removes them and "
+                              "finishes), or delete them";
+    for (const fs::path& d : dirs) {
+      const std::string name = d.filename().string();
+      uint64_t bytes = 0;
+      size_t temps = temporaries(d, bytes) + temporaries(d / "optim", bytes);
+      if (listed.count(name)) {
+        if (temps) {
+          report_.notes.push_back(d.string() + ": " + std::to_string(temps) + " temporary file(s) (" +
+                                  FormatBytes(static_cast<double>(bytes)) + ") of an unfinished write; " + rerun);
+        }
+        continue;
+      }
+      size_t ranks = 0;  // its own and its optim/'s
+      for (const fs::path& in : {d, d / "optim"}) {
+        for (const auto& e : fs::directory_iterator(in, ec)) {
+          const std::string n = e.path().filename().string();
+          ranks += n.starts_with("rank-") && n.ends_with(".reshard");
+        }
+      }
+      if (ranks || temps) {
+        report_.notes.push_back(
+            d.string() + ": " + std::to_string(ranks) + " rank file(s)" +
+            (temps ? " and " + std::to_string(temps) + " temporary file(s) (" +
+                         FormatBytes(static_cast<double>(bytes)) + ")"
+                   : std::string()) +
+            ", not a layout reshard.json lists (a convert or relayout into it did not finish; not checked, "
+            "and reshard.load does not read it): run that command again to finish it, or delete the directory");
+      }
     }
   }
 

@@ -395,6 +395,25 @@ def test_inspect_a_saved_checkpoint(checkpoint, cli, tmp_path, saved_fsdp2):
     assert json.loads(cli("inspect", out, "--json", rc=0).out)["layouts"]["fsdp2-ws2"]["optimizer"] is None
 
 
+def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
+    """`reshard verify OUT` says what a killed write left (it verified OK and said nothing):
+    temporary files in a listed layout's directory or its optim/, a directory of rank files the
+    manifest does not list; notes, not problems (exit 0), with what to do; --json lists them."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    _relayout(cli, saved, 2)
+    assert "note:" not in cli("verify", saved, rc=0).out
+    (saved / "fsdp2-ws2" / "optim" / ".rank-00001-of-00002.reshard.tmp-somehost-4242").write_bytes(b"x" * 5000)
+    shutil.copytree(saved / "fsdp2-ws2", saved / "fsdp2-ws5")
+    v = cli("verify", saved, rc=0)
+    assert (f"note: {saved / 'fsdp2-ws2'}: 1 temporary file(s) (5.00 KB) of an unfinished write; if no convert, "
+            "relayout or save is writing into") in v.out, v.out
+    assert (f"note: {saved / 'fsdp2-ws5'}: 4 rank file(s) and 1 temporary file(s) (5.00 KB), not a layout "
+            "reshard.json lists") in v.out, v.out
+    j = json.loads(cli("verify", saved, "--json", rc=0).out)
+    assert j["ok"] and len(j["notes"]) == 2 and j["problems"] == [], j
+
+
 def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
     """`python -m reshard.model_manifest` (which relayout's FSDP1 refusal tells users to run) on
     a checkpoint reshard.save wrote: a manifest with no conversion (the names are the model's);
@@ -489,9 +508,14 @@ def test_relayout_killed_and_split(checkpoint, cli, reshard_bin, tmp_path, saved
         if listed:
             cli("verify", saved, rc=0)
             break
-        cli("verify", saved, rc=0)  # the save itself is untouched
+        v = cli("verify", saved, rc=0)  # the save itself is untouched
         # (optimizer.json may be there already: it is written just before the manifest's entry,
-        # and nothing finds a layout the manifest does not list.)
+        # and nothing finds a layout the manifest does not list.) What the killed run left is
+        # said, with what to do.
+        left = [f for d in (saved / "fsdp2-ws3", saved / "fsdp2-ws3" / "optim") if d.is_dir() for f in os.listdir(d)
+                if f.startswith("rank-") or ".tmp-" in f]
+        if left:
+            assert f"note: {saved / 'fsdp2-ws3'}: " in v.out and "not a layout reshard.json lists" in v.out, v.out
         unlisted += 1
     assert unlisted >= 1, "every kill came after the commit: the test proved nothing"
     r = _relayout(cli, saved, 3, "--chunk-size", 4096)

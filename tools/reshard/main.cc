@@ -933,7 +933,7 @@ int RunCli(int argc, char** argv) {
         nlohmann::json j = {{"ok", r.ok()},       {"layouts", r.layouts},
                             {"files", r.files},   {"tensors", r.tensors},
                             {"bytes", r.bytes},   {"source_bytes_compared", r.source_bytes_compared},
-                            {"seconds", r.seconds}, {"problems", problems}};
+                            {"seconds", r.seconds}, {"problems", problems}, {"notes", r.notes}};
         std::cout << j.dump(2) << "\n";
       } else {
         for (const auto& p : r.problems) {
@@ -953,6 +953,7 @@ int RunCli(int argc, char** argv) {
         } else {
           std::printf("FAILED: %zu problem(s)\n", r.problems.size());
         }
+        for (const auto& n : r.notes) std::cout << "note: " << n << "\n";
       }
       return r.ok() ? 0 : kExitProblems;
     }

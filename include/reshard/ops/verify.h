@@ -28,6 +28,10 @@ struct VerifyOptions {
 
 struct VerifyReport {
   std::vector<VerifyProblem> problems;
+  /// What is there besides the layouts checked, not wrong in them (verifying OUT): temporary
+  /// files of an unfinished or killed write, a directory of rank files the manifest does not
+  /// list (a convert or relayout that did not finish). Said, not counted as problems.
+  std::vector<std::string> notes;
   std::vector<std::string> layouts;  // keys checked
   uint64_t files = 0;
   uint64_t tensors = 0;
