@@ -112,6 +112,25 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
                                         "); pass --from KEY");
 }
 
+// Refuses a new layout whose optimizer parameters differ from the source's (flat or original
+// ones), when the source has optimizer state (`meta_path`: its optimizer.json), with the
+// weights-only way.
+void RefuseOptimizerKinds(const fs::path& out, const std::string& meta_path, const std::string& from,
+                          const LayoutSpec& source_spec, const LayoutSpec& target) {
+  if (OptimizerMoves(source_spec, target)) return;
+  Fail(ErrorCode::kUnsupported,
+       meta_path + ": optimizer state of layout " + from + " (" + source_spec.KindName() +
+           (source_spec.use_orig_params ? ", use_orig_params" : "") + ") into " + target.Key() + " (" +
+           target.KindName() + (target.use_orig_params ? ", use_orig_params" : "") +
+           "): the optimizer's parameters differ between these kinds (flat parameters or original "
+           "ones), which this version does not translate; reshard to a layout of the same kind, "
+           "or between fsdp2 and dtensor. For the weights alone (the optimizer starting afresh): "
+           "reshard export " + out.string() + " -o " + out.string() + "-hf, then reshard convert " +
+           out.string() + "-hf -o " + out.string() + "-" + target.KindName() + "-ws" +
+           std::to_string(target.world_size) + " " + target.ConvertFlags() +
+           " (or reshard.load the exported directory as it is)");
+}
+
 // The optimizer state of the source layout, when saved: optimizer.json and every rank file.
 struct SourceOptim {
   nlohmann::json meta;
@@ -215,15 +234,7 @@ struct RelayoutPlanner {
     OpenLayout(out, manifest, from, src);
     const RankFileHeader& model0 = src.bytes.readers.front().header();
     optim = OpenOptim(src.dir, from, manifest, model0, so);
-    if (optim && !OptimizerMoves(source_spec, target)) {
-      Fail(ErrorCode::kUnsupported,
-           so.meta_path + ": optimizer state of layout " + from + " (" + source_spec.KindName() +
-               (source_spec.use_orig_params ? ", use_orig_params" : "") + ") into " + target.Key() + " (" +
-               target.KindName() + (target.use_orig_params ? ", use_orig_params" : "") +
-               "): the optimizer's parameters differ between these kinds (flat parameters or original "
-               "ones), which this version does not translate; reshard to a layout of the same kind, "
-               "or between fsdp2 and dtensor");
-    }
+    if (optim) RefuseOptimizerKinds(out, so.meta_path, from, source_spec, target);
     // Tensors stored whole in the source (buffers) stay whole in an FSDP2 target, as do the
     // model manifest's persistent buffers.
     // A DTensor source: Replicate everywhere outside fully_shard is a buffer only when
@@ -485,11 +496,20 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
                                             " is not a range inside 0-" + std::to_string(target.world_size - 1));
     }
   }
+  // Optimizer state that cannot move is said first: what follows would not make it movable.
+  {
+    const fs::path meta = o.out / manifest->layouts.at(from).dir / kOptimDir / kOptimJson;
+    std::error_code ec;
+    if (fs::exists(meta.parent_path(), ec)) RefuseOptimizerKinds(o.out, meta.string(), from, source_spec, target);
+  }
   if (target.kind == LayoutKind::kFsdp1 && !model) {
+    // A checkpoint reshard.save wrote builds its model from its own config.json.
+    const std::string from_dir = manifest->source.saved ? o.out.string() : std::string("HF_DIR");
     Fail(ErrorCode::kNotFound, (o.out / kModelManifestName).string() +
                                    ": missing: an FSDP1 layout is planned from the model manifest (its units "
-                                   "and parameter order); capture it with python -m reshard.model_manifest "
-                                   "HF_DIR -o " + (o.out / kModelManifestName).string() + ", or pass --model-manifest");
+                                   "and parameter order); capture it with python -m reshard.model_manifest " +
+                                   from_dir + " -o " + (o.out / kModelManifestName).string() +
+                                   ", or pass --model-manifest");
   }
 
   RelayoutPlanner planner(o.out, *manifest, from, target, model, o.chunk_size, parallel,

@@ -395,6 +395,32 @@ def test_inspect_a_saved_checkpoint(checkpoint, cli, tmp_path, saved_fsdp2):
     assert json.loads(cli("inspect", out, "--json", rc=0).out)["layouts"]["fsdp2-ws2"]["optimizer"] is None
 
 
+def test_fsdp2_save_into_fsdp1_says_the_weights_only_way(cli, tmp_path, saved_fsdp2):
+    """An FSDP2 save with optimizer state into --layout fsdp1: refused first for the optimizer
+    (before asking for a model manifest that would not help), naming the weights-only way
+    (export, convert); following it word for word gives an FSDP1 layout that verifies against
+    the export, whose weights are the save's. Without optimizer state in the way, the FSDP1
+    target asks for the model manifest of OUT itself (a save builds from its own config)."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    r = cli("relayout", saved, "--world-size", 2, "--layout", "fsdp1", rc=3)
+    assert "optimizer state of layout fsdp2-ws4 (fsdp2) into fsdp1-" in r.err, r.err
+    assert "reshard.model_manifest" not in r.err, r.err
+    export = f"reshard export {saved} -o {saved}-hf"
+    convert = f"reshard convert {saved}-hf -o {saved}-fsdp1-ws2 --world-size 2 --layout fsdp1"
+    assert f"For the weights alone (the optimizer starting afresh): {export}, then {convert} " in r.err, r.err
+    cli(*export.split()[1:], rc=0)
+    cli(*convert.split()[1:], rc=0, env={"RESHARD_MODEL_CAPTURE": "1"})  # as a user's convert captures
+    cli("verify", f"{saved}-fsdp1-ws2", "--source", f"{saved}-hf", rc=0)
+    ref = _reassemble(str(saved), "fsdp2-ws4", 4)
+    from safetensors.torch import load_file
+    got = load_file(f"{saved}-hf/model.safetensors")
+    assert ref and all(torch.equal(got[n], t) for n, t in ref.items() if "#" not in n), sorted(ref)[:4]
+    shutil.rmtree(saved / "fsdp2-ws4" / "optim")  # weights only: the model manifest is what is missing
+    r = cli("relayout", saved, "--world-size", 2, "--layout", "fsdp1", rc=3)
+    assert f"python -m reshard.model_manifest {saved} -o {saved / 'reshard-model.json'}" in r.err, r.err
+
+
 def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
     """`reshard verify OUT` says what a killed write left (it verified OK and said nothing):
     temporary files in a listed layout's directory or its optim/, a directory of rank files the
