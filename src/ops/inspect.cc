@@ -202,6 +202,12 @@ json Inspect(const fs::path& path) {
     std::optional<Manifest> m = ReadManifest(path);
     json layouts = json::object();
     for (const auto& [key, l] : m->layouts) {
+      std::error_code dec;
+      if (!fs::exists(path / l.dir, dec)) {  // deleted by hand: the others are still shown
+        layouts[key] = {{"kind", "layout"}, {"path", (path / l.dir).string()}, {"key", key},
+                        {"world_size", l.world_size}, {"missing", true}};
+        continue;
+      }
       json lj = LayoutJson(path / l.dir, l.world_size);
       lj["manifest_complete"] = l.complete;
       lj["layout_kind"] = l.Layout().KindName();
@@ -249,6 +255,11 @@ std::string RenderInspect(const json& d) {
   std::ostringstream o;
   const std::string kind = d["kind"];
   auto ranks_table = [&](const json& l) {
+    if (l.value("missing", false)) {
+      o << "  layout " << Esc(l["key"]) << ": world size " << l["world_size"] << ", MISSING: " << Esc(l["path"])
+        << " is not there (reshard remove " << Esc(d["path"]) << " " << Esc(l["key"]) << " takes it out of reshard.json)\n";
+      return;
+    }
     o << "  layout " << Esc(l["key"]) << ": world size " << l["world_size"]
       << ", " << l["ranks"].size() << " rank files"
       << (l["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", "

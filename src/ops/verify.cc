@@ -108,13 +108,15 @@ class Verifier {
     // its rank files are not in the manifest, so they are found here and checked as
     // `reshard verify OUT/KEY/optim` checks them.
     if (manifest_) {
-      for (const auto& [key, ml] : manifest_->layouts) VerifyOptimizerDir(key, ml);
+      for (const auto& [key, ml] : manifest_->layouts) {
+        if (!missing_dirs_.count(key)) VerifyOptimizerDir(key, ml);
+      }
     }
     // A layout `reshard relayout` made from another layout of OUT: compared with that layout
     // element for element (its optimizer state too), as --source compares a conversion.
     if (manifest_) {
       for (const auto& [key, ml] : manifest_->layouts) {
-        if (ml.from.empty()) continue;
+        if (ml.from.empty() || missing_dirs_.count(key) || missing_dirs_.count(ml.from)) continue;
         uint64_t compared = 0;
         for (RelayoutProblem& p : CheckRelayout(o_.path, key, threads_, compared)) {
           Problem(std::move(p.file), std::move(p.tensor), std::move(p.message));
@@ -288,6 +290,15 @@ class Verifier {
     if (m->layouts.empty()) Problem(mpath, "", "the manifest lists no layout");
     for (const auto& [key, ml] : m->layouts) {
       LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}, ml.Layout(), {}};
+      std::error_code dec;
+      if (!fs::exists(l.dir, dec)) {  // deleted by hand: said once, not once per file
+        Problem(l.dir.string(), "",
+                "the directory of layout " + key + " (listed in the manifest) is missing; take it out of "
+                "the manifest with: reshard remove " + o_.path.string() + " " + key +
+                ", or write it again as it was made");
+        missing_dirs_.insert(key);
+        continue;
+      }
       if (!ml.complete || ml.ranks.size() != ml.world_size) {
         Problem(mpath, "", "layout " + key + " is incomplete: " + std::to_string(ml.ranks.size()) +
                                " of " + std::to_string(ml.world_size) +
@@ -730,7 +741,8 @@ class Verifier {
   std::string rank_state_path_;
   std::vector<File> sources_;
   std::mutex mu_;
-  std::set<std::pair<std::string, uint32_t>> remedied_;  // (layout dir, rank): RemedyOnce said it
+  std::set<std::pair<std::string, uint32_t>> remedied_;
+  std::set<std::string> missing_dirs_;  // listed layouts whose directory is not there  // (layout dir, rank): RemedyOnce said it
   VerifyReport report_;
 };
 

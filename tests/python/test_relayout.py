@@ -421,6 +421,43 @@ def test_fsdp2_save_into_fsdp1_says_the_weights_only_way(cli, tmp_path, saved_fs
     assert f"python -m reshard.model_manifest {saved} -o {saved / 'reshard-model.json'}" in r.err, r.err
 
 
+def test_remove_layouts(cli, tmp_path, saved_fsdp2):
+    """`reshard remove OUT KEY...`: a layout deleted by hand is said once by verify (was one
+    problem per file) with the remove command, and inspect still shows the others; remove takes
+    it out of reshard.json; removing the layout others were made from leaves them standing alone
+    (their `from` dropped; verify passes on checksums); refused, nothing changed: an unknown key,
+    every layout at once."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    for w in (2, 3):
+        _relayout(cli, saved, w)
+    shutil.rmtree(saved / "fsdp2-ws3")
+    v = cli("verify", saved, rc=1)
+    assert (f"{saved / 'fsdp2-ws3'}: the directory of layout fsdp2-ws3 (listed in the manifest) is missing; take it "
+            f"out of the manifest with: reshard remove {saved} fsdp2-ws3") in v.out and "FAILED: 1 problem(s)" in v.out, v.out
+    txt = cli("inspect", saved, rc=0).out
+    assert "layout fsdp2-ws3: world size 3, MISSING" in txt and "layout fsdp2-ws2: world size 2, 2 rank files" in txt, txt
+    r = cli("remove", saved, "fsdp2-ws3", rc=0)
+    assert f"removed layout fsdp2-ws3" in r.out and "lists: fsdp2-ws2 fsdp2-ws4" in r.out, r.out
+    cli("verify", saved, rc=0)
+    manifest = (saved / "reshard.json").read_bytes()
+    r = cli("remove", saved, "fsdp2-ws9", rc=3)
+    assert "lists no layout fsdp2-ws9; its layouts: fsdp2-ws2, fsdp2-ws4" in r.err, r.err
+    r = cli("remove", saved, "fsdp2-ws2", "fsdp2-ws4", rc=2)
+    assert "removing every layout (fsdp2-ws2, fsdp2-ws4) leaves nothing to load" in r.err, r.err
+    assert (saved / "reshard.json").read_bytes() == manifest and (saved / "fsdp2-ws2").is_dir()
+    j = json.loads(cli("remove", saved, "fsdp2-ws4", "--json", rc=0).out)
+    assert j == {"removed": ["fsdp2-ws4"], "unlinked": ["fsdp2-ws2"], "remaining": ["fsdp2-ws2"]}, j
+    assert not (saved / "fsdp2-ws4").exists()
+    m = rf.read_manifest(str(saved))
+    assert list(m["layouts"]) == ["fsdp2-ws2"] and "from" not in m["layouts"]["fsdp2-ws2"], m["layouts"]
+    v = cli("verify", saved, rc=0)
+    assert "compared with the layouts they were made from" not in v.out, v.out
+    # The layout left is a whole checkpoint: its weights as saved, its optimizer state there.
+    assert _relayout(cli, saved, 4)["from"] == "fsdp2-ws2"
+    cli("verify", saved, rc=0)
+
+
 def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
     """`reshard verify OUT` says what a killed write left (it verified OK and said nothing):
     temporary files in a listed layout's directory or its optim/, a directory of rank files the

@@ -36,6 +36,7 @@
 #include "reshard/ops/export.h"
 #include "reshard/ops/inspect.h"
 #include "reshard/ops/relayout.h"
+#include "reshard/ops/remove.h"
 #include "reshard/ops/verify.h"
 
 namespace {
@@ -516,6 +517,24 @@ int RunCli(int argc, char** argv) {
       "  reshard inspect ./qwen-shards/fsdp2-ws8/rank-00003-of-00008.reshard\n"
       "  reshard inspect ./Qwen2.5-7B --json            # the source: tensors, dtypes, shapes");
 
+  // remove
+  std::string remove_out;
+  std::vector<std::string> remove_keys;
+  bool remove_json = false;
+  auto* remove = app.add_subcommand(
+      "remove", "Remove layouts from an output directory: their entries in reshard.json, then their "
+                "directories (rank files and optimizer state).");
+  remove->add_option("OUT", remove_out, "output directory (the one with reshard.json)")->required();
+  remove->add_option("KEY", remove_keys, "layouts to remove (reshard inspect OUT lists them)")->required();
+  remove->add_flag("--json", remove_json, "print JSON on stdout");
+  remove->footer(
+      "A layout that reshard relayout made from a removed one stays, standing alone (reshard verify\n"
+      "then checks it by its checksums). Refused: every layout at once, one part of an\n"
+      "expert-parallel save without the others.\n"
+      "Examples:\n"
+      "  reshard remove ./qwen-shards fsdp2-ws4\n"
+      "  reshard remove ./run/step-1000 fsdp2-ws16        # a saved checkpoint's old world size");
+
   // export
   reshard::ExportOptions eo;
   std::string export_out, export_dir, export_max_shard = "5GB", export_dtype = "keep";
@@ -956,6 +975,23 @@ int RunCli(int argc, char** argv) {
         for (const auto& n : r.notes) std::cout << "note: " << n << "\n";
       }
       return r.ok() ? 0 : kExitProblems;
+    }
+    if (*remove) {
+      const reshard::RemoveResult r = reshard::RemoveLayouts(remove_out, remove_keys);
+      if (remove_json) {
+        std::cout << nlohmann::json{{"removed", r.removed}, {"unlinked", r.unlinked}, {"remaining", r.remaining}}.dump(2)
+                  << "\n";
+      } else {
+        for (const auto& k : r.removed) std::printf("removed layout %s (%s)\n", k.c_str(), (fs::path(remove_out) / k).c_str());
+        for (const auto& k : r.unlinked) {
+          std::printf("layout %s was made from a removed layout: it stands alone now (verify checks it by its "
+                      "checksums)\n", k.c_str());
+        }
+        std::string left;
+        for (const auto& k : r.remaining) left += " " + k;
+        std::printf("%s lists:%s\n", (fs::path(remove_out) / "reshard.json").c_str(), left.c_str());
+      }
+      return 0;
     }
     if (*inspect) {
       nlohmann::json d = reshard::Inspect(Resolve(inspect_path, inspect_revision, inspect_json).path);
