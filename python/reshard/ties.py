@@ -11,8 +11,11 @@ Decided from the headers of one complete FSDP2 or DTensor layout of OUT, all of 
 and chunks hold the same values exactly when every chunk's XXH3-64 is equal in every file.
 For OUT a Hugging Face checkpoint of safetensors files: the two tensors compared in slices of
 64 MiB (read only when the files hold both names, which save_pretrained does not write for a
-tie it keeps). Not decided (nothing said) for .bin checkpoints (torch.save writes both names of
-a tie, one storage) or an FSDP1 layout only."""
+tie it keeps). For OUT with no such layout (FSDP1 layouts only) but the model manifest its
+conversion captured (OUT/reshard-model.json, formats/model-manifest.md): the capture built the
+model from the source as from_pretrained does, so the pair held apart there (two parameters,
+not one with both names) is a pair whose values differ. Not decided (nothing said) for .bin
+checkpoints (torch.save writes both names of a tie, one storage)."""
 
 from __future__ import annotations
 
@@ -91,6 +94,30 @@ def _hf_pairs_differ(out: str, pairs, prefix: str, shapes=None) -> Optional[List
     return differ
 
 
+def _manifest_pairs_apart(out: str, pairs, prefix: str) -> Optional[List[Tuple[str, str]]]:
+    """The pairs OUT's model manifest holds as two parameters; None without one (or unreadable:
+    the load's own checks say what is wrong with it)."""
+    import json
+
+    path = os.path.join(out, "reshard-model.json") if os.path.isdir(out) else ""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            params = json.load(f).get("params", [])
+        param_of = {n: i for i, p in enumerate(params) for n in p.get("names", [])}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    from .load import file_key
+
+    apart = []
+    for target, source in pairs:
+        a, b = file_key(target, param_of, prefix), file_key(source, param_of, prefix)
+        if a is not None and b is not None and param_of[a] != param_of[b]:
+            apart.append((target, source))
+    return apart
+
+
 def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str = "",
                          shapes: Optional[Dict[str, List[int]]] = None) -> List[Tuple[str, str]]:
     """Of `pairs` (target, source) of model names, those OUT holds both of with different values
@@ -106,6 +133,8 @@ def differing_tied_pairs(out: str, pairs: Iterable[Tuple[str, str]], prefix: str
     files = _layout_files(out)
     if not files:
         hf = _hf_pairs_differ(out, pairs, prefix, shapes)
+        if hf is None:
+            hf = _manifest_pairs_apart(out, pairs, prefix)
         return hf or []
     first: Dict[str, object] = {t.name: t for t in open_rank_file(files[0]).tensors}
     both = []

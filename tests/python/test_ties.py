@@ -8,6 +8,7 @@ then equal from_pretrained bit for bit; a model built tied otherwise is refused,
 with one value in both."""
 
 import json
+import os
 import shutil
 import warnings
 
@@ -68,6 +69,11 @@ def sources(tmp_path_factory, reshard_bin):
             subprocess.run([reshard_bin, "convert", out[name], "-o", dst, "--world-size", str(ws)], check=True,
                            capture_output=True)
             out[f"{name}-ws{ws}"] = dst
+        # An FSDP1 layout alone: no FSDP2 headers to decide from, the captured model manifest does.
+        dst = root / f"{name}-fsdp1"
+        subprocess.run([reshard_bin, "convert", out[name], "-o", dst, "--world-size", "2", "--layout", "fsdp1"],
+                       check=True, capture_output=True, env=dict(os.environ, RESHARD_MODEL_CAPTURE="1"))
+        out[f"{name}-fsdp1"] = dst
     return out
 
 
@@ -85,7 +91,7 @@ def test_empty_model_ties_as_from_pretrained_and_load_equals_it(sources, name):
     want_tied = name != "apart"
     assert _is_tied(ref) == want_tied  # transformers itself: the independent reference
     rsd = ref.state_dict()
-    for form in ("", "-ws1", "-ws3"):
+    for form in ("", "-ws1", "-ws3", "-fsdp1"):
         out = str(sources[name + form])
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -93,8 +99,8 @@ def test_empty_model_ties_as_from_pretrained_and_load_equals_it(sources, name):
         assert _is_tied(model) == want_tied, (out, model.all_tied_weights_keys)
         assert any("different values" in str(x.message) for x in w) == (not want_tied), [str(x.message) for x in w]
         assert differing_tied_pairs(out, PAIR) == ([] if want_tied else PAIR), out
-        if form == "-ws3":
-            continue  # three ranks' files: the headers decide it (above); the load needs a job of 3
+        if form in ("-ws3", "-fsdp1"):
+            continue  # decided above (headers; the model manifest); their loads need a job of 3 / FSDP1
         model.to_empty(device="cpu")
         reshard.load(model, out)
         assert _is_tied(model) == want_tied
