@@ -238,11 +238,21 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_atomic(path: str, data) -> None:
     """Writes `data` (str or bytes) to `path` through a synced temporary and a rename."""
     d = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".tmp-")
     try:
+        # mkstemp makes it 0600; the file is as open(path, "w") would make it (0666 less the
+        # umask), as the rank files beside it are: others sharing the checkpoint read it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
             f.flush()

@@ -312,6 +312,14 @@ def _plain_cross_dtype(out, saved, save_dtype, load_dtype):
         opt.step()
         opt.zero_grad()
     reshard.save(model, str(saved), optimizer=opt, step=2)
+    # Every file of the save is readable as the process's umask allows (mkstemp's 0600 was
+    # left on the JSON files: others sharing the checkpoint could not read its config).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for root, _, names in os.walk(saved):
+        for n in names:
+            mode = os.stat(os.path.join(root, n)).st_mode & 0o777
+            assert mode == 0o666 & ~mask, (os.path.join(root, n), oct(mode), oct(mask))
     fresh = reshard.empty_model(str(saved), dtype=load_dtype)
     fresh.to_empty(device="cpu")
     reshard.load(fresh, str(saved))
