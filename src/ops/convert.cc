@@ -37,6 +37,7 @@
 #include "reshard/plan/conversion.h"
 #include "reshard/plan/fsdp1.h"
 #include "reshard/plan/rank_plan.h"
+#include "reshard/ops/path_hint.h"
 #include "ops/rank_fill.h"
 
 namespace reshard {
@@ -235,6 +236,15 @@ fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
   return {};
 }
 
+void CheckConvertOutput(const fs::path& out) {
+  std::error_code ec;
+  if (const std::string hint = fs::is_directory(out, ec) ? PathHint(out) : std::string();
+      hint.starts_with("a layout directory of ")) {
+    Fail(ErrorCode::kInvalidArgument, out.string() + ": " + hint + " (-o " + out.parent_path().string() +
+                                          "; a conversion adds its layout beside the others)");
+  }
+}
+
 ConvertResult Convert(const ConvertOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ConvertOptions o = options;
@@ -357,6 +367,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   std::optional<Fsdp1Plan> units;
   if (model && o.layout.kind == LayoutKind::kFsdp1) units = PlanFsdp1(view, *model, o.layout);
   std::error_code ec;
+  CheckConvertOutput(o.out);
   fs::create_directories(o.out, ec);
   if (ec || !fs::is_directory(o.out)) {
     Fail(ErrorCode::kIo, o.out.string() + ": cannot create the output directory" +

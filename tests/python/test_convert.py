@@ -813,3 +813,18 @@ def test_sigkill_at_many_points_never_leaves_a_valid_looking_partial_output(resh
         cli("verify", out, "--source", src, rc=0)
         assert not [q.name for q in layout.iterdir() if ".tmp-" in q.name]
     assert kills >= 6, f"only {kills} of 12 runs were still running when killed"
+
+
+def test_output_inside_a_layout_directory_is_refused_even_with_force(cli, checkpoint, tmp_path):
+    """-o OUT/fsdp2-ws2 (a layout directory of OUT): refused, --force or not, naming -o OUT; nothing
+    is written there (it once wrote a second output, reshard.json and all, inside the first)."""
+    src = checkpoint("llama", "bf16", False)
+    out = tmp_path / "out"
+    cli("convert", src, "-o", out, "--world-size", 2, rc=0)
+    inner = out / "fsdp2-ws2"
+    before = sorted(os.listdir(inner))
+    for extra in ((), ("--force",)):
+        r = cli("convert", src, "-o", inner, "--world-size", 2, *extra, rc=2)
+        assert f"{inner}: a layout directory of {out}" in r.err and f"(-o {out}; a conversion adds its layout" in r.err, r.err
+        assert sorted(os.listdir(inner)) == before
+    cli("verify", out, "--source", src, rc=0)

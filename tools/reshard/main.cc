@@ -642,6 +642,7 @@ int RunCli(int argc, char** argv) {
       const bool hf_dir = fs::exists((fs::is_directory(source, fec) ? source : source.parent_path()) /
                                      "config.json", fec);
       // The one convert would use without --model-manifest.
+      reshard::CheckConvertOutput(out);  // before a capture writes into it
       const fs::path existing = reshard::FindModelManifest(source, out);
       const bool has_conversion = !existing.empty() && HasConversion(existing);
       if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
@@ -658,11 +659,14 @@ int RunCli(int argc, char** argv) {
           fs::remove(captured, ec);
           captured.clear();
           if (existing.empty()) {
+            const char* py = std::getenv("RESHARD_PYTHON");
             std::fprintf(stderr,
                          "reshard: note: no model manifest (%s); the rank files keep the "
                          "checkpoint's names and persistent buffers are sharded. To capture it: "
-                         "python -m reshard.model_manifest %s -o %s/%s\n",
-                         why.c_str(), src.c_str(), out.c_str(), std::string(reshard::kModelManifestName).c_str());
+                         "%s -m reshard.model_manifest %s -o %s/%s (a Python with reshard and transformers; "
+                         "convert runs $RESHARD_PYTHON, else python3), then run this convert again\n",
+                         why.c_str(), py && *py ? py : "python3", src.c_str(), out.c_str(),
+                         std::string(reshard::kModelManifestName).c_str());
           }
         }
       }

@@ -40,6 +40,12 @@ struct ConvertOptions {
   std::function<void(uint64_t, uint64_t)> progress;
 };
 
+/// Refuses (kInvalidArgument, naming the OUT to pass) an output directory that is a layout
+/// directory of another output (rank files, reshard.json one level up), --force or not: a
+/// conversion into it would nest a second output inside the first. Convert calls it first; the
+/// CLI too, before it captures a model manifest into OUT.
+void CheckConvertOutput(const std::filesystem::path& out);
+
 struct ConvertResult {
   std::string layout_key;
   std::filesystem::path layout_dir;
