@@ -125,7 +125,8 @@ void RefuseOptimizerKinds(const fs::path& out, const std::string& meta_path, con
            "): the optimizer's parameters differ between these kinds (flat parameters or original "
            "ones), which this version does not translate; reshard to a layout of the same kind, "
            "or between fsdp2 and dtensor. For the weights alone (the optimizer starting afresh): "
-           "reshard export " + out.string() + " -o " + out.string() + "-hf, then reshard convert " +
+           "reshard export " + out.string() + " -o " + out.string() + "-hf --layout " + from +
+           ", then reshard convert " +
            out.string() + "-hf -o " + out.string() + "-" + target.KindName() + "-ws" +
            std::to_string(target.world_size) + " " + target.ConvertFlags() +
            " (or reshard.load the exported directory as it is)");

@@ -406,7 +406,8 @@ def test_fsdp2_save_into_fsdp1_says_the_weights_only_way(cli, tmp_path, saved_fs
     r = cli("relayout", saved, "--world-size", 2, "--layout", "fsdp1", rc=3)
     assert "optimizer state of layout fsdp2-ws4 (fsdp2) into fsdp1-" in r.err, r.err
     assert "reshard.model_manifest" not in r.err, r.err
-    export = f"reshard export {saved} -o {saved}-hf"
+    _relayout(cli, saved, 2)  # a second layout: the export must name the one it writes
+    export = f"reshard export {saved} -o {saved}-hf --layout fsdp2-ws4"
     convert = f"reshard convert {saved}-hf -o {saved}-fsdp1-ws2 --world-size 2 --layout fsdp1"
     assert f"For the weights alone (the optimizer starting afresh): {export}, then {convert} " in r.err, r.err
     cli(*export.split()[1:], rc=0)
