@@ -335,14 +335,20 @@ class Verifier {
   void NoteLeftovers() {
     std::map<std::string, std::string> listed;  // directory name -> layout key
     for (const auto& [key, ml] : manifest_->layouts) listed[ml.dir] = key;
-    auto temporaries = [](const fs::path& dir, uint64_t& bytes) {
+    const std::string here = SafeHostName();
+    std::set<std::string> elsewhere;  // hosts other than this one that temporaries name
+    auto temporaries = [&](const fs::path& dir, uint64_t& bytes) {
       size_t n = 0;
       std::error_code ec;
       for (const auto& e : fs::directory_iterator(dir, ec)) {
         const std::string name = e.path().filename().string();
-        if (name.starts_with(".") && name.find(".tmp-") != std::string::npos && e.is_regular_file(ec)) {
+        const size_t at = name.find(".tmp-");
+        if (name.starts_with(".") && at != std::string::npos && e.is_regular_file(ec)) {
           ++n;
           bytes += e.file_size(ec);
+          const std::string owner = name.substr(at + 5);  // <host>-<pid> (older files: <pid>)
+          const size_t dash = owner.rfind('-');
+          if (dash != std::string::npos && owner.substr(0, dash) != here) elsewhere.insert(owner.substr(0, dash));
         }
       }
       return n;
@@ -353,13 +359,19 @@ class Verifier {
       if (e.is_directory(ec) && !e.path().filename().string().starts_with(".")) dirs.push_back(e.path());
     }
     std::sort(dirs.begin(), dirs.end());
-    const std::string rerun = "if no convert, relayout or save is writing into " + o_.path.string() +
-                              " now, run the command that was writing it again (it removes them and "
-                              "finishes), or delete them";
     for (const fs::path& d : dirs) {
       const std::string name = d.filename().string();
       uint64_t bytes = 0;
+      elsewhere.clear();
       size_t temps = temporaries(d, bytes) + temporaries(d / "optim", bytes);
+      std::string hosts;
+      for (const std::string& h : elsewhere) hosts += (hosts.empty() ? "" : ", ") + Printable(h, 64);
+      const std::string rerun =
+          "if no convert, relayout or save is writing into " + o_.path.string() +
+          " now, run the command that was writing it again (it removes this host's and finishes), or delete them" +
+          (hosts.empty() ? std::string()
+                         : "; some were written on another host (" + hosts +
+                               "): a re-run here leaves those, delete them once nothing writes there");
       if (listed.count(name)) {
         if (temps) {
           report_.notes.push_back(d.string() + ": " + std::to_string(temps) + " temporary file(s) (" +

@@ -472,6 +472,8 @@ def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
     v = cli("verify", saved, rc=0)
     assert (f"note: {saved / 'fsdp2-ws2'}: 1 temporary file(s) (5.00 KB) of an unfinished write; if no convert, "
             "relayout or save is writing into") in v.out, v.out
+    # Named for another host: a re-run here leaves it (only this host's dead writers' are removed).
+    assert "some were written on another host (somehost): a re-run here leaves those" in v.out, v.out
     assert (f"note: {saved / 'fsdp2-ws5'}: 4 rank file(s) and 1 temporary file(s) (5.00 KB), not a layout "
             "reshard.json lists") in v.out, v.out
     j = json.loads(cli("verify", saved, "--json", rc=0).out)
