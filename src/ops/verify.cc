@@ -292,10 +292,29 @@ class Verifier {
       LayoutFiles l{key, o_.path / ml.dir, ml.world_size, {}, ml.Layout(), {}};
       std::error_code dec;
       if (!fs::exists(l.dir, dec)) {  // deleted by hand: said once, not once per file
-        Problem(l.dir.string(), "",
-                "the directory of layout " + key + " (listed in the manifest) is missing; take it out of "
-                "the manifest with: reshard remove " + o_.path.string() + " " + key +
-                ", or write it again as it was made");
+        // What to run: remove it (when another layout remains), or write it again as it was made.
+        bool others = false;
+        for (const auto& [k2, ml2] : m->layouts) others |= k2 != key && fs::exists(o_.path / ml2.dir, dec);
+        const std::string remove = "reshard remove " + o_.path.string() + " " + key;
+        std::string again;
+        if (!ml.from.empty()) {
+          again = "reshard relayout " + o_.path.string() + " " + ml.Layout().ConvertFlags() + " --from " + ml.from;
+        } else if (!m->source.saved) {
+          again = "reshard convert " + (o_.source ? o_.source->string() : std::string("SRC")) + " -o " +
+                  o_.path.string() + " " + ml.Layout().ConvertFlags() +
+                  (o_.source ? "" : " (SRC: the checkpoint it was converted from)");
+        }
+        std::string what;
+        if (others && !again.empty()) {
+          what = "take it out of the manifest with: " + remove + ", or write it again: " + again;
+        } else if (others) {
+          what = "a layout of a save cannot be written again: take it out of the manifest with: " + remove;
+        } else if (!again.empty()) {
+          what = "write it again: " + again;
+        } else {
+          what = "it was the save's only layout: the checkpoint is gone; resume from an older one";
+        }
+        Problem(l.dir.string(), "", "the directory of layout " + key + " (listed in the manifest) is missing; " + what);
         missing_dirs_.insert(key);
         continue;
       }

@@ -457,3 +457,11 @@ def test_inspect_names_a_missing_layout_directory(checkpoint, cli, tmp_path):
     assert f"layout fsdp2-ws2: world size 2, MISSING: {out / 'fsdp2-ws2'} is not there (reshard remove {out} fsdp2-ws2" \
         in r.out and "layout fsdp2-ws1: world size 1, 1 rank files (complete)" in r.out, r
     assert json.loads(cli("inspect", out, "--json", rc=0).out)["layouts"]["fsdp2-ws2"]["missing"] is True
+    # verify says it once, with both ways out; the second works as printed.
+    v = cli("verify", out, "--source", src, rc=1)
+    again = f"reshard convert {src} -o {out} --world-size 2"
+    assert (f"{out / 'fsdp2-ws2'}: the directory of layout fsdp2-ws2 (listed in the manifest) is missing; take it "
+            f"out of the manifest with: reshard remove {out} fsdp2-ws2, or write it again: {again}\n"
+            "FAILED: 1 problem(s)") in v.out, v.out
+    cli(*again.split()[1:], "--no-capture", rc=0)
+    cli("verify", out, "--source", src, rc=0)
