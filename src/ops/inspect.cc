@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "reshard/ops/path_hint.h"
@@ -99,8 +100,16 @@ json LayoutJson(const fs::path& dir, uint32_t world_size_hint) {
   }
   std::sort(files.begin(), files.end());
   uint64_t total = 0, stored = 0;
+  json damaged = json::array();  // files that do not open: named, the others still shown
   for (const auto& p : files) {
-    RankFileReader r = RankFileReader::Open(p);
+    std::optional<RankFileReader> opened;
+    try {
+      opened.emplace(RankFileReader::Open(p));
+    } catch (const Error& e) {
+      damaged.push_back({{"file", p.filename().string()}, {"error", e.what()}});
+      continue;
+    }
+    const RankFileReader& r = *opened;
     json rj = RankFileJson(r, false);
     ws = r.header().world_size;
     total += rj["nbytes"].get<uint64_t>();
@@ -112,9 +121,11 @@ json LayoutJson(const fs::path& dir, uint32_t world_size_hint) {
                      {"stored_size", rj["stored_size"]},
                      {"tensor_count", rj["tensor_count"]}});
   }
-  return {{"kind", "layout"},     {"path", dir.string()},  {"key", key},
-          {"world_size", ws},     {"ranks", ranks},        {"nbytes", total},
-          {"stored_size", stored}, {"complete", ws > 0 && files.size() == ws}};
+  json j = {{"kind", "layout"},     {"path", dir.string()},  {"key", key},
+            {"world_size", ws},     {"ranks", ranks},        {"nbytes", total},
+            {"stored_size", stored}, {"complete", ws > 0 && ranks.size() == ws}};
+  if (!damaged.empty()) j["damaged"] = damaged;
+  return j;
 }
 
 // A layout's optimizer state (KEY/optim, written by reshard.save and relayout): null when there
@@ -287,6 +298,10 @@ std::string RenderInspect(const json& d) {
         << Bytes(r["nbytes"]) << "  (" << r["tensor_count"] << " tensors, file "
         << Bytes(r["file_size"]) << ")\n";
     }
+    if (l.contains("damaged")) {
+      for (const auto& b : l["damaged"]) o << "    DAMAGED " << Esc(b["file"]) << ": " << Esc(b["error"]) << "\n";
+      o << "    (reshard verify " << Esc(d["path"]) << " names what to run)\n";
+    }
     if (l.contains("optimizer") && !l["optimizer"].is_null()) {
       const json& op = l["optimizer"];
       o << "    optimizer state (optim/):";
@@ -298,6 +313,9 @@ std::string RenderInspect(const json& d) {
       }
       if (op.contains("error")) o << " " << Esc(op["error"]);
       o << "\n";
+      if (op.contains("damaged")) {
+        for (const auto& b : op["damaged"]) o << "      DAMAGED " << Esc(b["file"]) << ": " << Esc(b["error"]) << "\n";
+      }
     } else if (d.contains("saved")) {
       o << "    no optimizer state (saved without optimizer=)\n";
     }

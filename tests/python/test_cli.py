@@ -413,6 +413,12 @@ def test_inspect_corrupt_rank_file(cli, out_ws3):
         fh.write(b"X")
     r = cli("inspect", path, rc=3)
     assert str(path) in r.err and "magic" in r.err, r
+    # The output around it is still described, the damaged file named (inspect of OUT failed whole).
+    r = cli("inspect", out_ws3, rc=0)
+    assert f"DAMAGED {path.name}: {path}: " in r.out and "magic" in r.out and "(INCOMPLETE)" in r.out, r.out
+    assert f"rank 1  {rf.rank_file_name(1, 3)}" in r.out and f"(reshard verify {out_ws3} names what to run)" in r.out
+    j = json.loads(cli("inspect", out_ws3, "--json", rc=0).out)
+    assert [b["file"] for b in j["layouts"]["fsdp2-ws3"]["damaged"]] == [path.name], j
 
 
 # ---------------------------------------------------------------------------------------
