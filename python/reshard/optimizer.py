@@ -322,6 +322,13 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
                 cmd += " --layout fsdp1 " + " ".join(f"--wrap {c}" for c in job.wrap)
                 if job.use_orig_params:
                     cmd += " --use-orig-params" + (f" --param-dtype {job.param_dtype}" if job.param_dtype else "")
+            entry = ((read_manifest(out) or {}).get("layouts") or {}).get(key)
+            if entry is not None and not entry.get("from"):
+                # This job's layout is the checkpoint's own, listed: relayout never rewrites it in
+                # place; taken out, it is made again from a copy that holds the state.
+                cmd = f"reshard remove {out} {key}, then {cmd} --from {others[0]}" if others else cmd
+            elif entry is not None:
+                cmd += f" --from {entry['from']}"
             has = (f"; {out} holds optimizer state for layout(s) {', '.join(others)} only, "
                    f"another layout than this job's {key}: make this job's layout from it offline with "
                    f"{cmd} (weights and optimizer state)" if others and only is None else "")

@@ -98,6 +98,18 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
     }
   }
   if (pick.empty() && m.layouts.count(target_key)) {
+    // Copies made from it are there: it is the original, listed, perhaps damaged or gone.
+    std::string copies;
+    for (const auto& [k, l] : m.layouts) {
+      if (k != target_key && l.complete && l.parts.empty()) copies += (copies.empty() ? "" : ", ") + k;
+    }
+    if (!copies.empty()) {
+      Fail(ErrorCode::kInvalidArgument,
+           mpath + ": the new layout " + target_key + " is already listed, as this checkpoint's own (the others, " +
+               copies + ", were made from it); nothing was written. If it is damaged or gone (reshard verify " +
+               o.out.string() + " says), take it out and make it from one of them: reshard remove " +
+               o.out.string() + " " + target_key + ", then this command with --from KEY");
+    }
     Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + target_key + " is the source layout " +
                                           "(OUT holds no other complete layout to make it from): nothing to do");
   }
@@ -487,7 +499,8 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
                                           (manifest->source.saved ? "saved" : "converted") +
                                           "): relayout never rewrites it from " + from +
                                           "; nothing was written (check it with: reshard verify " + o.out.string() +
-                                          ")");
+                                          "; if it is damaged or gone, take it out first: reshard remove " +
+                                          o.out.string() + " " + key + ", then run this again)");
   }
   uint32_t first = 0, last = target.world_size - 1;
   if (o.ranks) {

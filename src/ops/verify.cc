@@ -434,7 +434,18 @@ class Verifier {
       }
     }
     if (saved || (manifest_source_ && manifest_source_->saved)) {
-      return "this checkpoint, saved from training, is incomplete: save it again (reshard.save "
+      // The save's own layout: a copy relayout made from it holds the same state.
+      if (manifest_) {
+        for (const auto& [k, ml] : manifest_->layouts) {
+          if (k != key && ml.from == key && ml.complete) {
+            return "the save's own layout cannot be written again, but " + k +
+                   " (made from it) holds the same state: take it out and make it from there: reshard remove " +
+                   o_.path.string() + " " + key + ", then reshard relayout " + o_.path.string() + " " +
+                   manifest_->layouts.at(key).Layout().ConvertFlags() + " --from " + k;
+          }
+        }
+      }
+      return "this checkpoint, saved from training, is damaged or incomplete: save it again (reshard.save "
              "into a new directory) or resume from an older one";
     }
     const std::string src = o_.source ? o_.source->string() : "SRC";

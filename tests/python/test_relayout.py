@@ -459,6 +459,34 @@ def test_remove_layouts(cli, tmp_path, saved_fsdp2):
     cli("verify", saved, rc=0)
 
 
+def test_a_damaged_original_is_made_again_from_its_copy(cli, tmp_path, saved_fsdp2):
+    """A save's own layout damaged (a flipped byte) or gone, a relayout-made copy intact: verify
+    names the way out (remove it, relayout it from the copy; was "save it again"), relayout's
+    refusals say the same (one claimed OUT held no other layout), and following it word for word
+    makes a checkpoint that verifies, the original's bytes as before."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    _relayout(cli, saved, 2)
+    f = saved / "fsdp2-ws4" / rf.rank_file_name(1, 4)
+    good = f.read_bytes()
+    t = next(t for t in rf.RankFile.open(str(f)).header["tensors"] if t["nbytes"] > 64)
+    data = bytearray(good)
+    data[4096 + t["offset"] + 3] ^= 0x08
+    f.write_bytes(bytes(data))
+    v = cli("verify", saved, rc=1)
+    remove = f"reshard remove {saved} fsdp2-ws4"
+    again = f"reshard relayout {saved} --world-size 4 --from fsdp2-ws2"
+    assert f"take it out and make it from there: {remove}, then {again}" in v.out, v.out
+    r = cli("relayout", saved, "--world-size", 4, "--from", "fsdp2-ws2", rc=2)
+    assert f"if it is damaged or gone, take it out first: {remove}, then run this again" in r.err, r.err
+    r = cli("relayout", saved, "--world-size", 4, rc=2)
+    assert "already listed, as this checkpoint's own (the others, fsdp2-ws2, were made from it)" in r.err, r.err
+    cli(*remove.split()[1:], rc=0)
+    cli(*again.split()[1:], rc=0)
+    cli("verify", saved, rc=0)
+    assert f.read_bytes() == good  # the same bytes as saved, made again from the copy
+
+
 def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
     """`reshard verify OUT` says what a killed write left (it verified OK and said nothing):
     temporary files in a listed layout's directory or its optim/, a directory of rank files the
