@@ -439,7 +439,7 @@ def test_remove_layouts(cli, tmp_path, saved_fsdp2):
     txt = cli("inspect", saved, rc=0).out
     assert "layout fsdp2-ws3: world size 3, MISSING" in txt and "layout fsdp2-ws2: world size 2, 2 rank files" in txt, txt
     r = cli("remove", saved, "fsdp2-ws3", rc=0)
-    assert f"removed layout fsdp2-ws3" in r.out and "lists: fsdp2-ws2 fsdp2-ws4" in r.out, r.out
+    assert "removed layout fsdp2-ws3" in r.out and "lists: fsdp2-ws2 fsdp2-ws4" in r.out, r.out
     cli("verify", saved, rc=0)
     manifest = (saved / "reshard.json").read_bytes()
     r = cli("remove", saved, "fsdp2-ws9", rc=3)
