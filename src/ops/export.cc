@@ -36,6 +36,7 @@
 #include "reshard/format/model_manifest.h"
 #include "reshard/plan/conversion.h"
 #include "reshard/plan/layout_tensors.h"
+#include "reshard/ops/path_hint.h"
 
 namespace reshard {
 
@@ -414,13 +415,18 @@ ExportResult Export(const ExportOptions& o) {
   if (o.max_shard_size == 0) Fail(ErrorCode::kInvalidArgument, "--max-shard-size must be positive");
   if (o.hf_dir.empty()) Fail(ErrorCode::kInvalidArgument, "no output directory (-o HF_DIR)");
   std::error_code ec;
+  // A rank file, a layout directory, a Hugging Face checkpoint, a missing path: what it is
+  // and what to pass instead (the rule relayout, verify and inspect use).
+  const std::string hint = fs::exists(o.out / kManifestName, ec) ? std::string() : PathHint(o.out);
   if (!fs::is_directory(o.out, ec)) {
-    Fail(ErrorCode::kNotFound, o.out.string() + ": no such directory");
+    Fail(ErrorCode::kNotFound, o.out.string() + ": " + (hint.empty() ? "not a directory" : hint));
   }
   std::optional<Manifest> manifest = ReadManifest(o.out);
   if (!manifest) {
-    Fail(ErrorCode::kNotFound, o.out.string() + ": no " + std::string(kManifestName) +
-                                   ": not a reshard output directory (reshard convert writes one)");
+    Fail(ErrorCode::kNotFound, o.out.string() + ": " +
+                                   (hint.empty() ? "no " + std::string(kManifestName) +
+                                                       ": not a reshard output directory (reshard convert writes one)"
+                                                 : hint));
   }
   const std::string mpath = (o.out / kManifestName).string();
   std::string keys;

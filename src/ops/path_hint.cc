@@ -41,7 +41,7 @@ std::string PathHint(const fs::path& out) {
   }
   if (rank_files && fs::exists(top_of(p) / "reshard.json", ec)) {
     return "a layout directory of " + top_of(p).string() +
-           ": pass that directory (the one with reshard.json); the layout is chosen for the job";
+           ": pass that directory (the one with reshard.json), in which each command finds the layout it needs";
   }
   if (!steps.empty()) {
     std::sort(steps.begin(), steps.end());

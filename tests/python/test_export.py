@@ -241,7 +241,13 @@ def test_cli_refusals(cli, checkpoint, tmp_path):
     r = export(cli, out, hf, "--layout", "fsdp2-ws4", rc=3)
     assert "fsdp2-ws4" in r.err and "fsdp2-ws3" in r.err, r
     r = export(cli, tmp_path / "nowhere", hf, rc=3)
-    assert "no such directory" in r.err, r
+    assert "no such file or directory" in r.err, r
+    # Near an output: what to pass instead (it said "no reshard.json" / "no such directory").
+    r = export(cli, out / "fsdp2-ws3", hf, rc=3)
+    assert f"a layout directory of {out}: pass that directory" in r.err, r
+    r = export(cli, out / "fsdp2-ws3" / "rank-00000-of-00003.reshard", hf, rc=3)
+    assert f"a rank file, not an output directory: pass the directory that holds reshard.json ({out})" in r.err, r
+    assert not hf.exists()
     # An existing non-empty output is left alone without --force.
     hf.mkdir()
     (hf / "notes.txt").write_text("mine")
