@@ -226,6 +226,13 @@ def empty_model(out: str, dtype="auto", model_class=None, revision=None, peft_co
     from accelerate import init_empty_weights
 
     out = resolve_source(out, revision)
+    if os.path.isfile(out):  # a rank file, a weight file: the directory to pass
+        from .layout import path_hint
+
+        hint = path_hint(out)
+        raise NotFoundError(f"reshard.empty_model: {out} is " + (hint if hint else
+                            "a file; pass the directory that holds config.json (a reshard output or a "
+                            "Hugging Face checkpoint)"))
     if os.path.isdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
         from .layout import path_hint
 

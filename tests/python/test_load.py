@@ -177,6 +177,9 @@ def test_empty_model_without_config_says_what_to_pass(ckpts, tmp_path):
         reshard.empty_model(str(out / "fsdp2-ws2"))
     assert "fsdp2-ws2/config.json is missing" in str(e.value), str(e.value)
     assert f"This is a layout directory of {out}: pass that directory" in str(e.value), str(e.value)
+    with pytest.raises(reshard.NotFoundError, match=r"rank-00000-of-00002.reshard is a rank file, not an output "
+                                                    r"directory: pass the directory that holds reshard.json"):
+        reshard.empty_model(str(out / "fsdp2-ws2" / "rank-00000-of-00002.reshard"))
     reshard.empty_model(str(out))  # the output directory itself builds
 
 
