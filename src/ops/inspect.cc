@@ -232,12 +232,28 @@ json Inspect(const fs::path& path) {
       lj["optimizer"] = OptimizerJson(path / l.dir / "optim");
       layouts[key] = std::move(lj);
     }
+    // Directories of rank files the manifest does not list: an unfinished convert or relayout.
+    json unlisted = json::array();
+    std::error_code uec;
+    for (const auto& e : fs::directory_iterator(path, uec)) {
+      const std::string n = e.path().filename().string();
+      if (!e.is_directory(uec) || n.starts_with(".") || m->layouts.count(n)) continue;
+      size_t files = 0;
+      for (const fs::path& in : {e.path(), e.path() / "optim"}) {
+        for (const auto& f : fs::directory_iterator(in, uec)) {
+          const std::string fn = f.path().filename().string();
+          files += (fn.starts_with("rank-") && fn.ends_with(".reshard")) || fn.find(".tmp-") != std::string::npos;
+        }
+      }
+      if (files) unlisted.push_back({{"dir", n}, {"files", files}});
+    }
     json out = {{"kind", "output"},
                 {"path", path.string()},
                 {"source_fingerprint", Hex16(m->source.fingerprint)},
                 {"source_files", m->source.files.size()},
                 {"aux_files", m->aux_files},
                 {"layouts", layouts}};
+    if (!unlisted.empty()) out["unlisted"] = unlisted;
     if (m->source.saved) {
       out["saved"] = {{"id", Hex16(m->source.saved->id)}, {"step", nullptr}};
       if (m->source.saved->step) out["saved"]["step"] = *m->source.saved->step;
@@ -251,7 +267,13 @@ json Inspect(const fs::path& path) {
   try {
     return SourceJson(path);
   } catch (const Error& e) {
-    // Not a checkpoint either: say what it is when it is near one (step-* checkpoints below).
+    // Not a checkpoint either: an output whose first conversion did not finish (convert takes
+    // OUT's lock first, and writes reshard.json last), or near one (step-* checkpoints below).
+    std::error_code lec;
+    if (e.code() == ErrorCode::kNotFound && fs::exists(path / kLockName, lec)) {
+      Fail(ErrorCode::kNotFound, path.string() + ": no reshard.json yet: a reshard convert into it started and did "
+                                                 "not finish; run it again (it completes what is there)");
+    }
     const std::string hint = e.code() == ErrorCode::kNotFound ? PathHint(path) : std::string();
     if (hint.empty()) throw;
     Fail(ErrorCode::kNotFound, path.string() + ": " + hint);
@@ -335,6 +357,13 @@ std::string RenderInspect(const json& d) {
     for (const auto& a : d["aux_files"]) o << Esc(a) << " ";
     o << "\n";
     for (const auto& [key, l] : d["layouts"].items()) ranks_table(l);
+    if (d.contains("unlisted")) {
+      for (const auto& u : d["unlisted"]) {
+        o << "  not listed: " << Esc(u["dir"]) << "/ (" << u["files"]
+          << " rank or temporary files: a convert or relayout into it did not finish; reshard verify "
+          << Esc(d["path"]) << " says what to do)\n";
+      }
+    }
   } else if (kind == "layout") {
     o << Esc(d["path"]) << ":\n";
     ranks_table(d);

@@ -506,6 +506,14 @@ def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
             "reshard.json lists") in v.out, v.out
     j = json.loads(cli("verify", saved, "--json", rc=0).out)
     assert j["ok"] and len(j["notes"]) == 2 and j["problems"] == [], j
+    txt = cli("inspect", saved, rc=0).out
+    assert "not listed: fsdp2-ws5/ (5 rank or temporary files: a convert or relayout into it did not finish" in txt, txt
+    # An OUT whose first conversion did not finish (its lock, no reshard.json yet): inspect says so.
+    kc = tmp_path / "kc"
+    (kc / "fsdp2-ws2").mkdir(parents=True)
+    (kc / ".reshard.lock").write_bytes(b"")
+    r = cli("inspect", kc, rc=3)
+    assert "no reshard.json yet: a reshard convert into it started and did not finish; run it again" in r.err, r.err
 
 
 def test_model_manifest_of_a_saved_checkpoint(tmp_path, saved_fsdp2, capsys):
