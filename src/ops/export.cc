@@ -417,7 +417,11 @@ ExportResult Export(const ExportOptions& o) {
   std::error_code ec;
   // A rank file, a layout directory, a Hugging Face checkpoint, a missing path: what it is
   // and what to pass instead (the rule relayout, verify and inspect use).
-  const std::string hint = fs::exists(o.out / kManifestName, ec) ? std::string() : PathHint(o.out);
+  std::string hint = fs::exists(o.out / kManifestName, ec) ? std::string() : PathHint(o.out);
+  if (hint.starts_with("a Hugging Face checkpoint")) {  // what export makes, not what it reads
+    hint = "a Hugging Face checkpoint already, not a reshard output directory (no reshard.json): export "
+           "writes one from the output of reshard convert or reshard.save";
+  }
   if (!fs::is_directory(o.out, ec)) {
     Fail(ErrorCode::kNotFound, o.out.string() + ": " + (hint.empty() ? "not a directory" : hint));
   }
