@@ -101,6 +101,13 @@ class Verifier {
                                "again)"
                              : ""));
       }
+      // A layout directory's optimizer state is checked with the output (or as OUT/KEY/optim).
+      std::error_code oec;
+      if (fs::is_directory(o_.path / "optim", oec) && fs::exists(o_.path.parent_path() / kManifestName, oec)) {
+        report_.notes.push_back((o_.path / "optim").string() + ": the optimizer state was not checked: reshard verify " +
+                                o_.path.parent_path().string() + " checks it with everything else (or verify " +
+                                (o_.path / "optim").string() + " alone)");
+      }
       layouts.push_back(std::move(l));
     }
     for (auto& l : layouts) VerifyLayout(l, /*whole_layout=*/fs::is_directory(o_.path));

@@ -289,6 +289,9 @@ def test_verify_out_checks_every_optimizer_file(cli, tmp_path, saved_fsdp2):
     ok = _copy(saved, tmp_path, "ok")
     v = cli("verify", ok, rc=0)
     assert "OK: 8 files" in v.out, v.out  # 4 model + 4 optimizer rank files
+    v = cli("verify", ok / "fsdp2-ws4", rc=0)  # the layout alone: its optim/ said to be unchecked
+    assert "OK: 4 files" in v.out and f"note: {ok / 'fsdp2-ws4' / 'optim'}: the optimizer state was not checked: " \
+        f"reshard verify {ok} checks it" in v.out, v.out
 
     flip = _copy(saved, tmp_path, "flip")
     f = flip / "fsdp2-ws4" / "optim" / rf.rank_file_name(1, 4)
