@@ -598,15 +598,18 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   };
   for (uint32_t r = first; !o.commit_only && r <= last; ++r) {
     RankFileJob mj = model_job(r);
+    // The model file and the optimizer file of a rank are judged apart: a run killed after a
+    // rank's optimizer file (written first) left it complete, and a re-run writes only the
+    // model file (the optimizer state is most of the bytes).
     std::string damage, optim_damage;
-    bool fresh = RankFileUpToDate(mj.path, mj.header, o.codec, /*check_data=*/true, threads, &damage);
+    const bool model_fresh = RankFileUpToDate(mj.path, mj.header, o.codec, /*check_data=*/true, threads, &damage);
     std::optional<RankFileJob> oj;
+    bool optim_fresh = true;
     if (optim) {
       oj = optim_job(r, mj.header);
-      fresh = RankFileUpToDate(oj->path, oj->header, o.codec, /*check_data=*/fresh, threads, &optim_damage) &&
-              fresh;
+      optim_fresh = RankFileUpToDate(oj->path, oj->header, o.codec, /*check_data=*/true, threads, &optim_damage);
     }
-    if (fresh) {
+    if (model_fresh && optim_fresh) {
       result.ranks_up_to_date.push_back(r);
       continue;
     }
@@ -614,13 +617,15 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
       if (!d->empty()) result.ranks_damaged.emplace_back(r, *d);
     }
     result.ranks_written.push_back(r);
-    for (const EntryMap& m : mj.maps) total += m.nbytes;
-    mjobs.push_back(std::move(mj));
-    if (oj) {
+    if (!model_fresh) {
+      for (const EntryMap& m : mj.maps) total += m.nbytes;
+      mjobs.push_back(std::move(mj));
+    }
+    if (oj && !optim_fresh) {
       for (const EntryMap& m : oj->maps) total += m.nbytes;
       ojobs.push_back(std::move(*oj));
     }
-    if (mjobs.size() >= kMaxOpenRankFiles / 2) flush();
+    if (mjobs.size() + ojobs.size() >= kMaxOpenRankFiles) flush();
   }
   flush();
 

@@ -490,6 +490,26 @@ def test_a_damaged_original_is_made_again_from_its_copy(cli, tmp_path, saved_fsd
     assert f.read_bytes() == good  # the same bytes as saved, made again from the copy
 
 
+def test_rerun_writes_only_the_files_missing(cli, tmp_path, saved_fsdp2):
+    """A re-run writes a rank's model file and its optimizer file apart: a run killed after a
+    rank's optimizer file (written first) had it complete; the re-run once wrote it again too
+    (the optimizer state is most of the bytes). Here: rank 1's model file gone, rank 2's
+    optimizer file gone; each is written, the other files keep their inodes, and it verifies."""
+    _, saved, _ = saved_fsdp2
+    saved = _copy(saved, tmp_path)
+    _relayout(cli, saved, 3)
+    d = saved / "fsdp2-ws3"
+    files = {p: os.stat(p).st_ino for p in [*d.glob("rank-*.reshard"), *(d / "optim").glob("rank-*.reshard")]}
+    gone = [d / rf.rank_file_name(1, 3), d / "optim" / rf.rank_file_name(2, 3)]
+    for p in gone:
+        p.unlink()
+    r = _relayout(cli, saved, 3)
+    assert r["ranks_written"] == [1, 2] and r["ranks_up_to_date"] == [0] and r["committed"], r
+    for p, ino in files.items():
+        assert p.exists() and (p in gone or os.stat(p).st_ino == ino), p
+    cli("verify", saved, rc=0)
+
+
 def test_verify_notes_leftovers(cli, tmp_path, saved_fsdp2):
     """`reshard verify OUT` says what a killed write left (it verified OK and said nothing):
     temporary files in a listed layout's directory or its optim/, a directory of rank files the
