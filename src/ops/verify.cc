@@ -133,10 +133,21 @@ class Verifier {
     }
     if (manifest_) NoteLeftovers();
     // A file both checks open (a layout and the relayout comparison) is reported once.
+    // The same finding with what to run appended ("...; run: ...") counts once, as that one.
     std::set<std::tuple<std::string, std::string, std::string>> said;
     std::erase_if(report_.problems, [&](const VerifyProblem& p) {
       return !said.insert({p.file, p.tensor, p.message}).second;
     });
+    std::vector<VerifyProblem> kept;
+    for (const VerifyProblem& p : report_.problems) {
+      bool covered = false;
+      for (const VerifyProblem& q : report_.problems) {
+        covered |= &q != &p && q.file == p.file && q.tensor == p.tensor && q.message.size() > p.message.size() &&
+                   q.message.starts_with(p.message + "; ");
+      }
+      if (!covered) kept.push_back(p);
+    }
+    report_.problems.swap(kept);
     report_.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return std::move(report_);
