@@ -294,7 +294,7 @@ std::string RenderInspect(const json& d) {
       return;
     }
     o << "  layout " << Esc(l["key"]) << ": world size " << l["world_size"]
-      << ", " << l["ranks"].size() << " rank files"
+      << ", " << l["ranks"].size() << (l["ranks"].size() == 1 ? " rank file" : " rank files")
       << (l["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", "
       << Bytes(l["nbytes"]) << " of tensor data";
     if (l["stored_size"] != l["nbytes"]) o << ", " << Bytes(l["stored_size"]) << " stored";
@@ -329,7 +329,7 @@ std::string RenderInspect(const json& d) {
       o << "    optimizer state (optim/):";
       if (op.contains("class")) o << " " << Esc(op["class"]) << ",";
       if (op.contains("ranks")) {
-        o << " " << op["ranks"].size() << " rank files"
+        o << " " << op["ranks"].size() << (op["ranks"].size() == 1 ? " rank file" : " rank files")
           << (op["complete"].get<bool>() ? " (complete)" : " (INCOMPLETE)") << ", " << Bytes(op["nbytes"])
           << " of tensor data";
       }
@@ -350,11 +350,11 @@ std::string RenderInspect(const json& d) {
   } else if (kind == "output") {
     o << Esc(d["path"]) << ": reshard output of source "
       << Esc(d["source_fingerprint"]) << " (" << d["source_files"]
-      << " weight files)\n";
+      << (d["source_files"].get<uint64_t>() == 1 ? " weight file)\n" : " weight files)\n");
   }
   if (kind == "output") {
-    o << "  aux files: ";
-    for (const auto& a : d["aux_files"]) o << Esc(a) << " ";
+    o << "  aux files:";
+    for (const auto& a : d["aux_files"]) o << " " << Esc(a);
     o << "\n";
     for (const auto& [key, l] : d["layouts"].items()) ranks_table(l);
     if (d.contains("unlisted")) {

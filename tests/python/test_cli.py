@@ -461,7 +461,7 @@ def test_inspect_names_a_missing_layout_directory(checkpoint, cli, tmp_path):
     # Described, not fatal: the other layouts are shown, the missing one marked with what to run.
     r = cli("inspect", out, rc=0)
     assert f"layout fsdp2-ws2: world size 2, MISSING: {out / 'fsdp2-ws2'} is not there (reshard remove {out} fsdp2-ws2" \
-        in r.out and "layout fsdp2-ws1: world size 1, 1 rank files (complete)" in r.out, r
+        in r.out and "layout fsdp2-ws1: world size 1, 1 rank file (complete)" in r.out, r
     assert json.loads(cli("inspect", out, "--json", rc=0).out)["layouts"]["fsdp2-ws2"]["missing"] is True
     # verify says it once, with both ways out; the second works as printed.
     v = cli("verify", out, "--source", src, rc=1)

@@ -390,7 +390,7 @@ def test_inspect_a_saved_checkpoint(checkpoint, cli, tmp_path, saved_fsdp2):
     (saved / "fsdp2-ws2" / "optim" / "optimizer.json").unlink()
     (saved / "fsdp2-ws2" / "optim" / rf.rank_file_name(1, 2)).unlink()
     txt = cli("inspect", saved, rc=0).out
-    assert "optimizer state (optim/): 1 rank files (INCOMPLETE)" in txt and "optimizer.json: missing" in txt, txt
+    assert "optimizer state (optim/): 1 rank file (INCOMPLETE)" in txt and "optimizer.json: missing" in txt, txt
     # A conversion's output: as before, no optimizer lines.
     out = tmp_path / "conv"
     cli("convert", checkpoint("llama", "bf16"), "-o", out, "--world-size", 2, rc=0)
