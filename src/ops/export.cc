@@ -756,6 +756,10 @@ ExportResult Export(const ExportOptions& o) {
   for (const auto& a : manifest->aux_files) {
     if (o.adapter && a != kAdapterConfigName) continue;  // a PEFT directory: the adapter's own files
     if (!o.adapter && (a == kAdapterConfigName || a == kAdapterRecordName)) continue;  // the base
+    // The model manifest's conversion maps the checkpoint's names to the model's: it describes
+    // an export of the checkpoint's names (--hub-names), not one of the model's, where a
+    // convert of the export would apply it to tensors it does not fit (and refuse).
+    if (a == kModelManifestName && !result.hub_names) continue;
     const fs::path from = o.out / a;
     if (!fs::exists(from, ec)) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");

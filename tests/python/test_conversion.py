@@ -131,6 +131,13 @@ def test_export_hub_names_gives_back_the_source_tensors_byte_for_byte(arch, shar
     r = cli("export", out, "-o", plain, "--json", rc=0)
     assert json.loads(r.out)["hub_names"] is False
     assert set(tensors(plain)) != set(want)
+    # Each export converts again as it is: the model manifest goes with the checkpoint's names
+    # (its conversion fits them), not with the model's (a convert of that export applied it to
+    # tensors it does not fit, and refused).
+    assert (hub / "reshard-model.json").exists() and not (plain / "reshard-model.json").exists()
+    for d in (hub, plain):
+        cli("convert", d, "-o", tmp_path / f"{d.name}-again", "--world-size", ws, rc=0)
+        cli("verify", tmp_path / f"{d.name}-again", "--source", d, rc=0)
 
 
 def test_export_hub_names_without_a_model_manifest_says_why(checkpoint, cli, tmp_path):
