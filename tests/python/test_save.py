@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -361,6 +362,23 @@ def test_load_optimizer_casts_state_to_the_live_dtype(checkpoint, cli, tmp_path)
     cli("convert", checkpoint("qwen2", "fp32", False), "-o", out, "--world-size", 1, rc=0)
     _plain_cross_dtype(out, tmp_path / "plain-fp32", torch.float32, torch.bfloat16)
     _plain_cross_dtype(out, tmp_path / "plain-bf16", torch.bfloat16, torch.float32)
+    # The save's own optimizer state gone, a relayout-made copy holding it: load_optimizer names
+    # the way back (relayout alone refuses to rewrite the save's own layout), which works.
+    saved = tmp_path / "plain-fp32"
+    (key,) = reshard.layout.read_manifest(str(saved))["layouts"]
+    cli("relayout", saved, "--world-size", 2, rc=0)
+    shutil.rmtree(saved / key / "optim")
+    model = reshard.empty_model(str(saved), dtype=torch.float32)
+    model.to_empty(device="cpu")
+    reshard.load(model, str(saved))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(reshard.NotFoundError) as e:
+        reshard.load_optimizer(opt, model, str(saved))
+    fix = f"reshard remove {saved} {key}, then reshard relayout {saved} --world-size 1 --from fsdp2-ws2"
+    assert fix in str(e.value), str(e.value)
+    cli("remove", saved, key, rc=0)
+    cli("relayout", saved, "--world-size", 1, "--from", "fsdp2-ws2", rc=0)
+    assert reshard.load_optimizer(opt, model, str(saved)) > 0
 
     src, out_fsdp, out_tp, work, result = (tmp_path / n for n in ("src", "out-fsdp", "out-tp", "work", "result"))
     tiny_llama(src)
