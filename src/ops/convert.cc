@@ -236,6 +236,22 @@ fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
   return {};
 }
 
+void CheckConvertSource(const fs::path& source) {
+  std::error_code ec;
+  if (!fs::is_directory(source, ec) || !fs::exists(source / kManifestName, ec)) return;
+  std::optional<Manifest> m;
+  try {
+    m = ReadManifest(source);
+  } catch (const Error&) {
+  }
+  const bool saved = m && m->source.saved;
+  Fail(ErrorCode::kInvalidArgument,
+       source.string() + ": " + (saved ? "a checkpoint reshard.save wrote" : "the output of reshard convert") +
+           ", not a Hugging Face checkpoint: reshard relayout " + source.string() +
+           " --world-size N makes another world size (or layout) inside it; reshard export " + source.string() +
+           " -o DIR writes a Hugging Face checkpoint from it");
+}
+
 void CheckConvertOutput(const fs::path& out) {
   std::error_code ec;
   if (const std::string hint = fs::is_directory(out, ec) ? PathHint(out) : std::string();
@@ -311,6 +327,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   }
   unsigned threads = o.threads ? o.threads : std::max(1u, std::thread::hardware_concurrency());
 
+  CheckConvertSource(o.source);
   Checkpoint ckpt = OpenCheckpoint(o.source);
   // The model's view of the checkpoint: transformers' renames and fusions applied
   // (reshard/plan/conversion.h), so rank files hold the live model's names and shapes.

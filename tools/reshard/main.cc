@@ -642,6 +642,7 @@ int RunCli(int argc, char** argv) {
       const bool hf_dir = fs::exists((fs::is_directory(source, fec) ? source : source.parent_path()) /
                                      "config.json", fec);
       // The one convert would use without --model-manifest.
+      reshard::CheckConvertSource(source);  // before a capture or anything else runs
       reshard::CheckConvertOutput(out);  // before a capture writes into it
       const fs::path existing = reshard::FindModelManifest(source, out);
       const bool has_conversion = !existing.empty() && HasConversion(existing);

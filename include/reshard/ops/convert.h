@@ -45,6 +45,9 @@ struct ConvertOptions {
 /// conversion into it would nest a second output inside the first. Convert calls it first; the
 /// CLI too, before it captures a model manifest into OUT.
 void CheckConvertOutput(const std::filesystem::path& out);
+/// Refuses (kInvalidArgument) a source that is a reshard output or save (reshard.json in it),
+/// naming relayout and export, which read those. Convert and the CLI (before a capture) call it.
+void CheckConvertSource(const std::filesystem::path& source);
 
 struct ConvertResult {
   std::string layout_key;
