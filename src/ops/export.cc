@@ -756,10 +756,24 @@ ExportResult Export(const ExportOptions& o) {
   for (const auto& a : manifest->aux_files) {
     if (o.adapter && a != kAdapterConfigName) continue;  // a PEFT directory: the adapter's own files
     if (!o.adapter && (a == kAdapterConfigName || a == kAdapterRecordName)) continue;  // the base
-    // The model manifest's conversion maps the checkpoint's names to the model's: it describes
-    // an export of the checkpoint's names (--hub-names), not one of the model's, where a
-    // convert of the export would apply it to tensors it does not fit (and refuse).
-    if (a == kModelManifestName && !result.hub_names) continue;
+    // The model manifest's conversion maps the checkpoint's names to the model's: it fits an
+    // export of the checkpoint's names (--hub-names); an export of the model's gets the manifest
+    // without it (its modules and parameters still say how FSDP1 wraps the model), where a
+    // convert of the export applied it to tensors it does not fit, and refused.
+    if (a == kModelManifestName && !result.hub_names) {
+      const fs::path from = o.out / a;
+      nlohmann::json mm = internal::ParseStrictJson(ReadWholeFile(from, 256ull << 20), from.string(), "model manifest");
+      if (mm.is_object() && mm.contains("conversion") && mm["conversion"].is_object() &&
+          mm["conversion"].contains("targets") && !mm["conversion"]["targets"].empty()) {
+        mm.erase("conversion");
+        const std::string text = mm.dump(1) + "\n";
+        File out = File::Create(staging / a, CopyMode(from));
+        out.PWriteExact(text.data(), text.size(), 0);
+        out.Sync();
+        result.aux_files.push_back(a);
+        continue;
+      }
+    }
     const fs::path from = o.out / a;
     if (!fs::exists(from, ec)) {
       Fail(ErrorCode::kNotFound, from.string() + ": listed in the manifest's aux_files but missing");

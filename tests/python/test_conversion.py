@@ -131,10 +131,12 @@ def test_export_hub_names_gives_back_the_source_tensors_byte_for_byte(arch, shar
     r = cli("export", out, "-o", plain, "--json", rc=0)
     assert json.loads(r.out)["hub_names"] is False
     assert set(tensors(plain)) != set(want)
-    # Each export converts again as it is: the model manifest goes with the checkpoint's names
-    # (its conversion fits them), not with the model's (a convert of that export applied it to
-    # tensors it does not fit, and refused).
-    assert (hub / "reshard-model.json").exists() and not (plain / "reshard-model.json").exists()
+    # Each export converts again as it is: the model manifest goes with its conversion to the
+    # checkpoint's names (which it fits), without it to the model's (a convert of that export
+    # applied it to tensors it does not fit, and refused); its modules and parameters stay.
+    with_conv, without = (json.loads((d / "reshard-model.json").read_text()) for d in (hub, plain))
+    assert with_conv["conversion"]["targets"] and "conversion" not in without, sorted(without)
+    assert without["params"] == with_conv["params"] and without["modules"] == with_conv["modules"]
     for d in (hub, plain):
         cli("convert", d, "-o", tmp_path / f"{d.name}-again", "--world-size", ws, rc=0)
         cli("verify", tmp_path / f"{d.name}-again", "--source", d, rc=0)
