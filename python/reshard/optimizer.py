@@ -295,9 +295,12 @@ def _group_difference(saved: List[str], live: List[Optional[str]], most: int = 4
     if extra:
         said.append(f"{len(extra)} of its parameter(s) not saved ({some(extra)})")
     if not said:
-        i = next(i for i, (a, b) in enumerate(zip(saved, live)) if a != b)
-        said.append(f"the same {len(saved)} parameters in another order (position {i}: saved {saved[i]!r}, "
-                    f"the optimizer's {live[i]!r})")
+        i = next((i for i, (a, b) in enumerate(zip(saved, live)) if a != b), None)
+        if i is None:  # one list the other's start: a parameter listed twice
+            said.append(f"{len(saved)} saved against {len(live)} in the optimizer's group (a parameter listed twice)")
+        else:
+            said.append(f"the same {len(saved)} parameters in another order (position {i}: saved {saved[i]!r}, "
+                        f"the optimizer's {live[i]!r})")
     return "; ".join(said)
 
 

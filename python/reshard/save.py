@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
+import secrets
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -238,21 +238,14 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it and setting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _write_atomic(path: str, data) -> None:
     """Writes `data` (str or bytes) to `path` through a synced temporary and a rename."""
     d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".tmp-")
+    # Created 0666 less the umask, as open(path, "w") and the rank files beside it are (mkstemp's
+    # 0600 kept others sharing the checkpoint from reading its config); a name of its own.
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        # mkstemp makes it 0600; the file is as open(path, "w") would make it (0666 less the
-        # umask), as the rank files beside it are: others sharing the checkpoint read it.
-        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
             f.flush()

@@ -239,6 +239,12 @@ fs::path FindModelManifest(const fs::path& source, const fs::path& out) {
 void CheckConvertSource(const fs::path& source) {
   std::error_code ec;
   if (!fs::is_directory(source, ec) || !fs::exists(source / kManifestName, ec)) return;
+  // A Hugging Face checkpoint that also holds a reshard.json (an older convert into it): its
+  // weights are the source.
+  for (const auto& e : fs::directory_iterator(source, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.ends_with(".safetensors") || n.starts_with("pytorch_model.bin")) return;
+  }
   std::optional<Manifest> m;
   try {
     m = ReadManifest(source);
@@ -256,7 +262,9 @@ void CheckConvertOutput(const fs::path& out) {
   std::error_code ec;
   if (const std::string hint = fs::is_directory(out, ec) ? PathHint(out) : std::string();
       hint.starts_with("a layout directory of ")) {
-    Fail(ErrorCode::kInvalidArgument, out.string() + ": " + hint + " (-o " + out.parent_path().string() +
+    fs::path dir = out.lexically_normal();  // "OUT/KEY/" names KEY
+    if (!dir.has_filename() && dir.has_parent_path()) dir = dir.parent_path();
+    Fail(ErrorCode::kInvalidArgument, out.string() + ": " + hint + " (-o " + dir.parent_path().string() +
                                           "; a conversion adds its layout beside the others)");
   }
 }

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <span>
+#include <thread>
 #include <tuple>
 
 #include "reshard/base/error.h"
@@ -196,20 +197,27 @@ bool RankFileUpToDate(const fs::path& path, const RankFileHeader& want, Codec co
   const RankFileReader& r = *opened;
   const RankFileHeader& h = r.header();
   std::vector<std::pair<uint32_t, uint64_t>> chunks;  // (entry, chunk)
+  uint64_t longest = 0;  // buffers sized by the longest real chunk, not chunk_size (up to 1 GiB)
   for (uint32_t t = 0; t < h.tensors.size(); ++t) {
-    for (uint64_t c = 0; c < h.tensors[t].ChunkCount(h.chunk_size); ++c) chunks.emplace_back(t, c);
+    for (uint64_t c = 0; c < h.tensors[t].ChunkCount(h.chunk_size); ++c) {
+      chunks.emplace_back(t, c);
+      longest = std::max(longest, ChunkLength(h.tensors[t], h.chunk_size, c));
+    }
   }
   try {
     r.CheckPadding();
     ParallelForOptions po;
-    po.threads = std::max(1u, threads);
+    // At most one reader per core: each holds a buffer of the longest chunk.
+    po.threads = std::clamp(threads, 1u, std::max(1u, std::thread::hardware_concurrency()));
     ParallelFor(chunks.size(), po, [&] {
-      return [&r, &h, &chunks, buf = std::vector<char>(h.chunk_size), scratch = std::string()](size_t i) mutable {
-        r.ReadChunk(h.tensors[chunks[i].first], chunks[i].second, buf.data(), scratch);
+      return [&r, &h, &chunks, buf = std::make_unique<char[]>(std::max<uint64_t>(longest, 1)),
+              scratch = std::string()](size_t i) mutable {
+        r.ReadChunk(h.tensors[chunks[i].first], chunks[i].second, buf.get(), scratch);
         return uint64_t{1};
       };
     });
   } catch (const Error& e) {
+    if (e.code() == ErrorCode::kCancelled) throw;  // Ctrl-C is not damage
     if (damage != nullptr) *damage = e.what();
     return false;
   }

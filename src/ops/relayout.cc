@@ -127,9 +127,11 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
 // Refuses a new layout whose optimizer parameters differ from the source's (flat or original
 // ones), when the source has optimizer state (`meta_path`: its optimizer.json), with the
 // weights-only way.
-void RefuseOptimizerKinds(const fs::path& out, const std::string& meta_path, const std::string& from,
+void RefuseOptimizerKinds(const fs::path& given, const std::string& meta_path, const std::string& from,
                           const LayoutSpec& source_spec, const LayoutSpec& target) {
   if (OptimizerMoves(source_spec, target)) return;
+  fs::path out = given.lexically_normal();  // "ckpt/" -> "ckpt": the names below sit beside it
+  if (!out.has_filename() && out.has_parent_path()) out = out.parent_path();
   Fail(ErrorCode::kUnsupported,
        meta_path + ": optimizer state of layout " + from + " (" + source_spec.KindName() +
            (source_spec.use_orig_params ? ", use_orig_params" : "") + ") into " + target.Key() + " (" +
@@ -680,7 +682,9 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
     if (!entry.complete) {
       Fail(ErrorCode::kDataLoss, dir.string() + ": every rank file was checked, yet the layout scan finds it incomplete");
     }
-    entry.from = from;
+    // Taken out (reshard remove) after this run read it: the new layout stands alone, as a
+    // copy of a removed layout does (every byte was checked as it was read).
+    if (m.layouts.count(from)) entry.from = from;
     m.layouts[entry.key] = std::move(entry);
     WriteManifest(o.out, m);
     result.committed = true;

@@ -103,10 +103,12 @@ class Verifier {
       }
       // A layout directory's optimizer state is checked with the output (or as OUT/KEY/optim).
       std::error_code oec;
-      if (fs::is_directory(o_.path / "optim", oec) && fs::exists(o_.path.parent_path() / kManifestName, oec)) {
-        report_.notes.push_back((o_.path / "optim").string() + ": the optimizer state was not checked: reshard verify " +
-                                o_.path.parent_path().string() + " checks it with everything else (or verify " +
-                                (o_.path / "optim").string() + " alone)");
+      fs::path self = o_.path.lexically_normal();  // "OUT/KEY/" -> "OUT/KEY"
+      if (!self.has_filename() && self.has_parent_path()) self = self.parent_path();
+      if (fs::is_directory(self / "optim", oec) && fs::exists(self.parent_path() / kManifestName, oec)) {
+        report_.notes.push_back((self / "optim").string() + ": the optimizer state was not checked: reshard verify " +
+                                self.parent_path().string() + " checks it with everything else (or verify " +
+                                (self / "optim").string() + " alone)");
       }
       layouts.push_back(std::move(l));
     }
@@ -138,12 +140,13 @@ class Verifier {
     std::erase_if(report_.problems, [&](const VerifyProblem& p) {
       return !said.insert({p.file, p.tensor, p.message}).second;
     });
+    std::map<std::pair<std::string, std::string>, std::vector<const VerifyProblem*>> by_place;
+    for (const VerifyProblem& p : report_.problems) by_place[{p.file, p.tensor}].push_back(&p);
     std::vector<VerifyProblem> kept;
     for (const VerifyProblem& p : report_.problems) {
       bool covered = false;
-      for (const VerifyProblem& q : report_.problems) {
-        covered |= &q != &p && q.file == p.file && q.tensor == p.tensor && q.message.size() > p.message.size() &&
-                   q.message.starts_with(p.message + "; ");
+      for (const VerifyProblem* q : by_place[{p.file, p.tensor}]) {
+        covered |= q != &p && q->message.size() > p.message.size() && q->message.starts_with(p.message + "; ");
       }
       if (!covered) kept.push_back(p);
     }
@@ -322,8 +325,19 @@ class Verifier {
                   o_.path.string() + " " + ml.Layout().ConvertFlags() +
                   (o_.source ? "" : " (SRC: the checkpoint it was converted from)");
         }
+        // A save's own layout: a copy relayout made from it holds the same state (relayout
+        // never rewrites a listed original: taken out first).
+        std::string copy;
+        for (const auto& [k2, ml2] : m->layouts) {
+          if (copy.empty() && again.empty() && ml2.from == key && ml2.complete && fs::exists(o_.path / ml2.dir, dec)) {
+            copy = k2;
+          }
+        }
         std::string what;
-        if (others && !again.empty()) {
+        if (!copy.empty()) {
+          what = "take it out and make it from " + copy + " (made from it, the same state): " + remove +
+                 ", then reshard relayout " + o_.path.string() + " " + ml.Layout().ConvertFlags() + " --from " + copy;
+        } else if (others && !again.empty()) {
           what = "take it out of the manifest with: " + remove + ", or write it again: " + again;
         } else if (others) {
           what = "a layout of a save cannot be written again: take it out of the manifest with: " + remove;
@@ -370,6 +384,12 @@ class Verifier {
   // OUT's leftovers (VerifyReport::notes): rank-file temporaries in a listed layout's
   // directory or its optim/, and directories of rank files the manifest does not list.
   void NoteLeftovers() {
+    try {
+      NoteLeftoversOrThrow();
+    } catch (const fs::filesystem_error&) {  // a directory changing under a writer: say nothing
+    }
+  }
+  void NoteLeftoversOrThrow() {
     std::map<std::string, std::string> listed;  // directory name -> layout key
     for (const auto& [key, ml] : manifest_->layouts) listed[ml.dir] = key;
     const std::string here = SafeHostName();
@@ -382,7 +402,8 @@ class Verifier {
         const size_t at = name.find(".tmp-");
         if (name.starts_with(".") && at != std::string::npos && e.is_regular_file(ec)) {
           ++n;
-          bytes += e.file_size(ec);
+          const uintmax_t size = e.file_size(ec);  // a writer may remove it meanwhile
+          if (!ec && size != static_cast<uintmax_t>(-1)) bytes += size;
           const std::string owner = name.substr(at + 5);  // <host>-<pid> (older files: <pid>)
           const size_t dash = owner.rfind('-');
           if (dash != std::string::npos && owner.substr(0, dash) != here) elsewhere.insert(owner.substr(0, dash));

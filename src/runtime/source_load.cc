@@ -351,7 +351,10 @@ LoadStats PlannedView::Load(std::span<const LoadTarget> targets, DeviceCopier* c
   // in flight (run AR, bench/HISTORY.md §14: 16 readers against 8 gave 1.31 against 1.17
   // GB/s from another layout O_DIRECT; run CL1, §18: from the HF files through the page
   // cache 1.42 at 16; the rank file's one sequential file is best at 8, §7).
-  if (cold && options.cold_threads) threads = std::min(threads, 2 * options.cold_threads);
+  // (Doubled where measured: O_DIRECT reads, and the Hugging Face files read ahead onto the
+  // device; other buffered cold loads keep the rank file's count.)
+  const bool doubled = direct != nullptr || (!DirectWhenCold() && all_device && any_device);
+  if (cold && options.cold_threads) threads = std::min(threads, (doubled ? 2 : 1) * options.cold_threads);
   const unsigned lanes = std::max(1u, ParallelThreads(pieces.size(), threads));
   const int slots = static_cast<int>(std::max(1u, options.slots_per_thread));
   if (any_device) {

@@ -489,6 +489,15 @@ def test_a_damaged_original_is_made_again_from_its_copy(cli, tmp_path, saved_fsd
     cli(*again.split()[1:], rc=0)
     cli("verify", saved, rc=0)
     assert f.read_bytes() == good  # the same bytes as saved, made again from the copy
+    # The original (now fsdp2-ws2: fsdp2-ws4 was made from it) gone by hand: the same way out.
+    shutil.rmtree(saved / "fsdp2-ws2")
+    v = cli("verify", saved, rc=1)
+    remove = f"reshard remove {saved} fsdp2-ws2"
+    again = f"reshard relayout {saved} --world-size 2 --from fsdp2-ws4"
+    assert f"take it out and make it from fsdp2-ws4 (made from it, the same state): {remove}, then {again}" in v.out, v.out
+    cli(*remove.split()[1:], rc=0)
+    cli(*again.split()[1:], rc=0)
+    cli("verify", saved, rc=0)
 
 
 def test_rerun_writes_only_the_files_missing(cli, tmp_path, saved_fsdp2):

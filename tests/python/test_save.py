@@ -291,7 +291,7 @@ def test_verify_of_a_damaged_save_says_save_again_not_convert(checkpoint, cli, t
     rank_file = saved / "fsdp2-ws1" / "rank-00000-of-00001.reshard"
     os.truncate(rank_file, 4000)
     r = cli("verify", saved, rc=1)
-    assert "(truncated); this checkpoint, saved from training, is incomplete: save it again" in r.out, r
+    assert "(truncated); this checkpoint, saved from training, is damaged or incomplete: save it again" in r.out, r
     assert "FAILED: 1 problem(s)" in r.out and "reshard convert" not in r.out, r
     rank_file.unlink()
     r = cli("verify", saved, rc=1)
