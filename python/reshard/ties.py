@@ -9,13 +9,13 @@ them.
 Decided from the headers of one complete FSDP2 or DTensor layout of OUT, all of its rank files
 (no data read, the same answer on every rank): two entries with the same shape, dtype, rows
 and chunks hold the same values exactly when every chunk's XXH3-64 is equal in every file.
-For OUT a Hugging Face checkpoint of safetensors files: the two tensors compared in slices of
-64 MiB (read only when the files hold both names, which save_pretrained does not write for a
-tie it keeps). For OUT with no such layout (FSDP1 layouts only) but the model manifest its
+For OUT a Hugging Face checkpoint (safetensors or torch .bin files, where the core reads their
+bytes): the two tensors' bytes compared in slices of 64 MiB, read only when the files hold both
+names (save_pretrained writes one name of a tie it keeps; torch.save writes both, pointing at
+one storage: equal without reading). For OUT with no such layout (FSDP1 layouts only) but the model manifest its
 conversion captured (OUT/reshard-model.json, formats/model-manifest.md): the capture built the
 model from the source as from_pretrained does, so the pair held apart there (two parameters,
-not one with both names) is a pair whose values differ. Not decided (nothing said) for .bin
-checkpoints (torch.save writes both names of a tie, one storage)."""
+not one with both names) is a pair whose values differ."""
 
 from __future__ import annotations
 
@@ -36,35 +36,52 @@ def _layout_files(out: str) -> Optional[List[str]]:
     return None
 
 
-def _safetensors_files(out: str) -> Dict[str, str]:
-    """Tensor name -> safetensors file of the Hugging Face checkpoint directory OUT ({} if none)."""
-    import json
+def _checkpoint_bytes(out: str) -> Optional[Dict[str, tuple]]:
+    """Tensor name -> (dtype, shape, weight file, offset, byte count) of the Hugging Face
+    checkpoint directory OUT, as the core reads it (safetensors or torch .bin files); None when
+    OUT is not one (or cannot be read: the load's own checks say what is wrong with it)."""
+    from ._C import checkpoint_tensor_bytes
+    from .errors import ReshardError
 
     if not os.path.isdir(out):
-        return {}
-    index = os.path.join(out, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(out, v) for k, v in json.load(f).get("weight_map", {}).items()}
-    single = os.path.join(out, "model.safetensors")
-    if not os.path.isfile(single):
-        return {}
-    from safetensors import safe_open
+        return None
+    try:
+        rows = checkpoint_tensor_bytes(out)
+    except (ReshardError, RuntimeError, ValueError, OSError):
+        return None
+    return {name: (dtype, list(shape), path, offset, nbytes) for name, dtype, shape, path, offset, nbytes in rows}
 
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
+
+def _same_bytes(a: tuple, b: tuple) -> bool:
+    """The byte ranges a and b ((path, offset, count)) hold the same bytes: compared in slices
+    of 64 MiB (bit for bit: a NaN equals itself, as torch.equal of one storage would say)."""
+    (pa, oa, n), (pb, ob, _) = a, b
+    if (pa, oa) == (pb, ob):
+        return True  # one storage under two names (torch.save of a tied model)
+    step = 64 << 20
+    fa = os.open(pa, os.O_RDONLY)
+    try:
+        fb = fa if pb == pa else os.open(pb, os.O_RDONLY)
+        try:
+            for at in range(0, n, step):
+                k = min(step, n - at)
+                if os.pread(fa, k, oa + at) != os.pread(fb, k, ob + at):
+                    return False
+            return True
+        finally:
+            if fb != fa:
+                os.close(fb)
+    finally:
+        os.close(fa)
 
 
 def _hf_pairs_differ(out: str, pairs, prefix: str, shapes=None) -> Optional[List[Tuple[str, str]]]:
-    """differing_tied_pairs for OUT a directory of safetensors files; None when it is not one.
-    The two tensors are compared bit for bit (as bytes: torch.equal's NaN != NaN aside), rows in
-    slices of about 64 MiB each."""
-    import torch
-    from safetensors import safe_open
-
+    """differing_tied_pairs for OUT a Hugging Face checkpoint directory (safetensors or .bin
+    files); None when it is not one. Both names of a .bin's tie point at one storage (equal);
+    otherwise the two tensors' bytes are compared."""
     from .load import file_key
 
-    where = _safetensors_files(out)
+    where = _checkpoint_bytes(out)
     if not where:
         return None
     differ = []
@@ -72,25 +89,11 @@ def _hf_pairs_differ(out: str, pairs, prefix: str, shapes=None) -> Optional[List
         a, b = file_key(target, where, prefix), file_key(source, where, prefix)
         if a is None or b is None or a == b:
             continue
-        with safe_open(where[a], framework="pt") as fa, safe_open(where[b], framework="pt") as fb:
-            x, y = fa.get_slice(a), fb.get_slice(b)
-            shape = list(x.get_shape())
-            if shapes is not None and target in shapes and shape != list(shapes[target]):
-                continue  # another model: the load's own refusal says so
-            if x.get_dtype() != y.get_dtype() or shape != list(y.get_shape()):
-                differ.append((target, source))
-                continue
-            if len(shape) < 1:
-                same = fa.get_tensor(a).view(-1).view(torch.uint8).equal(fb.get_tensor(b).view(-1).view(torch.uint8))
-            else:
-                row = 1
-                for d in shape[1:]:
-                    row *= d
-                step = max(1, (64 << 20) // max(1, row * 8))  # 8: the widest element
-                same = all(x[r:r + step].reshape(-1).view(torch.uint8).equal(y[r:r + step].reshape(-1).view(torch.uint8))
-                           for r in range(0, shape[0], step))
-            if not same:
-                differ.append((target, source))
+        (dta, sha, pa, oa, na), (dtb, shb, pb, ob, nb) = where[a], where[b]
+        if shapes is not None and target in shapes and sha != list(shapes[target]):
+            continue  # another model: the load's own refusal says so
+        if dta != dtb or sha != shb or na != nb or not _same_bytes((pa, oa, na), (pb, ob, nb)):
+            differ.append((target, source))
     return differ
 
 

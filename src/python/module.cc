@@ -302,6 +302,22 @@ PYBIND11_MODULE(_C, m) {
       "The tensors of a Hugging Face checkpoint (directory or weight file) as the core reads "
       "them: (name, dtype name, shape), sorted by name; headers only.");
   m.def(
+      "checkpoint_tensor_bytes",
+      [](const std::string& source) {
+        const reshard::Checkpoint ckpt = reshard::OpenCheckpoint(source);
+        std::vector<std::tuple<std::string, std::string, std::vector<uint64_t>, std::string, uint64_t, uint64_t>>
+            out;
+        for (const auto& t : ckpt.tensors) {
+          out.emplace_back(t.name, std::string(reshard::Name(t.dtype)), t.shape, ckpt.files[t.file_index].path,
+                           t.offset, t.nbytes);
+        }
+        return out;
+      },
+      py::arg("source"),
+      "As checkpoint_tensors, with where each tensor's bytes are: (name, dtype name, shape, "
+      "weight file path, absolute byte offset, byte count). Two names of one torch.save "
+      "storage (a .bin's tie) have the same path, offset and count.");
+  m.def(
       "export",
       [](const std::string& out, const std::string& hf_dir, const std::string& layout,
          uint64_t max_shard_size, unsigned threads, bool force, bool adapter) {

@@ -46,6 +46,17 @@ def _with_config_tied(src, dst, head=None):
     return dst
 
 
+def _as_bin(src, dst, one_storage=False):
+    """dst: src's checkpoint as one torch .bin file (what torch.save of a state_dict writes:
+    every name, a tie's two names pointing at one storage when `one_storage`)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    sd = load_file(src / "model.safetensors")
+    if one_storage:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    torch.save(sd, dst / "pytorch_model.bin")
+    return dst
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, reshard_bin):
     import subprocess
@@ -63,6 +74,11 @@ def sources(tmp_path_factory, reshard_bin):
         "equal": _with_config_tied(untied, root / "equal", lambda e: e.clone()),
         "tied": _llama(root / "tied", tie=True),  # save_pretrained writes one name of the tie
     }
+    # The same as torch .bin files, which hold both names of a tie (torch.save): apart and equal as
+    # two storages, tied as one storage under both names.
+    out["apart-bin"] = _as_bin(out["apart"], root / "apart-bin")
+    out["equal-bin"] = _as_bin(out["equal"], root / "equal-bin")
+    out["tied-bin"] = _as_bin(out["tied"], root / "tied-bin", one_storage=True)
     for name in list(out):
         for ws in (1, 3):
             dst = root / f"{name}-ws{ws}"
@@ -85,10 +101,10 @@ def _is_tied(m):
     return m.lm_head.weight is m.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("name", ["apart", "equal", "tied"])
+@pytest.mark.parametrize("name", ["apart", "equal", "tied", "apart-bin", "equal-bin", "tied-bin"])
 def test_empty_model_ties_as_from_pretrained_and_load_equals_it(sources, name):
     ref = _ref(sources[name])
-    want_tied = name != "apart"
+    want_tied = not name.startswith("apart")
     assert _is_tied(ref) == want_tied  # transformers itself: the independent reference
     rsd = ref.state_dict()
     for form in ("", "-ws1", "-ws3", "-fsdp1"):
@@ -112,7 +128,7 @@ def test_empty_model_ties_as_from_pretrained_and_load_equals_it(sources, name):
 
 def test_a_model_built_tied_is_refused_for_a_checkpoint_holding_the_pair_apart(sources):
     cfg = transformers.AutoConfig.from_pretrained(sources["apart"])
-    for out in (sources["apart-ws1"], sources["apart"]):
+    for out in (sources["apart-ws1"], sources["apart"], sources["apart-bin"], sources["apart-bin-ws1"]):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         assert _is_tied(model)
         with pytest.raises(reshard.LayoutMismatchError, match="lm_head.weight and model.embed_tokens.weight with "
