@@ -251,7 +251,7 @@ void CheckConvertSource(const fs::path& source) {
   } catch (const Error&) {
   }
   const bool saved = m && m->source.saved;
-  Fail(ErrorCode::kInvalidArgument,
+  Fail(ErrorCode::kMismatch,
        source.string() + ": " + (saved ? "a checkpoint reshard.save wrote" : "the output of reshard convert") +
            ", not a Hugging Face checkpoint: reshard relayout " + source.string() +
            " --world-size N makes another world size (or layout) inside it; reshard export " + source.string() +
@@ -264,7 +264,7 @@ void CheckConvertOutput(const fs::path& out) {
       hint.starts_with("a layout directory of ")) {
     fs::path dir = out.lexically_normal();  // "OUT/KEY/" names KEY
     if (!dir.has_filename() && dir.has_parent_path()) dir = dir.parent_path();
-    Fail(ErrorCode::kInvalidArgument, out.string() + ": " + hint + " (-o " + dir.parent_path().string() +
+    Fail(ErrorCode::kMismatch, out.string() + ": " + hint + " (-o " + dir.parent_path().string() +
                                           "; a conversion adds its layout beside the others)");
   }
 }
@@ -371,7 +371,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   }
   if (conversion && conversion->quantization &&
       conversion->quantization->policy == Quantization::Policy::kKeep && o.layout.dtype != "keep") {
-    Fail(ErrorCode::kInvalidArgument,
+    Fail(ErrorCode::kMismatch,
          o.source.string() + ": " + model_path.string() + " keeps the checkpoint's FP8 weights "
          "with their float32 scales (quantization policy keep), which --dtype " + o.layout.dtype +
          " would convert: use --dtype keep, or dequantize (capture the model manifest with "
@@ -409,7 +409,7 @@ ConvertResult Convert(const ConvertOptions& options) {
   if (!manifest && !o.force) {
     const std::string foreign = ForeignEntry(o.out, ckpt);
     if (!foreign.empty()) {
-      Fail(ErrorCode::kInvalidArgument,
+      Fail(ErrorCode::kMismatch,
            o.out.string() + ": found " + Printable(foreign) +
                " in a directory without reshard.json; expected an empty directory or a reshard "
                "output of this source (files there would be overwritten); pass --force to "

@@ -297,7 +297,7 @@ void Publish(const fs::path& staging, const fs::path& hf_dir, bool force) {
   const bool exists = fs::exists(fs::symlink_status(hf_dir, ec));
   if (exists && !fs::is_empty(hf_dir, ec)) {
     if (!force) {
-      Fail(ErrorCode::kInvalidArgument,
+      Fail(ErrorCode::kMismatch,
            hf_dir.string() + ": appeared and is not empty; pass --force to replace it");
     }
     if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, hf_dir.c_str(), RENAME_EXCHANGE) != 0) {
@@ -438,7 +438,7 @@ ExportResult Export(const ExportOptions& o) {
   std::string key = o.layout;
   if (key.empty()) {
     if (manifest->layouts.size() != 1) {
-      Fail(ErrorCode::kInvalidArgument,
+      Fail(ErrorCode::kMismatch,
            manifest->layouts.empty()
                ? mpath + ": the manifest lists no layout; run reshard convert first"
                : o.out.string() + " holds " + std::to_string(manifest->layouts.size()) +
@@ -492,13 +492,13 @@ ExportResult Export(const ExportOptions& o) {
   // reshard.save of a PEFT model writes its adapters (PEFT's own key names) and the adapter's
   // adapter_config.json: exported as PEFT writes an adapter, never as a model.
   if (o.adapter && !holds_adapter) {
-    Fail(ErrorCode::kInvalidArgument,
+    Fail(ErrorCode::kMismatch,
          o.out.string() + ": --adapter, but its manifest lists no " +
              std::string(kAdapterConfigName) +
              ": not a save of a PEFT model's adapters (reshard.save of a PEFT model writes one)");
   }
   if (!o.adapter && holds_adapter && !base_stored) {
-    Fail(ErrorCode::kInvalidArgument,
+    Fail(ErrorCode::kMismatch,
          o.out.string() + " holds the adapters of a PEFT model (" +
              std::string(kAdapterConfigName) +
              "), not a model: export them as a PEFT adapter directory with --adapter, or merged "
@@ -518,10 +518,10 @@ ExportResult Export(const ExportOptions& o) {
   }
   if (fs::exists(fs::symlink_status(hf_dir, ec))) {
     if (!fs::is_directory(hf_dir, ec)) {
-      Fail(ErrorCode::kInvalidArgument, hf_dir.string() + ": exists and is not a directory");
+      Fail(ErrorCode::kMismatch, hf_dir.string() + ": exists and is not a directory");
     }
     if (!fs::is_empty(hf_dir, ec) && !o.force) {
-      Fail(ErrorCode::kInvalidArgument,
+      Fail(ErrorCode::kMismatch,
            hf_dir.string() + ": exists and is not empty; pass --force to replace it");
     }
   }

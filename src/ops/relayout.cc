@@ -62,7 +62,7 @@ void RefusePart(const Manifest& m, const std::string& key, const std::string& mp
   if (l.parts.empty()) return;
   std::string parts;
   for (const auto& k : l.parts) parts += (parts.empty() ? "" : " + ") + k;
-  Fail(ErrorCode::kInvalidArgument,
+  Fail(ErrorCode::kMismatch,
        mpath + ": layout " + key + " holds part of the model only (an expert-parallel save, written as " +
            parts + "): reshard relayout cannot make another layout of such a save; resume it in the same "
            "arrangement (reshard.load + reshard.load_optimizer), or export each part (reshard export OUT "
@@ -104,13 +104,13 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
       if (k != target_key && l.complete && l.parts.empty()) copies += (copies.empty() ? "" : ", ") + k;
     }
     if (!copies.empty()) {
-      Fail(ErrorCode::kInvalidArgument,
+      Fail(ErrorCode::kMismatch,
            mpath + ": the new layout " + target_key + " is already listed, as this checkpoint's own (the others, " +
                copies + ", were made from it); nothing was written. If it is damaged or gone (reshard verify " +
                o.out.string() + " says), take it out and make it from one of them: reshard remove " +
                o.out.string() + " " + target_key + ", then this command with --from KEY");
     }
-    Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + target_key + " is the source layout " +
+    Fail(ErrorCode::kMismatch, mpath + ": the new layout " + target_key + " is the source layout " +
                                           "(OUT holds no other complete layout to make it from): nothing to do");
   }
   if (pick.empty()) {
@@ -120,7 +120,7 @@ std::string PickSource(const RelayoutOptions& o, const Manifest& m, const std::s
   }
   std::string names;
   for (const auto& k : pick) names += (names.empty() ? "" : ", ") + k;
-  Fail(ErrorCode::kInvalidArgument, mpath + ": several layouts to make " + target_key + " from (" + names +
+  Fail(ErrorCode::kMismatch, mpath + ": several layouts to make " + target_key + " from (" + names +
                                         "); pass --from KEY");
 }
 
@@ -489,14 +489,14 @@ RelayoutResult Relayout(const RelayoutOptions& o) {
   target = target_of(&source_spec);
   const std::string key = target.Key();
   if (key == from) {
-    Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + key + " is the source layout " + from +
+    Fail(ErrorCode::kMismatch, mpath + ": the new layout " + key + " is the source layout " + from +
                                           " (the same world size, kind" + (o.mesh ? ", mesh and plan" : "") +
                                           "): nothing to do");
   }
   // An original layout (the save's own, or a conversion's: no `from`) is what the others are
   // made from and what `verify` compares them with: never rewritten from one of its copies.
   if (auto it = manifest->layouts.find(key); it != manifest->layouts.end() && it->second.from.empty()) {
-    Fail(ErrorCode::kInvalidArgument, mpath + ": the new layout " + key + " is already there, and it is not a "
+    Fail(ErrorCode::kMismatch, mpath + ": the new layout " + key + " is already there, and it is not a "
                                           "copy made by relayout but this checkpoint's own (" +
                                           (manifest->source.saved ? "saved" : "converted") +
                                           "): relayout never rewrites it from " + from +

@@ -36,7 +36,7 @@ RemoveResult RemoveLayouts(const fs::path& out, const std::vector<std::string>& 
     }
   }
   if (drop.size() == m->layouts.size()) {
-    Fail(ErrorCode::kInvalidArgument, mpath + ": removing every layout (" + listed() + ") leaves nothing to load; "
+    Fail(ErrorCode::kMismatch, mpath + ": removing every layout (" + listed() + ") leaves nothing to load; "
                                       "delete " + out.string() + " instead");
   }
   for (const std::string& k : drop) {
@@ -44,7 +44,7 @@ RemoveResult RemoveLayouts(const fs::path& out, const std::vector<std::string>& 
       if (!drop.count(part)) {
         std::string all;
         for (const std::string& p : m->layouts.at(k).parts) all += " " + p;
-        Fail(ErrorCode::kInvalidArgument,
+        Fail(ErrorCode::kMismatch,
              mpath + ": layout " + k + " is one part of an expert-parallel save, whose parts are loaded together; "
                      "remove them all: reshard remove " + out.string() + all);
       }

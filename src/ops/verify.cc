@@ -93,13 +93,15 @@ class Verifier {
         std::error_code lec;
         const bool started = fs::exists(o_.path / kLockName, lec);  // convert takes it first
         const std::string hint = PathHint(o_.path);
-        Problem(o_.path.string(), "",
-                !hint.empty() ? hint :
-                std::string("no reshard.json and no rank-*.reshard files: not a reshard output "
-                            "directory") +
-                    (started ? " (a reshard convert into it started and did not finish: run it "
-                               "again)"
-                             : ""));
+        if (started) {  // OUT of a convert that did not finish: a problem of OUT
+          Problem(o_.path.string(), "",
+                  "no reshard.json and no rank-*.reshard files: a reshard convert into it started and did "
+                  "not finish: run it again");
+        } else {  // not a reshard output at all: nothing to verify (exit 3, as a missing path)
+          Fail(ErrorCode::kMismatch,
+               o_.path.string() + ": " +
+                   (!hint.empty() ? hint : "no reshard.json and no rank-*.reshard files: not a reshard output directory"));
+        }
       }
       // A layout directory's optimizer state is checked with the output (or as OUT/KEY/optim).
       std::error_code oec;

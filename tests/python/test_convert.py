@@ -824,7 +824,7 @@ def test_output_inside_a_layout_directory_is_refused_even_with_force(cli, checkp
     inner = out / "fsdp2-ws2"
     before = sorted(os.listdir(inner))
     for extra in ((), ("--force",)):
-        r = cli("convert", src, "-o", inner, "--world-size", 2, *extra, rc=2)
+        r = cli("convert", src, "-o", inner, "--world-size", 2, *extra, rc=3)
         assert f"{inner}: a layout directory of {out}" in r.err and f"(-o {out}; a conversion adds its layout" in r.err, r.err
         assert sorted(os.listdir(inner)) == before
     cli("verify", out, "--source", src, rc=0)
@@ -836,7 +836,7 @@ def test_a_reshard_output_as_the_source_names_relayout_and_export(cli, checkpoin
     src = checkpoint("llama", "bf16", False)
     out = tmp_path / "out"
     cli("convert", src, "-o", out, "--world-size", 2, rc=0)
-    r = cli("convert", out, "-o", tmp_path / "x", "--world-size", 3, rc=2, env={"RESHARD_MODEL_CAPTURE": "1"})
+    r = cli("convert", out, "-o", tmp_path / "x", "--world-size", 3, rc=3, env={"RESHARD_MODEL_CAPTURE": "1"})
     assert (f"{out}: the output of reshard convert, not a Hugging Face checkpoint: reshard relayout {out} "
             f"--world-size N makes another world size (or layout) inside it; reshard export {out} -o DIR") in r.err, r.err
     assert "capturing" not in r.err and not (tmp_path / "x").exists()

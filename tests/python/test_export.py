@@ -223,7 +223,7 @@ def test_export_of_a_converted_layout(cli, checkpoint, tmp_path):
     out, hf = tmp_path / "out", tmp_path / "hf"
     convert(cli, src, out, 2)
     convert(cli, src, out, 2, "--dtype", "bf16")
-    r = export(cli, out, hf, rc=2)
+    r = export(cli, out, hf, rc=3)
     assert "fsdp2-ws2" in r.err and "fsdp2-ws2-bf16" in r.err and "--layout" in r.err, r
     assert not hf.exists()
     export(cli, out, hf, "--layout", "fsdp2-ws2-bf16")
@@ -251,7 +251,7 @@ def test_cli_refusals(cli, checkpoint, tmp_path):
     # An existing non-empty output is left alone without --force.
     hf.mkdir()
     (hf / "notes.txt").write_text("mine")
-    r = export(cli, out, hf, rc=2)
+    r = export(cli, out, hf, rc=3)
     assert "--force" in r.err and "not empty" in r.err, r
     assert (hf / "notes.txt").read_text() == "mine"
     export(cli, out, hf, "--force")

@@ -183,7 +183,7 @@ def test_convert_into_a_foreign_directory_needs_force(converted, cli, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text('{"model_type": "another checkpoint"}')
-    r = cli("convert", src, "-o", out, "--world-size", "1", rc=2)
+    r = cli("convert", src, "-o", out, "--world-size", "1", rc=3)
     assert "config.json" in r.text and "--force" in r.text and "without reshard.json" in r.text
     assert (out / "config.json").read_text() == '{"model_type": "another checkpoint"}'
     assert not (out / "fsdp2-ws1").exists()

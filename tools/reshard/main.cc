@@ -1,6 +1,7 @@
 // The reshard command line: each command parses flags, calls one library function, and maps
 // the result to an exit code and a short message. Exit codes: 0 success, 1 verification found
-// problems, 2 bad usage, 3 the operation failed (missing, corrupt or mismatched input, I/O).
+// problems, 2 the command line is wrong on its own (ErrorCode::kInvalidArgument), 3 the files
+// refuse it (missing, corrupt or mismatched input, what OUT holds), I/O, Ctrl-C (README).
 #include <fcntl.h>
 #include <signal.h>
 #include <cerrno>
@@ -282,7 +283,8 @@ int RunCli(int argc, char** argv) {
   app.set_version_flag("--version", reshard::VersionText(),
                        "print the version, the rank-file format and the build options, then exit");
   app.footer(
-      "Exit codes: 0 success, 1 verify found problems, 2 bad usage, 3 the operation failed.\n"
+      "Exit codes: 0 success, 1 verify found problems, 2 a wrong command line, 3 the files refuse it\n"
+      "(missing, corrupt, mismatched, what OUT holds) or it failed.\n"
       "Example:  reshard convert ./Llama-3.2-1B -o ./llama-shards --world-size 8\n"
       "          reshard verify ./llama-shards --source ./Llama-3.2-1B\n"
       "          reshard export ./llama-shards -o ./llama-hf");

@@ -13,7 +13,8 @@ enum class ErrorCode {
   kInvalidArgument,  // the caller asked for something impossible (bad flag, bad rank range)
   kNotFound,         // a file or directory is missing
   kDataLoss,         // a file is corrupt, truncated or malformed
-  kMismatch,         // valid files that do not belong together (other source, other layout)
+  kMismatch,         // valid files that do not belong together (other source, other layout), or
+                     // a state of the output the operation refuses (a layout already there)
   kUnsupported,      // valid input this version does not handle
   kIo,               // the operating system refused (permissions, disk full, ...)
   kBusy,             // another process holds the output's lock

@@ -465,7 +465,7 @@ TEST_F(ConvertTest, NonEmptyDirectoryThatIsNoOutputOfThisSourceNeedsForce) {
   fs::create_directories(Out());
   test::WriteBytes(Out() / "config.json", "{\"model_type\": \"someone else's\"}");
   test::WriteBytes(Out() / "notes.txt", "mine");
-  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kMismatch,
                           {Out().string(), "found ", "without reshard.json",
                            "expected an empty directory or a reshard output of this source",
                            "--force"}));
@@ -489,7 +489,7 @@ TEST_F(ConvertTest, InterruptedOutputWithoutManifestIsResumed) {
   // A differing config.json without a manifest is not this source's output.
   fs::remove(Out() / "reshard.json");
   test::WriteBytes(Out() / "config.json", "{}");
-  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { Convert(Options(2)); }, ErrorCode::kMismatch,
                           {"config.json (differing from", "--force"}));
 }
 

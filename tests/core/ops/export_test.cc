@@ -333,7 +333,7 @@ TEST_F(ExportTest, ExistingOutputIsRefusedUnlessForced) {
   Convert(2);
   fs::create_directories(Hf());
   test::WriteBytes(Hf() / "keep.txt", "mine");
-  EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kMismatch,
                           {Hf().string(), "not empty", "--force"}));
   EXPECT_EQ(test::ReadBytes(Hf() / "keep.txt"), "mine");
   ExportOptions o = Options();
@@ -349,7 +349,7 @@ TEST_F(ExportTest, ExistingOutputIsRefusedUnlessForced) {
   // A regular file is never replaced.
   fs::remove_all(Hf());
   test::WriteBytes(Hf(), "a file");
-  EXPECT_TRUE(ThrowsError([&] { Export(o); }, ErrorCode::kInvalidArgument, {"not a directory"}));
+  EXPECT_TRUE(ThrowsError([&] { Export(o); }, ErrorCode::kMismatch, {"not a directory"}));
 }
 
 TEST_F(ExportTest, OutputInsideTheReshardOutputIsRefused) {
@@ -367,7 +367,7 @@ TEST_F(ExportTest, SeveralLayoutsNeedLayout) {
   Convert(2);
   Convert(3);
   std::string msg;
-  EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { Export(Options()); }, ErrorCode::kMismatch,
                           {"fsdp2-ws2", "fsdp2-ws3", "--layout"}));
   EXPECT_TRUE(ThrowsError([&] { Export(Options("fsdp2-ws4")); }, ErrorCode::kNotFound,
                           {"fsdp2-ws4", "fsdp2-ws2, fsdp2-ws3"}));

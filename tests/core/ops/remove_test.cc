@@ -66,10 +66,10 @@ TEST(RemoveLayouts, RefusalsChangeNothing) {
   MakeOut(out, {"fsdp2-ws1", "fsdp2-ws2", "fsdp2-ws3"}, {"fsdp2-ws1", "fsdp2-ws2"});
   const std::string before = test::ReadBytes(out / "reshard.json");
   // One part of an expert-parallel save without the other: the command that removes both.
-  EXPECT_TRUE(ThrowsError([&] { RemoveLayouts(out, {"fsdp2-ws1"}); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { RemoveLayouts(out, {"fsdp2-ws1"}); }, ErrorCode::kMismatch,
                           {"one part of an expert-parallel save", "reshard remove " + out.string() + " fsdp2-ws1 fsdp2-ws2"}));
   EXPECT_TRUE(ThrowsError([&] { RemoveLayouts(out, {"fsdp2-ws1", "fsdp2-ws2", "fsdp2-ws3"}); },
-                          ErrorCode::kInvalidArgument, {"removing every layout"}));
+                          ErrorCode::kMismatch, {"removing every layout"}));
   EXPECT_TRUE(ThrowsError([&] { RemoveLayouts(out, {"fsdp2-ws7"}); }, ErrorCode::kNotFound,
                           {"lists no layout fsdp2-ws7", "fsdp2-ws1, fsdp2-ws2, fsdp2-ws3"}));
   EXPECT_TRUE(ThrowsError([&] { RemoveLayouts(out, {}); }, ErrorCode::kInvalidArgument, {"name the layouts"}));
