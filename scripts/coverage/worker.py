@@ -212,18 +212,27 @@ def shard_fsdp1(model, wrap: str, needs: Dict[str, Any], meta: bool = True):
                 use_orig_params=bool(needs.get("use_orig_params")), **init)
 
 
-def plain_fsdp1_failure(ref, entry: Dict[str, Any], wrap: str, kwargs: Dict[str, Any],
-                        error: Dict[str, Any]) -> Tuple[Optional[str], str]:
-    """After the FSDP1 forward of the loaded model failed on every rank: a new from_pretrained
-    model of the checkpoint (`ref` gives its config) under the same FSDP1 units and the same batch, no
-    reshard involved. (the message when it fails the same way: FSDP1's own limit, else None;
-    what it did). Collective: every rank calls it."""
+def plain_fsdp_failure(ref, entry: Dict[str, Any], case: str, mesh, wrap: str, kwargs: Dict[str, Any],
+                       error: Dict[str, Any]) -> Tuple[Optional[str], str]:
+    """After the FSDP forward of the loaded model failed on every rank: a new from_pretrained
+    model of the checkpoint (`ref` gives its config) under the same FSDP units (FSDP1's, or
+    fully_shard's on the same modules and mesh) and the same batch, no reshard involved. (the
+    message when it fails the same way: FSDP's own limit, else None; what it did). Collective:
+    every rank calls it."""
     import transformers
+    from torch.distributed.fsdp import fully_shard
 
     try:
         # A fresh one: a forward may change the model (Switch's router casts its classifier).
         fresh = getattr(transformers, entry["model_class"]).from_pretrained(entry["src"])
-        plain = shard_fsdp1(fresh, wrap, entry.get("fsdp1") or {}, meta=False)
+        if case == "fsdp1":
+            plain = shard_fsdp1(fresh, wrap, entry.get("fsdp1") or {}, meta=False)
+        else:  # shard_fsdp2's units, on the loaded values (no to_empty)
+            units = set(map(id, no_split_modules(fresh, wrap) + off_dtype_modules(fresh)))
+            for m in reversed(list(fresh.modules())):
+                if id(m) in units and m is not fresh:
+                    fully_shard(m, mesh=mesh)
+            plain = fully_shard(fresh, mesh=mesh)
         plain.eval()
         set_language(plain, ref.config)
         with torch.no_grad():
@@ -439,14 +448,15 @@ def run_case(entry: Dict[str, Any], case: str, mesh, wrap: str = "no_split") -> 
             if differ:
                 rec["status"] = "mismatch"
             crashed = rec["status"] == "crash"
-        # An FSDP1 forward that fails on every rank after every parameter and buffer compared
-        # equal: is it FSDP1's own limit? from_pretrained's model under the same units tells.
-        if case == "fsdp1" and all(o["crashed"] for o in agree({"crashed": crashed})):
-            same_failure, rec["plain_fsdp1_forward"] = plain_fsdp1_failure(ref, entry, wrap, kwargs, rec)
+        # An FSDP forward that fails on every rank after every parameter and buffer compared
+        # equal: is it FSDP's own limit? from_pretrained's model under the same units tells.
+        if all(o["crashed"] for o in agree({"crashed": crashed})):
+            same_failure, rec["plain_fsdp_forward"] = plain_fsdp_failure(ref, entry, case, mesh, wrap, kwargs, rec)
             if same_failure is not None:
                 rec["status"] = "fsdp-refuses"
-                rec["message"] = ("FSDP1 fails the same way on from_pretrained's own model under the same "
-                                  f"units, without reshard: {rec['message']}")[:2000]
+                rec["message"] = (f"{'FSDP1' if case == 'fsdp1' else 'FSDP2'} fails the same way on "
+                                  "from_pretrained's own model under the same units, without reshard: "
+                                  f"{rec['message']}")[:2000]
     elif "logits" not in rec:
         rec["logits"] = "not compared: from_pretrained's own model fails on the batch on another rank"
     if differ and rec["status"] in ("pass", "mismatch"):
@@ -473,7 +483,7 @@ def combine(entry: Dict[str, Any], case: str, world: int, per_rank: List[Dict[st
     out = {"id": entry["id"], "case": f"{case}-ws{world}", "status": worst["status"]}
     for k in ("stage", "error_class", "message", "traceback", "logits", "load", "params_checked",
               "buffers_checked", "warnings", "built_dtypes", "reference_dtypes", "ties_split_by_sharding",
-              "check_weights", "plain_fsdp1_forward"):
+              "check_weights", "plain_fsdp1_forward", "plain_fsdp_forward"):
         if k in worst:
             out[k] = worst[k]
     bad = [i for i, r in enumerate(per_rank) if r["status"] == worst["status"]]

@@ -192,7 +192,7 @@ Fsdp1Plan PlanFsdp1(const Checkpoint& ckpt, const ModelManifest& model, const La
           // from_pretrained keeps some modules in fp32 (_keep_in_fp32_modules): FSDP1 needs
           // them in units of their own, which the wrap classes can give unless the unit's own
           // module holds both.
-          Fail(ErrorCode::kInvalidArgument,
+          Fail(ErrorCode::kUnsupported,
                "unit \"" + unit_name + "\" mixes dtypes (" + first_param + " is " +
                    std::string(Name(*unit_dtype)) + ", " + fqn + " is " +
                    std::string(Name(stored)) + "); FSDP1 flattens one dtype per unit: " +

@@ -386,7 +386,7 @@ TEST(Fsdp1Plan, Refusals) {
       Manifest(ojson::array({Module("", "Toy", {{"a", 0}, {"b", 1}})}),
                ojson::array({Param({"a"}, {4}), Param({"b"}, {4})})).dump(), "m.json");
   Checkpoint mc = OpenCheckpoint(dir / "src");
-  EXPECT_TRUE(ThrowsError([&] { PlanFsdp1(mc, mixed, spec); }, ErrorCode::kInvalidArgument,
+  EXPECT_TRUE(ThrowsError([&] { PlanFsdp1(mc, mixed, spec); }, ErrorCode::kUnsupported,
                           {"mixes dtypes", "--dtype"}));
   spec.dtype = "bf16";
   EXPECT_EQ(PlanFsdp1(mc, mixed, spec).units.size(), 1u);
