@@ -501,7 +501,11 @@ def build(entry: Dict[str, str], root: str, task: str = "causal-lm") -> Dict[str
             numel=sum(p.numel() for p in model.parameters()),
         )
     except ImportError as e:
-        rec.update(status="unbuildable", stage=stage, error=f"needs a package not installed: {e}".strip()[:600])
+        import re
+
+        # transformers' message: "X requires the timm library but it was not found ..." per package
+        names = sorted(set(re.findall(r"requires the (\S+) library", str(e)))) or [str(e).strip()]
+        rec.update(status="unbuildable", stage=stage, error=f"needs a package not installed: {', '.join(names)}"[:600])
     except Exception as e:
         rec.update(status="unbuildable", stage=stage, error=f"{type(e).__name__}: {e}"[:600],
                    traceback=traceback.format_exc()[-1500:])
