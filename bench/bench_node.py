@@ -155,7 +155,8 @@ def main(argv=None):
     ap.add_argument("--size-gb", type=float, default=14)
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--view-ws", type=int, default=4, help="also load from this world size's layout (0: no)")
-    ap.add_argument("--series", default="rank,hf,view", help="rank, hf, view (comma separated)")
+    ap.add_argument("--series", default="rank,hf,view",
+                    help="rank, hf, hf-direct (the HF files read with O_DIRECT), view (comma separated)")
     ap.add_argument("--modes", default="cold,warm")
     ap.add_argument("--threads", type=int, default=8, help="loader threads per rank (default 8)")
     ap.add_argument("--reps", type=int, default=3)
@@ -186,15 +187,15 @@ def main(argv=None):
         if s == "rank":
             series["rank"] = ([dict(base, kind="reshard", rank=r, rank_file=str(rank_file(out, ws, r)))
                                for r in range(ws)], [str(rank_file(out, ws, r)) for r in range(ws)])
-        elif s == "hf":
-            series["hf"] = ([dict(base, kind="view", view="checkpoint", rank=r) for r in range(ws)],
-                            sorted(str(p) for p in src.glob("*.safetensors")))
+        elif s in ("hf", "hf-direct"):  # hf-direct: O_DIRECT reads (the default before d487d99)
+            series[s] = ([dict(base, kind="view", view="checkpoint", rank=r, io="direct" if s == "hf-direct" else "auto")
+                          for r in range(ws)], sorted(str(p) for p in src.glob("*.safetensors")))
         elif s == "view" and args.view_ws:
             v = f"fsdp2-ws{args.view_ws}"
             series[f"ws{args.view_ws}"] = ([dict(base, kind="view", view=v, out=str(out), rank=r) for r in range(ws)],
                                            sorted(str(p) for p in (out / v).glob("*.reshard")))
         else:
-            raise SystemExit(f"bench_node: --series {s!r}: expected rank, hf or view (with --view-ws)")
+            raise SystemExit(f"bench_node: --series {s!r}: expected rank, hf, hf-direct or view (with --view-ws)")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     result = {"date": utc_now(), "machine": machine_info(workdir), "argv": sys.argv, "checkpoint": ck,
               "convert": conv, "world_size": ws, "threads_per_rank": args.threads, "runs": [], "ceilings": []}
