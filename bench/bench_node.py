@@ -119,7 +119,7 @@ def run_series(name, specs, mode, files, log, timeout=600):
     errors = [g["error"] for g in got if "error" in g]
     if err or errors or len(got) < n:
         return {"series": name, "mode": mode, "ok": False,
-                "error": err or (errors[0] if errors else f"{n - len(got)} of {n} ranks did not report")}
+                "error": errors[0] if errors else err or f"{n - len(got)} of {n} ranks did not report"}
     got.sort(key=lambda g: g["rank"])
     wall = max(g["t1"] for g in got) - min(g["t0"] for g in got)
     total = sum(g["bytes"] for g in got)
