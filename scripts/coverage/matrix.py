@@ -52,7 +52,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -203,7 +203,8 @@ def run_job(world: int, entries: List[Dict[str, Any]], results: str, limit_s: fl
         plan_path = f"{results}.plan-ws{world}.json"
         with open(plan_path, "w") as f:
             json.dump({"entries": todo, "results": results, "limit_s": limit_s, "fingerprint": fingerprint}, f)
-        for marker in glob.glob(f"{results}.timeout.*"):
+        for marker in glob.glob(f"{results}.timeout.*") + glob.glob(f"{results}.fault.*") + \
+                glob.glob(f"{results}.plain-fault.*"):
             os.remove(marker)
         n_cases = sum(len(e["cases"]) for e in todo)
         log(f"== torchrun --nproc-per-node {world}: {len(todo)} entries, {n_cases} cases (log: {job_log})")
@@ -232,13 +233,72 @@ def run_job(world: int, entries: List[Dict[str, Any]], results: str, limit_s: fl
             message = f"ran past the {limit_s:.0f} s limit per case (the job was stopped)"
             error_class = "Timeout"
         else:
-            message = f"the job died during this case (torchrun exit {rc}){fatal_error(job_log, log_offset)}"
+            fatal = fault_report(f"{results}.fault", world) or fatal_error(job_log, log_offset)
+            message = f"the job died during this case (torchrun exit {rc}){fatal}"
             error_class = "ProcessDied"
+        rec = {"id": running["id"], "case": running["case"], "status": "crash", "stage": "process",
+               "error_class": error_class, "message": message}
+        # Killed in the sharded forward after everything compared equal: does from_pretrained's
+        # own model under the same units die the same way? Then it is FSDP's limit, not reshard's.
+        compared = next((r for r in reversed(lines) if r.get("event") == "compared" and
+                         (r["id"], r["case"]) == (running["id"], running["case"])), None)
+        if error_class == "ProcessDied" and compared is not None and compared.get("n_differ") == 0:
+            rec.update(stage="forward", params_checked=compared.get("params_checked"),
+                       buffers_checked=compared.get("buffers_checked"), check_weights=compared.get("check_weights"))
+            plain_rc, plain_fatal = run_plain(torchrun, env, world, plan_path, results, running, limit_s, job_log)
+            rec["plain_fsdp_forward"] = "runs" if plain_rc == 0 else f"dies (torchrun exit {plain_rc}){plain_fatal}"
+            if plain_rc != 0 and plain_fatal and plain_fatal == fault_report(f"{results}.fault", world):
+                kind = running["case"].split("-ws")[0].upper()
+                rec.update(status="fsdp-refuses", message=f"{kind} dies the same way on from_pretrained's own "
+                           f"model under the same units, without reshard (torchrun exit {rc}){plain_fatal}")
         with open(results, "a") as f:
-            f.write(json.dumps({"id": running["id"], "case": running["case"], "status": "crash", "stage": "process",
-                                "error_class": error_class, "message": message,
-                                "fingerprint": fingerprint}) + "\n")
-        log(f"   {running['id']} {running['case']}: crash: {message}")
+            f.write(json.dumps(dict(rec, fingerprint=fingerprint)) + "\n")
+        log(f"   {running['id']} {running['case']}: {rec['status']}: {rec['message']}")
+
+
+def run_plain(torchrun: str, env: Dict[str, str], world: int, plan_path: str, results: str,
+              running: Dict[str, Any], limit_s: float, job_log: str) -> Tuple[int, str]:
+    """worker.py --plain for the case that killed the job: (torchrun's exit code, what
+    faulthandler wrote for it: fault_report's text)."""
+    case = running["case"].split("-ws")[0]
+    with open(job_log, "a") as err:
+        err.write(f"== plain from_pretrained forward of {running['id']} {running['case']}\n")
+        err.flush()
+        p = subprocess.Popen([torchrun, "--standalone", "--nproc-per-node", str(world), os.path.join(HERE, "worker.py"),
+                              "--plan", plan_path, "--plain", f"{running['id']}:{case}"],
+                             env=env, stdout=err, stderr=err, start_new_session=True)
+        try:
+            rc = p.wait(timeout=limit_s + 300)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            rc = p.wait()
+    return rc, fault_report(f"{results}.plain-fault", world) if rc else ""
+
+
+def fault_report(prefix: str, world: int) -> str:
+    """What faulthandler wrote for the first rank killed by a signal (worker.py gives each rank
+    PREFIX.RANK): ": <the error> in <the innermost frames of the thread that had it>"; "" when
+    no rank wrote one."""
+    for r in range(world):
+        try:
+            with open(f"{prefix}.{r}", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        fatal = next((x.strip() for x in lines if x.startswith("Fatal Python error")), None)
+        if fatal is None:
+            continue
+        for i, line in enumerate(lines):
+            if line.startswith("Current thread"):
+                frames = []
+                for x in lines[i + 1:i + 12]:
+                    x = x.strip()
+                    if not x.startswith("File "):
+                        break
+                    frames.append(x.replace(os.path.dirname(os.path.dirname(os.__file__)), "..."))
+                return f": {fatal} in " + " <- ".join(frames[:4])
+        return f": {fatal}"
+    return ""
 
 
 def fatal_error(job_log: str, offset: int) -> str:

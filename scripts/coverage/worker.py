@@ -38,6 +38,10 @@ import torch
 import torch.distributed as dist
 
 STATUS_ORDER = ("pass", "fsdp-refuses", "refused", "mismatch", "crash")
+# The running case's results file and key: rank 0 writes a "compared" event there before the
+# sharded forward, so that a process killed in the forward (a signal: no record) still tells
+# matrix.py what was compared (see matrix.run_job).
+EVENTS: Dict[str, Any] = {}
 # Messages of torch's FSDP refusing a model (FSDP2's lazy init, FSDP1's flattening).
 FSDP_REFUSALS = ("FSDP expects uniform original parameter dtype", "Must flatten tensors with uniform",
                  "FSDP does not support wrapping such modules")
@@ -414,6 +418,13 @@ def run_case(entry: Dict[str, Any], case: str, mesh, wrap: str = "no_split") -> 
     except Exception as e:
         rec["check_weights"] = f"fails: {type(e).__name__}: {e}"[:400]
 
+    if EVENTS.get("results") and dist.get_rank() == 0:
+        with open(EVENTS["results"], "a") as f:
+            f.write(json.dumps({"event": "compared", "id": EVENTS["id"], "case": EVENTS["case"],
+                                "params_checked": rec.get("params_checked"),
+                                "buffers_checked": rec.get("buffers_checked"), "n_differ": len(differ),
+                                "check_weights": rec.get("check_weights")}) + "\n")
+
     # Logits: the reference's forward first (local), then the sharded model's (collective).
     ids = fixed_batch(ref.config)
     ref_logits = None
@@ -501,12 +512,39 @@ def combine(entry: Dict[str, Any], case: str, world: int, per_rank: List[Dict[st
     return out
 
 
+def plain_forward(plan: Dict[str, Any], which: str) -> int:
+    """--plain: from_pretrained's own model of an entry under a case's FSDP units (as
+    plain_fsdp_failure builds it), the fixed batch once; a crash in it kills the process as it
+    killed the reshard job's."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    entry_id, _, case = which.rpartition(":")
+    entry = next(e for e in plan["entries"] if e["id"] == entry_id)
+    dist.init_process_group("gloo")
+    faulthandler.enable(file=open(f"{plan['results']}.plain-fault.{dist.get_rank()}", "w"))  # noqa: SIM115
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ref = getattr(transformers, entry["model_class"]).from_pretrained(entry["src"])
+    kwargs = forward_kwargs(ref, fixed_batch(ref.config))
+    err = {"error_class": None, "message": None}
+    plain_fsdp_failure(ref, entry, case, mesh, "no_split", kwargs, err)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True, help="JSON: entries, cases, results file, time limit")
+    ap.add_argument("--plain", default="",
+                    help="ENTRY_ID:CASE of the plan: from_pretrained's own model under that case's units runs the "
+                         "fixed batch, no reshard (exits 0 when it runs; a process killed by a signal dies)")
     args = ap.parse_args()
     with open(args.plan) as f:
         plan = json.load(f)
+    if args.plain:
+        return plain_forward(plan, args.plain)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore")
     faulthandler.enable()  # a fatal signal's Python stack goes to the job log
@@ -518,6 +556,9 @@ def main() -> int:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Each rank's fatal-signal stack in a file of its own (in the shared job log, the ranks'
+    # lines interleave): matrix.fault_report reads them.
+    faulthandler.enable(file=open(f"{plan['results']}.fault.{rank}", "w"))  # noqa: SIM115 -- for the process's life
     mesh = init_device_mesh("cpu", (world,))
     dog = Watchdog(f"{plan['results']}.timeout.{rank}", plan["limit_s"])
     n = sum(len(e["cases"]) for e in plan["entries"])
@@ -529,6 +570,7 @@ def main() -> int:
             if rank == 0:
                 with open(plan["results"], "a") as f:
                     f.write(json.dumps({"event": "start", "id": entry["id"], "case": f"{case}-ws{world}"}) + "\n")
+            EVENTS.update(results=plan["results"], id=entry["id"], case=f"{case}-ws{world}")
             dog.start(key)
             t0 = time.time()
             per_rank = agree(guarded(entry, case, mesh, "no_split"))
