@@ -90,13 +90,14 @@ class Verifier {
       }
       std::sort(l.files.begin(), l.files.end());
       if (l.files.empty()) {
-        std::error_code lec;
-        const bool started = fs::exists(o_.path / kLockName, lec);  // convert takes it first
         const std::string hint = PathHint(o_.path);
-        if (started) {  // OUT of a convert that did not finish: a problem of OUT
+        const std::string unfinished = UnfinishedWrite(o_.path);
+        if (!unfinished.empty()) {  // a convert or save into it that did not finish: a problem of OUT
           Problem(o_.path.string(), "",
-                  "no reshard.json and no rank-*.reshard files: a reshard convert into it started and did "
-                  "not finish: run it again");
+                  "no reshard.json and no rank-*.reshard files, but " + unfinished +
+                      ": a reshard convert, relayout or save into it started and did not finish, and it is no "
+                      "checkpoint. Run that convert again (it finishes the output), or resume from an earlier "
+                      "save and delete this directory");
         } else {  // not a reshard output at all: nothing to verify (exit 3, as a missing path)
           Fail(ErrorCode::kMismatch,
                o_.path.string() + ": " +
@@ -381,6 +382,40 @@ class Verifier {
     for (const auto& a : m->aux_files) {
       if (!fs::exists(o_.path / a)) Problem((o_.path / a).string(), "", "listed in the manifest but missing");
     }
+  }
+
+  // What a write that started into `dir` and never committed leaves (convert takes the lock
+  // first; every rank file, manifest and JSON file is a ".NAME.tmp-<host>-<pid>" temporary
+  // until renamed): "" when there is none of it, in `dir` or in its directories one level down.
+  static std::string UnfinishedWrite(const fs::path& dir) {
+    std::error_code ec;
+    if (fs::exists(dir / kLockName, ec)) return "its lock file " + std::string(kLockName);
+    size_t temps = 0;
+    auto count = [&](const fs::path& d) {
+      std::error_code dec;
+      for (const auto& e : fs::directory_iterator(d, dec)) {
+        const std::string name = e.path().filename().string();
+        if (name.starts_with(".") && name.find(".tmp-") != std::string::npos) ++temps;
+      }
+    };
+    count(dir);
+    std::vector<std::string> layout_dirs;  // as convert, relayout and reshard.save name them
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (!e.is_directory(ec)) continue;
+      count(e.path());
+      const std::string name = e.path().filename().string();
+      if (name.starts_with("fsdp2-ws") || name.starts_with("fsdp1-ws") || name.starts_with("dtensor-")) {
+        layout_dirs.push_back(Printable(name, 64));
+      }
+    }
+    std::sort(layout_dirs.begin(), layout_dirs.end());
+    std::string found;
+    if (!layout_dirs.empty()) {
+      found = "layout director" + std::string(layout_dirs.size() == 1 ? "y " : "ies ") + layout_dirs[0] +
+              (layout_dirs.size() > 1 ? ", ..." : "");
+    }
+    if (temps) found += (found.empty() ? "" : " and ") + std::to_string(temps) + " temporary file(s) (.*.tmp-*)";
+    return found;
   }
 
   // OUT's leftovers (VerifyReport::notes): rank-file temporaries in a listed layout's

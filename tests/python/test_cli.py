@@ -267,6 +267,15 @@ def test_verify_directory_without_output(cli, tmp_path):
     d.mkdir()
     r = cli("verify", d, rc=3)  # nothing to verify: the files refuse it, as a missing path does
     assert str(d) in r.err and "not a reshard output directory" in r.err, r
+    # What a killed convert or save leaves (a layout directory, temporaries, no manifest) is an
+    # output with a problem (exit 1), not "no output" (exit 3).
+    (d / "fsdp2-ws2").mkdir()
+    r = cli("verify", d, rc=1)
+    assert "layout directory fsdp2-ws2" in r.out and "did not finish" in r.out, r
+    (d / "fsdp2-ws2").rmdir()
+    (d / ".rank-00000-of-00002.reshard.tmp-host-1").write_bytes(b"x")
+    r = cli("verify", d, rc=1)
+    assert "1 temporary file(s)" in r.out and "did not finish" in r.out, r
 
 
 @pytest.mark.parametrize("contents", [b"hello", b"\0" * 8192, b"\x89RSHD\r\n\x1a" + b"\0" * 100])
