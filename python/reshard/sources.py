@@ -55,8 +55,11 @@ def whole_names(names: Iterable[str], prefix: str) -> Set[str]:
 def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
                  skip_kind: Optional[str] = None) -> Optional[str]:
     """The complete layout of OUT to read a world size `world_size` job from, when none is its
-    own: FSDP2 before FSDP1 (whole rows, fewer pieces), the live dtype's policy before keep
-    before another, then the fewest rank files (fewer files to open and check). Layouts of
+    own: FSDP2 before FSDP1 (whole rows, fewer pieces), the live dtype's policy before keep,
+    then the fewest rank files (fewer files to open and check). A layout converted to another
+    dtype (--dtype fp16 for a bf16 job) is never read: its values went through that dtype, and
+    converting them again would not give what from_pretrained gives (bf16 -> fp16 -> bf16 loses
+    what fp16 cannot hold); at the job's own world size such a layout is no match either. Layouts of
     kind `skip_kind` at this world size are the job's own (found wanting: a rank file
     missing) and not used, nor layouts holding part of the model (`parts`: an expert-parallel
     save). None when OUT holds no other complete layout."""
@@ -67,8 +70,9 @@ def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
         if lay.get("kind") == skip_kind and lay.get("world_size") == world_size:
             continue
         dtype = lay.get("dtype", "keep")
-        rank = (lay.get("kind") != "fsdp2", 0 if dtype == policy else 1 if dtype == "keep" else 2,
-                lay.get("world_size", 0), key)
+        if dtype not in (policy, "keep"):
+            continue
+        rank = (lay.get("kind") != "fsdp2", 0 if dtype == policy else 1, lay.get("world_size", 0), key)
         if best_rank is None or rank < best_rank:
             best, best_rank = key, rank
     return best

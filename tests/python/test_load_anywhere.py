@@ -326,3 +326,31 @@ def _converted(src, tmp_path, w):
     if not out.exists():
         convert(src, out, w)
     return out
+
+
+def test_a_layout_converted_to_another_dtype_is_not_read_at_another_world_size(ckpts, tmp_path):
+    """A --dtype fp16 layout of a bf16 checkpoint holds values that went through fp16: a bf16
+    job would get bf16(fp16(x)), not what from_pretrained gives. At the job's own world size it
+    is no match (refused, naming the convert); at another one it was read, silently lossy. Now
+    alike: refused with the layouts OUT has and the command; a keep layout is read."""
+    import transformers
+
+    from reshard.sources import other_layout
+
+    src = ckpts[("llama", "bf16")]
+    out = tmp_path / "h16"
+    convert(src, out, 2, "--dtype", "fp16")
+    manifest = json.load(open(out / "reshard.json"))
+    assert other_layout(manifest, 1, "bf16") is None
+    assert other_layout(manifest, 1, "fp16") == "fsdp2-ws2-fp16"  # an fp16 job: the same values
+    model = reshard.empty_model(str(out), dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    with pytest.raises(reshard.NotFoundError, match=r"fsdp2-ws2-fp16.*reshard convert"):
+        reshard.load(model, str(out))
+    convert(src, out, 2)  # keep: read at world size 1, equal to from_pretrained
+    report = reshard.load(model, str(out))
+    assert "fsdp2-ws2 " in report.source or report.source.endswith("fsdp2-ws2"), report.source
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    sd = model.state_dict()
+    for k, v in ref.items():
+        assert torch.equal(sd[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
