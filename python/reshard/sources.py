@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import _C
-from .errors import NotFoundError
+from .errors import LayoutMismatchError, NotFoundError
 from .layout import POLICY_NAMES, is_hf_checkpoint, read_manifest
 
 
@@ -78,6 +78,27 @@ def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
     return best
 
 
+def refuse_another_model_type(src: str, hf_model: nn.Module) -> None:
+    """A checkpoint whose config.json names another model_type than the model's: refused before
+    transformers builds the model's class from that config (which fails somewhere inside, e.g.
+    "'Qwen2Config' object has no attribute 'attention_bias'")."""
+    from .model import reference_class
+
+    ours = getattr(getattr(hf_model, "config", None), "model_type", None)
+    try:
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return  # no config to compare: transformers says what is missing
+    theirs = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if ours and isinstance(theirs, str) and theirs != ours:
+        arch = ", ".join(map(str, cfg.get("architectures") or [])) or theirs
+        raise LayoutMismatchError(
+            f"{src} is a checkpoint of another model: its config.json has model_type {theirs!r} ({arch}), the model "
+            f"is a {reference_class(hf_model).__name__} (model_type {ours!r}). Load this model's own checkpoint, or "
+            f"build the model from this one: reshard.empty_model({src!r})")
+
+
 def checkpoint_manifest(src: str, hf_model: nn.Module, names: Iterable[str]) -> str:
     """The model manifest JSON whose conversion maps the checkpoint's keys to the model's names,
     captured from the installed transformers (reshard.model_manifest), when some of `names`
@@ -91,6 +112,7 @@ def checkpoint_manifest(src: str, hf_model: nn.Module, names: Iterable[str]) -> 
     prefix = getattr(hf_model, "base_model_prefix", "") or ""
     if all(file_key(n, keys, prefix) is not None for n in names):
         return ""
+    refuse_another_model_type(src, hf_model)
     meta = build_meta_model(src, reference_class(hf_model).__name__)
     return json.dumps(model_manifest(meta, checkpoint=src))
 
@@ -178,6 +200,7 @@ def fsdp1_view(out: str, model: nn.Module, world_size: int, coord: int, live_dty
     src = hf_source(out)
     if src is not None:
         inner = getattr(model, "module", model)
+        refuse_another_model_type(src, inner)
         meta = build_meta_model(src, reference_class(inner).__name__)
         manifest_json = json.dumps(model_manifest(meta, checkpoint=src))
         view = _C.SourceRankView.of_checkpoint(src, world_size, coord, dtype=policy,

@@ -221,6 +221,30 @@ def test_refuses_another_model(ckpts, tmp_path):
         reshard.load(model, str(out_llama))
 
 
+def test_refuses_a_hugging_face_checkpoint_of_another_model_type(ckpts, tmp_path):
+    """A Llama model given a Qwen2 checkpoint directory whose names it cannot all find (a tie:
+    no lm_head.weight there): refused naming both model types, not an AttributeError from
+    transformers building a Llama from the Qwen2 config to learn the conversion."""
+    out_llama = tmp_path / "llama"
+    convert(ckpts[("llama", "fp32")], out_llama, 1)
+    src = tmp_path / "qwen-tied"
+    shutil.copytree(ckpts[("qwen2", "fp32")], src)
+    import safetensors.torch
+
+    for f in src.glob("*.safetensors"):  # as save_pretrained writes a tie: one name of it
+        sd = safetensors.torch.load_file(f)
+        if sd.pop("lm_head.weight", None) is not None:
+            safetensors.torch.save_file(sd, f, metadata={"format": "pt"})
+            index = src / "model.safetensors.index.json"
+            if index.exists():
+                idx = json.loads(index.read_text())
+                idx["weight_map"].pop("lm_head.weight", None)
+                index.write_text(json.dumps(idx))
+    model = _empty_cpu(out_llama)
+    with pytest.raises(reshard.LayoutMismatchError, match=r"model_type 'qwen2'.*model_type 'llama'"):
+        reshard.load(model, str(src))
+
+
 def test_refuses_shape_mismatch(ckpts, tmp_path):
     src = ckpts[("llama", "fp32")]
     out = tmp_path / "out"
