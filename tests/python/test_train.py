@@ -543,24 +543,26 @@ def test_refusal_under_torchrun_is_one_line_and_prompt(tiny, tmp_path, reshard_b
 
 
 def test_resume_at_another_world_size_is_refused_on_every_rank(tiny, tmp_path, reshard_bin):
-    """A reshard.train checkpoint of 2 ranks resumed by 1 (its weights and optimizer state
-    relaid to world size 1): the trainer state (data position, random state) is per rank, so
-    the resume is refused by name on every rank, one line, exit 3 -- not a silent resume with
-    another rank's data position (nor, at a larger world size, some ranks dying in a
-    collective)."""
+    """A reshard.train checkpoint of 2 ranks resumed by 1: the trainer state (data position,
+    random state) is per rank, so the resume is refused by name on every rank, one line, exit 3
+    -- not a silent resume with another rank's data position (nor, at a larger world size, some
+    ranks dying in a collective). Said first, before the optimizer state's own refusal (which
+    asked for a relayout that then only led here), and alike after such a relayout."""
     saves = tmp_path / "saves"
     _run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "reshard.train", tiny["out2"], "--steps", "1",
           "--seq-len", "32", "--batch-size", "2", "--save-dir", saves], timeout=300)
     step = saves / "step-00000001"
-    _run([reshard_bin, "relayout", step, "--world-size", "1"])
-    proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "1", "-m", "reshard.train", tiny["out2"],
-                      "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--resume", saves],
-                     timeout=300, expect_rc=1)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("reshard.train: ")]
-    assert len(lines) == 1, log
-    assert "trainer state (step, data position, random state) of 2 rank(s)" in lines[0] and \
-        "this job has 1" in lines[0] and "run it with 2 processes" in lines[0], lines[0]
-    assert "exitcode  : 3" in proc.stderr, log
+    for relaid in (False, True):
+        if relaid:
+            _run([reshard_bin, "relayout", step, "--world-size", "1"])
+        proc, log = _run([TORCHRUN, "--standalone", "--nproc-per-node", "1", "-m", "reshard.train", tiny["out2"],
+                          "--steps", "2", "--seq-len", "32", "--batch-size", "2", "--resume", saves],
+                         timeout=300, expect_rc=1)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("reshard.train: ")]
+        assert len(lines) == 1, log
+        assert "trainer state (step, data position, random state) of 2 rank(s)" in lines[0] and \
+            "this job has 1" in lines[0] and "run it with 2 processes" in lines[0], lines[0]
+        assert "exitcode  : 3" in proc.stderr, log
 
 
 def test_pointing_at_the_hugging_face_directory_loads_it(tiny, tmp_path):
@@ -842,3 +844,18 @@ def test_trainer_ep_refuses_what_it_does_not_run(tmp_path, capsys):
     # python -m reshard.ep refuses it too (no plan file written).
     assert ep.main([str(llama), "-o", str(tmp_path / "llama_ep.json")]) == 2
     assert not (tmp_path / "llama_ep.json").exists()
+
+
+def test_a_seq_len_beyond_the_models_context_is_refused_up_front(tmp_path):
+    """GPT-2 with n_positions 16 and the default --seq-len 128: one line naming both and what to
+    pass, exit 2 (was an IndexError from torch.embedding in the first step)."""
+    import transformers
+
+    src = tmp_path / "gpt2-16"
+    cfg = transformers.GPT2Config(n_positions=16, n_embd=32, n_layer=1, n_head=2, vocab_size=64,
+                                  bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(src)
+    proc, log = _run([sys.executable, "-m", "reshard.train", src, "--steps", "1"], expect_rc=2)
+    assert "reshard.train: --seq-len 128 is longer than the model's context (16 positions" in proc.stderr and \
+        "pass --seq-len 16 or less" in proc.stderr, log
+    assert "Traceback" not in proc.stderr, log

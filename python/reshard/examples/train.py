@@ -924,6 +924,16 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         result["generate"] = check_generate(model, args.check_generate, prompt, compute_dtype,
                                             model_class=cls, log=log0)
 
+    context = next((getattr(model.config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
+                    if isinstance(getattr(model.config, k, None), int)), None)
+    if context is not None and args.seq_len > context:  # the same on every rank: all stop together
+        e = reshard.InvalidArgumentError(
+            f"--seq-len {args.seq_len} is longer than the model's context ({context} positions: its config's "
+            f"max_position_embeddings / n_positions): pass --seq-len {context} or less")
+        if rank == 0:
+            print(f"reshard.train: {e}", file=sys.stderr, flush=True)
+        dist.barrier()
+        raise JobError(e, 0, world, printed=True)
     t0 = time.perf_counter()
     stream = token_stream(docs, encode, eos_id, model.config.vocab_size)
     batches = Batches(stream, args.batch_size, args.seq_len, args.seed, dp_rank)  # one tp group: one stream
@@ -942,7 +952,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     opt = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     start_step = 0
     if resume:
-        reshard.load_optimizer(opt, model, resume)
+        # The trainer state first: at another world size no relayout of the optimizer state
+        # helps reshard.train (each rank's data position is its own), so say that before
+        # load_optimizer would ask for a relayout.
         tpath = os.path.join(resume, "trainer", f"rank-{rank:05d}.json")
         # Checked alike on every rank (the files, not this rank's alone), so that all ranks stop
         # together rather than some going on into a collective the others never join.
@@ -963,6 +975,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                 print(f"reshard.train: {e}", file=sys.stderr, flush=True)
             dist.barrier()  # no rank exits (and gets the others killed) before rank 0 has said why
             raise JobError(e, 0, world, printed=True)
+        reshard.load_optimizer(opt, model, resume)
         with open(tpath) as f:
             tstate = json.load(f)
         start_step = int(tstate["step"])
