@@ -94,10 +94,12 @@ class Verifier {
         const std::string unfinished = UnfinishedWrite(o_.path);
         if (!unfinished.empty()) {  // a convert or save into it that did not finish: a problem of OUT
           Problem(o_.path.string(), "",
-                  "no reshard.json and no rank-*.reshard files, but " + unfinished +
-                      ": a reshard convert, relayout or save into it started and did not finish, and it is no "
-                      "checkpoint. Run that convert again (it finishes the output), or resume from an earlier "
-                      "save and delete this directory");
+                  "no reshard.json (the manifest that lists and commits the layouts), but " + unfinished +
+                      ": a reshard convert or save into it that did not finish, or a manifest deleted since; "
+                      "without it this is no checkpoint. Run that convert again (it keeps the rank files that "
+                      "are right and writes the manifest), or resume from an earlier save and delete this "
+                      "directory; reshard verify " + o_.path.string() +
+                      "/LAYOUT checks one layout directory's rank files alone");
         } else {  // not a reshard output at all: nothing to verify (exit 3, as a missing path)
           Fail(ErrorCode::kMismatch,
                o_.path.string() + ": " +
@@ -389,8 +391,7 @@ class Verifier {
   // until renamed): "" when there is none of it, in `dir` or in its directories one level down.
   static std::string UnfinishedWrite(const fs::path& dir) {
     std::error_code ec;
-    if (fs::exists(dir / kLockName, ec)) return "its lock file " + std::string(kLockName);
-    size_t temps = 0;
+    size_t temps = 0, rank_files = 0;
     auto count = [&](const fs::path& d) {
       std::error_code dec;
       for (const auto& e : fs::directory_iterator(d, dec)) {
@@ -406,6 +407,11 @@ class Verifier {
       const std::string name = e.path().filename().string();
       if (name.starts_with("fsdp2-ws") || name.starts_with("fsdp1-ws") || name.starts_with("dtensor-")) {
         layout_dirs.push_back(Printable(name, 64));
+        std::error_code rec;
+        for (const auto& f : fs::directory_iterator(e.path(), rec)) {
+          const std::string fname = f.path().filename().string();
+          if (fname.starts_with("rank-") && fname.ends_with(".reshard")) ++rank_files;
+        }
       }
     }
     std::sort(layout_dirs.begin(), layout_dirs.end());
@@ -413,8 +419,10 @@ class Verifier {
     if (!layout_dirs.empty()) {
       found = "layout director" + std::string(layout_dirs.size() == 1 ? "y " : "ies ") + layout_dirs[0] +
               (layout_dirs.size() > 1 ? ", ..." : "");
+      if (rank_files) found += " holding " + std::to_string(rank_files) + " rank file(s)";
     }
     if (temps) found += (found.empty() ? "" : " and ") + std::to_string(temps) + " temporary file(s) (.*.tmp-*)";
+    if (found.empty() && fs::exists(dir / kLockName, ec)) found = "its lock file " + std::string(kLockName);
     return found;
   }
 

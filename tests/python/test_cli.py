@@ -480,3 +480,13 @@ def test_inspect_names_a_missing_layout_directory(checkpoint, cli, tmp_path):
             "FAILED: 1 problem(s)") in v.out, v.out
     cli(*again.split()[1:], "--no-capture", rc=0)
     cli("verify", out, "--source", src, rc=0)
+
+
+def test_verify_of_an_output_whose_manifest_is_gone_names_its_rank_files(cli, ckpt, out_ws3):
+    """reshard.json deleted: the rank files are still there in fsdp2-ws3/; verify says so (it
+    said 'no rank-*.reshard files') and what to run, and running it makes the output verify."""
+    (out_ws3 / "reshard.json").unlink()
+    r = cli("verify", out_ws3, rc=1)
+    assert "layout directory fsdp2-ws3 holding 3 rank file(s)" in r.out and "Run that convert again" in r.out, r
+    cli("convert", ckpt, "-o", out_ws3, "--world-size", 3, rc=0)
+    cli("verify", out_ws3, rc=0)
