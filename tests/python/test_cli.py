@@ -490,3 +490,8 @@ def test_verify_of_an_output_whose_manifest_is_gone_names_its_rank_files(cli, ck
     assert "layout directory fsdp2-ws3 holding 3 rank file(s)" in r.out and "Run that convert again" in r.out, r
     cli("convert", ckpt, "-o", out_ws3, "--world-size", 3, rc=0)
     cli("verify", out_ws3, rc=0)
+
+
+def test_an_unknown_command_is_named_with_the_commands(cli):
+    r = cli("verfy", "x", rc=2)
+    assert "unknown command 'verfy'" in r.err and "convert, relayout, verify, inspect, remove, export" in r.err, r

@@ -595,6 +595,20 @@ int RunCli(int argc, char** argv) {
               "Files are written into a hidden directory beside the output and renamed into "
               "place at the end:\nan interrupted export leaves no output directory.");
 
+  // An unknown first word: name it and the commands (CLI11 says "A subcommand is required").
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+      known = known || sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "reshard: unknown command '%s'; the commands are %s (reshard --help)\n",
+                   reshard::Printable(argv[1], 64).c_str(), names.c_str());
+      return kExitUsage;
+    }
+  }
   try {
     app.parse(argc, argv);
     if (*convert) {  // --world-size, or --mesh (and --plan) for a DTensor layout
