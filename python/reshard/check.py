@@ -65,7 +65,9 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
         if full.shape != want.shape or not torch.equal(bits(full), bits(want)):
             bad.append(name)
     ref_buffers = dict(ref.named_buffers())
+    n_buffers = 0
     for name, b in ((clean_name(n), b) for n, b in model.named_buffers()):
+        n_buffers += 1
         # FSDP1's MixedPrecision(buffer_dtype=...) (accelerate sets it) casts buffers at
         # construction, as it would from_pretrained's: compare in the live dtype.
         want = ref_buffers.get(name)
@@ -92,7 +94,7 @@ def _check_weights(model: nn.Module, src: str, cls, log, fsdp1: bool) -> int:
                              f"reshard.load: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
     del ref, ref_params, ref_buffers
     gc.collect()
-    log(f"check-weights: {len(names)} parameters equal from_pretrained({src}) bit for bit "
+    log(f"check-weights: {len(names)} parameters and {n_buffers} buffer(s) equal from_pretrained({src}) bit for bit "
         f"(live dtype {next(model.parameters()).dtype})" +
         (f"; {len(untied)} tied pair(s) split by the sharding, each equal to the one tensor"
          if untied else ""))

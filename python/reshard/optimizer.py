@@ -350,8 +350,8 @@ def _plan_part(optimizer, model: nn.Module, out: str, job, key: str, world: int,
     if meta.get("layout", key) != key:
         raise LayoutMismatchError(f"{meta_path}: saved for layout {meta['layout']}, this job's is {key}")
     if meta["class"] != type(optimizer).__name__:
-        raise LayoutMismatchError(f"{meta_path}: saved from a {meta['class']}, this optimizer is a "
-                           f"{type(optimizer).__name__}")
+        raise LayoutMismatchError(f"{meta_path}: saved from optimizer class {meta['class']}, this optimizer is "
+                                  f"{type(optimizer).__name__}")
     rank_file = open_rank_file(path)
     if rank_file.rank != coord or rank_file.layout_key != key:
         raise LayoutMismatchError(f"{path}: holds rank {rank_file.rank} of layout {rank_file.layout_key}, "

@@ -32,8 +32,8 @@ reshard keeps PEFT's initial adapter values), the optimizer holds the adapters o
 too); ``reshard export DIR -o MERGED --merge`` writes the merged model.
 
 FSDP1 (``recipes/accelerate/fsdp1.yaml``, ``fsdp_version: 1``): OUT needs an fsdp1 layout
-matching the plugin (``python -m reshard.manifest SRC -o OUT/reshard-model.json``, then
-``reshard convert SRC -o OUT --world-size N --layout fsdp1 --dtype fp32``: accelerate keeps fp32
+matching the plugin (``reshard convert SRC -o OUT --world-size N --layout fsdp1 --dtype fp32``,
+which captures the model manifest itself with ``python -m reshard.model_manifest``: accelerate keeps fp32
 FlatParameters under bf16 mixed precision). The recipe sets the plugin's ``param_init_fn`` to
 ``reshard.fsdp1_param_init_fn`` (allocates each unit's parameters, keeps tied weights tied;
 accelerate's own needs ``sync_module_states``, a broadcast from rank 0), prepares the model,
