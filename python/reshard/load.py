@@ -169,7 +169,9 @@ def finish_load(model, rank_file, key, world_size, coord, entries, direct, conve
                       seconds=total_seconds, gbps=total_bytes / total_seconds / 1e9 if total_seconds else 0.0,
                       tensors=len(direct) + len(converted) + len(buffers),
                       staging_bytes=result.staging_bytes, direct_io=result.direct_io,
-                      threads=result.threads, converted_tensors=len(converted),
+                      # a view converts while reading (its dtype policy), a rank file here
+                      threads=result.threads,
+                      converted_tensors=len(converted) + int(getattr(rank_file, "converted_tensors", 0) or 0),
                       buffers_restored=restored, staging_alloc_seconds=result.staging_alloc_seconds,
                       pooled=result.pooled, source=source)
 

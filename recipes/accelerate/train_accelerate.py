@@ -183,9 +183,9 @@ def main(argv=None) -> int:
     rss_before = current_rss_bytes()
     report = reshard.load(model, args.out)
     peak_after = peak_rss_bytes()
-    accelerator.print(f"load: rank 0 read {report.bytes / 1e6:.2f} MB in {report.seconds:.3f} s "
-                      f"({report.gbps:.2f} GB/s), {report.converted_tensors} tensor(s) converted "
-                      f"{file_dtype} -> {live_dtype}")
+    accelerator.print(f"load: rank 0 loaded {reshard.format_bytes(report.bytes)} from {report.source} in "
+                      f"{report.seconds:.3f} s ({reshard.format_rate(report.gbps * 1e9)}), "
+                      f"{report.converted_tensors} tensor(s) converted to {live_dtype}")
     result = {"rank": rank, "world_size": world, "param_dtype": str(live_dtype), "file_dtype": str(file_dtype),
               "fsdp_version": plugin.fsdp_version, "layout": report.layout,
               "mixed_precision": accelerator.mixed_precision, "prepared_on_meta": still_meta,

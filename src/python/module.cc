@@ -656,6 +656,9 @@ PYBIND11_MODULE(_C, m) {
           },
           "The (path, offset, length) file ranges a load of every planned tensor reads, sorted and merged "
           "(whole chunks of another layout): what a ceiling of the same reads reads")
+      .def_property_readonly("converted_tensors", [](const SourceViewHandle& f) { return f.view->ConvertedTensors(); },
+                             "How many planned tensors change dtype while read (the layout's dtype policy over a "
+                             "source of another dtype), for reports")
       .def_property_readonly("rank", [](const SourceViewHandle& f) { return f.header().rank; })
       .def_property_readonly("world_size", [](const SourceViewHandle& f) { return f.header().world_size; })
       .def_property_readonly("layout_key", [](const SourceViewHandle& f) { return f.header().layout_key; })

@@ -133,6 +133,7 @@ class PlannedView : public SourceRankView {
   virtual void NoteFiles(const SourceTensor& t, uint64_t begin, uint64_t end) = 0;
   std::vector<std::string> files() const override { return used_files_; }
   std::vector<Range> ReadRanges() const override;
+  size_t ConvertedTensors() const override { return converted_; }
   // Adds to `out` the file ranges a load reads for source bytes [offset, offset + size) of
   // file `file_index` (a SourceRead's arguments).
   virtual void AddRanges(size_t file_index, uint64_t offset, uint64_t size, std::vector<Range>& out) const = 0;
@@ -141,6 +142,7 @@ class PlannedView : public SourceRankView {
   std::vector<EntryMap> maps_;  // one per header_.tensors entry
   std::string description_;
   std::vector<std::string> used_files_;  // the files this rank's bytes are read from, in order
+  size_t converted_ = 0;                 // planned entries with a source of another dtype
   std::set<std::string> noted_;
   mutable std::mutex direct_mu_;
   mutable bool direct_tried_ = false;
@@ -202,11 +204,13 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
     if (const std::string why = CheckSources(map, lookup); !why.empty()) {
       Fail(ErrorCode::kMismatch, description_ + ": tensor \"" + e.name + "\": " + why);
     }
+    bool converted = false;
     for (const EntrySegment& seg : map.segments) {
       if (seg.count == 0 || seg.kind == EntrySegment::Kind::kPadding || seg.kind == EntrySegment::Kind::kZero) {
         continue;
       }
       const SourceTensor* t = FindSource(seg.source);
+      converted = converted || t->dtype != e.dtype || !seg.IsSourced();  // dequantized: converted too
       const uint64_t bits = Info(t->dtype).bits;
       if (seg.IsSourced()) {  // from its first element to its last (a strided one's rows between)
         NoteFiles(*t, seg.SourceElementAt(0) * bits / 8, ((seg.SourceElementAt(seg.count - 1) + 1) * bits + 7) / 8);
@@ -215,6 +219,7 @@ void PlannedView::Plan(const Checkpoint& view, const LayoutSpec& layout, uint32_
         if (const SourceTensor* sc = FindSource(seg.scale)) NoteFiles(*sc, 0, sc->nbytes);
       }
     }
+    if (converted) ++converted_;
     header_.tensors.push_back(std::move(e));
     maps_.push_back(std::move(map));
   }

@@ -354,3 +354,17 @@ def test_a_layout_converted_to_another_dtype_is_not_read_at_another_world_size(c
     sd = model.state_dict()
     for k, v in ref.items():
         assert torch.equal(sd[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+
+
+def test_a_view_reports_the_tensors_it_converts(ckpts, tmp_path):
+    """bf16 files loaded into an fp32 model: the view converts while reading (planned at the
+    live dtype), and the report counts those tensors (it said 0 converted), as a rank file's
+    load counts the ones it converts after reading."""
+    src = ckpts[("llama", "bf16")]
+    model = reshard.empty_model(src, dtype=torch.float32)
+    model.to_empty(device="cpu")
+    report = reshard.load(model, src)
+    floats = sum(1 for _ in model.parameters())
+    assert report.converted_tensors == floats, (report.converted_tensors, floats, report.source)
+    view = _C.SourceRankView.of_checkpoint(src, 1, 0)  # keep: nothing converted
+    assert view.converted_tensors == 0

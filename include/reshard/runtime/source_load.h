@@ -90,6 +90,10 @@ class SourceRankView {
   };
   virtual std::vector<Range> ReadRanges() const = 0;
 
+  /// The planned tensors whose bytes change dtype while read (the layout's dtype policy over
+  /// a source of another dtype: bf16 files into an fp32 job), for reports.
+  virtual size_t ConvertedTensors() const = 0;
+
   /// Loads `targets` (a subset of header().tensors, each named once, nbytes equal) as
   /// LoadRankFile does: host targets in place, device targets through `copier` (options:
   /// threads = reader threads and copier lanes, slots_per_thread; span_bytes is the piece

@@ -907,7 +907,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                       "staging_bytes": report.staging_bytes, "threads": report.threads}
     result["load"]["source"] = report.source
     where = os.path.relpath(report.file, weights) if report.source == "rank file" else report.source
-    log0(f"load: rank 0 read {format_bytes(report.bytes)} from {where} "
+    log0(f"load: rank 0 loaded {format_bytes(report.bytes)} from {where} "
          f"in {report.seconds:.3f} s ({format_rate(report.gbps * 1e9)}), {report.converted_tensors} tensor(s) "
          f"converted to {live_dtype}")
 
