@@ -338,6 +338,21 @@ def _rank_label() -> str:
     return "0"
 
 
+def _note_unsharded_in_a_group(model: nn.Module, world_size: int, out: str) -> None:
+    """A model with no sharded parameter loaded by a process of a group of several: every rank
+    reads the whole model. Right for DDP; under FSDP it means fully_shard was not called
+    before the load (each rank then holds everything): said once, as a warning."""
+    import torch.distributed as dist
+    import warnings
+
+    if world_size != 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    warnings.warn(f"reshard.load: the model is not sharded (no fully_shard / FSDP parameters), and this process "
+                  f"is one of {dist.get_world_size()}: each rank loads the whole model from {out}. Right for DDP; "
+                  "under FSDP call fully_shard (and to_empty) before reshard.load, which then reads only this "
+                  "rank's part", stacklevel=4)
+
+
 def _refuse_ties_held_apart(hf_model: nn.Module, out: str) -> None:
     """A pair the model ties (all_tied_weights_keys) that OUT holds with different values would
     load one value into both; from_pretrained unties it instead (reshard.ties). Refused, naming
@@ -397,6 +412,7 @@ def _load(model: nn.Module, out: str, *, threads, verify, io, strict_buffers, ad
         return load_dtensor(model, out, dt_job, threads=threads, verify=verify, io=io,
                             strict_buffers=strict_buffers)
     world_size, coord = shard_coordinate(model)
+    _note_unsharded_in_a_group(model, world_size, out)
     if world_size == 1 and hasattr(hf_model, "tie_weights"):
         # nn.Module.to_empty gives each module its own new parameter, silently untying
         # shared weights of a plain (not fully_shard'ed) model; tie them again first.

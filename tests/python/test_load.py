@@ -363,3 +363,29 @@ def test_progress_line_counts_every_byte(ckpts, tmp_path, monkeypatch, capsys, s
     # Off (the default): nothing on stderr.
     reshard.load(_empty_cpu(out), str(out))
     assert capsys.readouterr().err == ""
+
+
+def test_an_unsharded_model_in_a_group_of_several_is_noted(monkeypatch):
+    """Forgetting fully_shard in a job of several processes: every rank would load the whole
+    model silently; a warning says so (and that it is right for DDP). Not said for one process,
+    nor for a sharded model."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from reshard.load import _note_unsharded_in_a_group
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _note_unsharded_in_a_group(model, 1, "OUT")
+        _note_unsharded_in_a_group(model, 2, "OUT")  # sharded over 2: nothing to say
+    assert len(w) == 1 and "not sharded" in str(w[0].message) and "one of 2" in str(w[0].message), \
+        [str(x.message) for x in w]
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _note_unsharded_in_a_group(model, 1, "OUT")
+    assert not w

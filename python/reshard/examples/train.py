@@ -846,7 +846,10 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     live_dtype = next(model.parameters()).dtype
     compute_dtype = torch.bfloat16 if mp is not None else live_dtype
     experts_dim = experts_fsdp_dim_of(model) if ep_mesh else None
-    log0(f"model {cls.__name__}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
+    # Whole parameters: a DTensor's numel is its global one; an FSDP1 FlatParameter's local shard
+    # is not, its original parameters' numels are (_numels).
+    n_params = sum(sum(p._numels) if hasattr(p, "_numels") else p.numel() for p in model.parameters())
+    log0(f"model {cls.__name__}: {n_params / 1e6:.2f} M parameters, "
          f"{units} {'FSDP1' if args.fsdp1 else 'FSDP2'} units on {world} rank(s)"
          f"{f' (mesh {mesh_flag}, tensor parallel: transformers tp plan)' if tp_mesh is not None else ''}"
          f"{f' (expert parallel: experts on mesh {mesh_flag}, the rest on fsdp={world}; experts fully_shard on tensor dim {experts_dim})' if ep_mesh else ''}, "
