@@ -94,9 +94,11 @@ def fsdp1_convert_command(out: str, model: nn.Module, units, live_dtype) -> str:
                      {type(m.module).__name__ for n, m in model.named_modules()
                       if isinstance(m, FSDP) and clean_name(n) != "" and m._handle is None})
     root = units[0][1] if units else model
-    cmd = (f"python -m reshard.model_manifest <checkpoint> -o {out}/reshard-model.json && "
-           f"reshard convert <checkpoint> -o {out} --world-size {units[0][2].world_size} --layout fsdp1")
-    cmd += "".join(f" --wrap {c}" for c in classes) if classes else ""
+    if not classes:  # the root alone is the one unit: --wrap its class (the default would wrap more)
+        inner = getattr(root, "module", root)
+        classes = [type(getattr(inner, "_fsdp_wrapped_module", inner)).__name__]
+    cmd = (f"reshard convert <checkpoint> -o {out} --world-size {units[0][2].world_size} --layout fsdp1")
+    cmd += "".join(f" --wrap {c}" for c in classes)
     if getattr(root, "_use_orig_params", False):
         cmd += " --use-orig-params"
         mp = getattr(units[0][2], "_fwd_bwd_param_dtype", None)

@@ -211,7 +211,9 @@ def fsdp1_view(out: str, model: nn.Module, world_size: int, coord: int, live_dty
     model_json = os.path.join(out, "reshard-model.json")
     if manifest is None or not os.path.exists(model_json):
         return None
-    other = other_layout(manifest, world_size, policy, skip_kind="fsdp1")
+    # Any complete layout, an fsdp1 one of this world size with other units too (load_fsdp1 found
+    # none of them to be the job's own): the job's units are planned over it.
+    other = other_layout(manifest, world_size, policy)
     if other is None:
         return None
     with open(model_json) as f:

@@ -60,6 +60,8 @@ def main():
     cls = getattr(transformers, config.architectures[0])
 
     def wrap_classes(model):
+        if args.wrap == "root":  # one unit: the root alone
+            return set()
         names = [c for c in args.wrap.split(",") if c] or list(getattr(model, "_no_split_modules", []) or [])
         return {type(m) for m in model.modules() if type(m).__name__ in names}
 

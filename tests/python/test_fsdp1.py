@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from checkpoints import make_checkpoint
 
@@ -213,3 +214,28 @@ def test_fsdp1_layout_exports_back_to_the_source(ckpts, tmp_path, arch, ws, flag
     cls = getattr(transformers, json.load(open(os.path.join(src, "config.json")))["architectures"][0])
     model, info = cls.from_pretrained(str(hf), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def test_fsdp1_job_of_other_units_at_the_same_world_size_reads_the_layout_there(ckpts, tmp_path):
+    """OUT holds fsdp1-ws2 wrapped by decoder layer; the job wraps the root alone, at world size
+    2. It was refused with a convert command that wrote nothing new (no --wrap: the default
+    units again); now the job's units are planned over that layout, as at another world size,
+    and every parameter equals from_pretrained (the worker's check). The command a refusal
+    names for a root-only job carries --wrap of the root class."""
+    from reshard.load_fsdp1 import fsdp1_convert_command
+
+    src, out = ckpts["llama"], tmp_path / "out"
+    manifest(src, out)
+    convert(src, out, 2)
+    results = run_ranks(2, src, out, tmp_path, "--live-dtype", "bf16", "--wrap", "root")
+    assert all(r["ok"] for r in results), results
+
+    class Handle:
+        world_size = 2
+
+    class Root:
+        module = torch.nn.Linear(1, 1)
+        _use_orig_params = False
+
+    cmd = fsdp1_convert_command(str(out), torch.nn.Sequential(), [("", Root(), Handle())], None)
+    assert cmd == f"reshard convert <checkpoint> -o {out} --world-size 2 --layout fsdp1 --wrap Linear", cmd
