@@ -326,8 +326,20 @@ def load(model: nn.Module, out: str, *, threads: Optional[int] = None, verify: b
     the load runs (e.g. progress=(rank == 0 and sys.stderr.isatty()), as reshard.train does);
     nothing for a load that ends within half a second."""
     with ProgressLine(f"rank {_rank_label()}: reshard.load", enabled=progress):
-        return _load(model, out, threads=threads, verify=verify, io=io,
-                     strict_buffers=strict_buffers, adapter=adapter)
+        try:
+            return _load(model, out, threads=threads, verify=verify, io=io,
+                         strict_buffers=strict_buffers, adapter=adapter)
+        except LayoutMismatchError as e:
+            # "another model or config": when OUT's config.json names another model_type, say
+            # that first; its "convert into OUT" would be refused (OUT holds another source).
+            from .sources import another_model_type
+
+            inner = getattr(model, "module", model)
+            why = another_model_type(os.fspath(out), getattr(inner, "_fsdp_wrapped_module", inner)) \
+                if "another model or config" in str(e) else ""
+            if not why:
+                raise
+            raise LayoutMismatchError(f"{why}. ({e})") from None
 
 
 def _rank_label() -> str:

@@ -78,10 +78,9 @@ def other_layout(manifest: Dict[str, Any], world_size: int, policy: str,
     return best
 
 
-def refuse_another_model_type(src: str, hf_model: nn.Module) -> None:
-    """A checkpoint whose config.json names another model_type than the model's: refused before
-    transformers builds the model's class from that config (which fails somewhere inside, e.g.
-    "'Qwen2Config' object has no attribute 'attention_bias'")."""
+def another_model_type(src: str, hf_model: nn.Module) -> str:
+    """When SRC (a checkpoint, or a reshard output with the source's config.json) names another
+    model_type than the model's: what to say (else "")."""
     from .model import reference_class
 
     ours = getattr(getattr(hf_model, "config", None), "model_type", None)
@@ -89,14 +88,28 @@ def refuse_another_model_type(src: str, hf_model: nn.Module) -> None:
         with open(os.path.join(src, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return  # no config to compare: transformers says what is missing
+        return ""  # no config to compare: transformers says what is missing
     theirs = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if ours and isinstance(theirs, str) and theirs != ours:
-        arch = ", ".join(map(str, cfg.get("architectures") or [])) or theirs
-        raise LayoutMismatchError(
-            f"{src} is a checkpoint of another model: its config.json has model_type {theirs!r} ({arch}), the model "
-            f"is a {reference_class(hf_model).__name__} (model_type {ours!r}). Load this model's own checkpoint, or "
-            f"build the model from this one: reshard.empty_model({src!r})")
+    if not (ours and isinstance(theirs, str) and theirs != ours):
+        return ""
+    try:
+        cls = reference_class(hf_model).__name__
+    except StopIteration:
+        cls = type(hf_model).__name__
+    arch = ", ".join(map(str, cfg.get("architectures") or [])) or theirs
+    what = "a conversion of" if os.path.exists(os.path.join(src, "reshard.json")) else "a checkpoint of"
+    return (f"{src} is {what} another model: its config.json has model_type {theirs!r} ({arch}), the model is a "
+            f"{cls} (model_type {ours!r}). Load this model's own checkpoint or conversion, or build the model "
+            f"from this one: reshard.empty_model({src!r})")
+
+
+def refuse_another_model_type(src: str, hf_model: nn.Module) -> None:
+    """A checkpoint whose config.json names another model_type than the model's: refused before
+    transformers builds the model's class from that config (which fails somewhere inside, e.g.
+    "'Qwen2Config' object has no attribute 'attention_bias'")."""
+    why = another_model_type(src, hf_model)
+    if why:
+        raise LayoutMismatchError(why)
 
 
 def checkpoint_manifest(src: str, hf_model: nn.Module, names: Iterable[str]) -> str:

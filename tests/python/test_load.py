@@ -217,8 +217,12 @@ def test_refuses_another_model(ckpts, tmp_path):
     out_qwen = tmp_path / "qwen"
     convert(ckpts[("qwen2", "fp32")], out_qwen, 1)
     model = _empty_cpu(out_qwen)
-    with pytest.raises(reshard.LayoutMismatchError, match=r"parameter .*(not in|global shape)"):
+    with pytest.raises(reshard.LayoutMismatchError, match=r"parameter .*(not in|global shape)") as e:
         reshard.load(model, str(out_llama))
+    # Said first: OUT is a conversion of a Llama (its config.json), the model a Qwen2; not only
+    # "convert into OUT", which convert refuses (OUT holds another source).
+    assert "is a conversion of another model: its config.json has model_type 'llama'" in str(e.value) and \
+        "model_type 'qwen2'" in str(e.value), e.value
 
 
 def test_refuses_a_hugging_face_checkpoint_of_another_model_type(ckpts, tmp_path):
