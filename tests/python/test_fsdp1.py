@@ -167,6 +167,13 @@ def test_fsdp1_cli_manifest_inspect_and_errors(ckpts, tmp_path):
     proc = subprocess.run([RESHARD, "convert", str(src), "-o", str(out), "--world-size", "2",
                            "--layout", "fsdp1", "--wrap", "LlamaDecoderLayr"], capture_output=True, text=True)
     assert proc.returncode == 2 and "LlamaDecoderLayer" in proc.stderr and "LlamaDecoderLayr" in proc.stderr
+    # Into a new directory: the refusal leaves no empty -o behind (it did, after the capture).
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run([RESHARD, "convert", str(src), "-o", str(fresh), "--world-size", "2",
+                           "--layout", "fsdp1", "--wrap", "LlamaDecoderLayr"], capture_output=True, text=True,
+                          env=dict(ENV, RESHARD_MODEL_CAPTURE="1"))
+    assert proc.returncode == 2 and "LlamaDecoderLayr" in proc.stderr, proc.stderr
+    assert not fresh.exists(), sorted(os.listdir(fresh))
     summary = convert(src, out, 2)
     assert summary["wrap"] == ["LlamaDecoderLayer"] and summary["unused_tensors"] == []
     again = convert(src, out, 2)

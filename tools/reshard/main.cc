@@ -662,6 +662,7 @@ int RunCli(int argc, char** argv) {
       reshard::CheckConvertOutput(out);  // before a capture writes into it
       const fs::path existing = reshard::FindModelManifest(source, out);
       const bool has_conversion = !existing.empty() && HasConversion(existing);
+      const bool out_existed = fs::exists(out, fec);
       if (model_manifest.empty() && hf_dir && !no_capture && !(env_capture && std::string(env_capture) == "0") &&
           (existing.empty() || !has_conversion)) {
         fs::create_directories(out, fec);
@@ -687,13 +688,17 @@ int RunCli(int argc, char** argv) {
           }
         }
       }
+      // The capture's file, and -o when this command made it and nothing else was written there
+      // (a refusal after the capture, e.g. --wrap of a class the model lacks): an empty -o left
+      // behind would look like an output. fs::remove leaves a directory that is not empty.
       struct RemoveCaptured {
-        fs::path p;
+        fs::path p, created_out;
         ~RemoveCaptured() {
           std::error_code ec;
           if (!p.empty()) fs::remove(p, ec);
+          if (!created_out.empty()) fs::remove(created_out, ec);
         }
-      } remove_captured{captured};
+      } remove_captured{captured, out_existed ? fs::path() : fs::path(out)};
       if (!ranks.empty()) co.ranks = ParseRankRange(ranks);
       if (convert_split) {
         if (!ranks.empty()) throw CLI::ValidationError("--split-from-env", "and --ranks both choose the ranks; pass one");
