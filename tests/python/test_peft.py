@@ -117,7 +117,8 @@ def test_save_export_adapter_and_resume(checkpoint, cli, tmp_path):
     r = cli("export", saved, "-o", tmp_path / "plain", rc=3)  # not a model: says what to run
     assert "--adapter" in r.err
     exported = tmp_path / "exported"
-    cli("export", saved, "-o", exported, "--adapter", rc=0)
+    r = cli("export", saved, "-o", exported, "--adapter", rc=0)
+    assert r.out.startswith("wrote adapter_model.safetensors of layout"), r.out  # the file it wrote
     assert sorted(os.listdir(exported)) == ["adapter_config.json", "adapter_model.safetensors"]
     trained = load_file(str(dump))
     got = load_file(str(exported / "adapter_model.safetensors"))

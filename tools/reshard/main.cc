@@ -942,7 +942,10 @@ int RunCli(int argc, char** argv) {
       } else {
         std::printf("wrote %s of layout %s into %s: %llu tensors, %zu weight file(s), %s in "
                     "%.2f s (%s)\n",
-                    r.sharded ? "a sharded checkpoint" : "model.safetensors", r.layout_key.c_str(),
+                    r.sharded ? "a sharded checkpoint"
+                    : r.weight_files.size() == 1 ? r.weight_files[0].c_str()  // adapter_model.safetensors too
+                                                 : "model.safetensors",
+                    r.layout_key.c_str(),
                     r.hf_dir.c_str(), static_cast<unsigned long long>(r.tensors),
                     r.weight_files.size(), Bytes(r.total_size).c_str(), r.seconds,
                     Rate(r.total_size, r.seconds).c_str());
