@@ -927,9 +927,14 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         result["generate"] = check_generate(model, args.check_generate, prompt, compute_dtype,
                                             model_class=cls, log=log0)
 
-    context = next((getattr(model.config, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
+    # A learned table of positions (GPT-2's wpe, OPT's embed_positions) has no row past the
+    # model's context: a longer --seq-len fails inside the first step. Rotary models have none
+    # and run longer sequences (their max_position_embeddings is no hard limit).
+    context = next((getattr(model.config, k) for k in ("n_positions", "max_position_embeddings", "n_ctx")
                     if isinstance(getattr(model.config, k, None), int)), None)
-    if context is not None and args.seq_len > context:  # the same on every rank: all stop together
+    learned = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and
+               ("pos" in n.rsplit(".", 1)[-1] or n.endswith("wpe"))]
+    if learned and context is not None and args.seq_len > context:  # the same on every rank: all stop together
         e = reshard.InvalidArgumentError(
             f"--seq-len {args.seq_len} is longer than the model's context ({context} positions: its config's "
             f"max_position_embeddings / n_positions): pass --seq-len {context} or less")
