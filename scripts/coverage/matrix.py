@@ -282,34 +282,28 @@ def fault_report(prefix: str, world: int) -> str:
     for r in range(world):
         try:
             with open(f"{prefix}.{r}", errors="replace") as f:
-                lines = f.read().splitlines()
+                text = fatal_text(f.read().splitlines())
         except OSError:
             continue
-        fatal = next((x.strip() for x in lines if x.startswith("Fatal Python error")), None)
-        if fatal is None:
-            continue
-        for i, line in enumerate(lines):
-            if line.startswith("Current thread"):
-                frames = []
-                for x in lines[i + 1:i + 12]:
-                    x = x.strip()
-                    if not x.startswith("File "):
-                        break
-                    frames.append(x.replace(os.path.dirname(os.path.dirname(os.__file__)), "..."))
-                return f": {fatal} in " + " <- ".join(frames[:4])
-        return f": {fatal}"
+        if text:
+            return text
     return ""
 
 
 def fatal_error(job_log: str, offset: int) -> str:
-    """What faulthandler wrote for a process killed by a signal: the error and the innermost
-    frames of the thread that had it ("" when nothing was written)."""
+    """What faulthandler wrote for a process killed by a signal, from byte `offset` of the job
+    log: fatal_text's, or "; see the job log" when nothing was written."""
     with open(job_log, errors="replace") as f:
         f.seek(offset)
-        lines = f.read().splitlines()
+        return fatal_text(f.read().splitlines()) or "; see the job log"
+
+
+def fatal_text(lines: List[str]) -> str:
+    """faulthandler's output in `lines`: ": <the error> in <the innermost frames of the thread
+    that had it>" ("" when there is none)."""
     fatal = next((x.strip() for x in lines if x.startswith("Fatal Python error")), None)
     if fatal is None:
-        return "; see the job log"
+        return ""
     for i, line in enumerate(lines):
         if line.startswith("Current thread"):
             frames = []

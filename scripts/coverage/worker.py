@@ -185,7 +185,9 @@ def off_dtype_modules(model) -> List[Any]:
     return out
 
 
-def shard_fsdp2(model, mesh, wrap: str):
+def shard_fsdp2(model, mesh, wrap: str, empty: bool = True):
+    """fully_shard on the units (no_split_modules, off_dtype_modules), then the root; `empty`:
+    to_empty after (a meta model), else the values stay (from_pretrained's own model)."""
     from torch.distributed.fsdp import fully_shard
 
     units = set(map(id, no_split_modules(model, wrap) + off_dtype_modules(model)))
@@ -193,7 +195,8 @@ def shard_fsdp2(model, mesh, wrap: str):
         if id(m) in units and m is not model:
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
+    if empty:
+        model.to_empty(device="cpu")
     return model
 
 
@@ -224,19 +227,12 @@ def plain_fsdp_failure(ref, entry: Dict[str, Any], case: str, mesh, wrap: str, k
     message when it fails the same way: FSDP's own limit, else None; what it did). Collective:
     every rank calls it."""
     import transformers
-    from torch.distributed.fsdp import fully_shard
 
     try:
         # A fresh one: a forward may change the model (Switch's router casts its classifier).
         fresh = getattr(transformers, entry["model_class"]).from_pretrained(entry["src"])
-        if case == "fsdp1":
-            plain = shard_fsdp1(fresh, wrap, entry.get("fsdp1") or {}, meta=False)
-        else:  # shard_fsdp2's units, on the loaded values (no to_empty)
-            units = set(map(id, no_split_modules(fresh, wrap) + off_dtype_modules(fresh)))
-            for m in reversed(list(fresh.modules())):
-                if id(m) in units and m is not fresh:
-                    fully_shard(m, mesh=mesh)
-            plain = fully_shard(fresh, mesh=mesh)
+        plain = shard_fsdp1(fresh, wrap, entry.get("fsdp1") or {}, meta=False) if case == "fsdp1" else \
+            shard_fsdp2(fresh, mesh, wrap, empty=False)
         plain.eval()
         set_language(plain, ref.config)
         with torch.no_grad():
@@ -494,7 +490,7 @@ def combine(entry: Dict[str, Any], case: str, world: int, per_rank: List[Dict[st
     out = {"id": entry["id"], "case": f"{case}-ws{world}", "status": worst["status"]}
     for k in ("stage", "error_class", "message", "traceback", "logits", "load", "params_checked",
               "buffers_checked", "warnings", "built_dtypes", "reference_dtypes", "ties_split_by_sharding",
-              "check_weights", "plain_fsdp1_forward", "plain_fsdp_forward"):
+              "check_weights", "plain_fsdp_forward"):
         if k in worst:
             out[k] = worst[k]
     bad = [i for i, r in enumerate(per_rank) if r["status"] == worst["status"]]

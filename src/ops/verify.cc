@@ -389,6 +389,10 @@ class Verifier {
   // What a write that started into `dir` and never committed leaves (convert takes the lock
   // first; every rank file, manifest and JSON file is a ".NAME.tmp-<host>-<pid>" temporary
   // until renamed): "" when there is none of it, in `dir` or in its directories one level down.
+  // ".NAME.tmp-<host>-<pid>" (older: ".NAME.tmp-<pid>"): a writer's file before its rename.
+  static bool IsTemporary(const std::string& name) {
+    return name.starts_with(".") && name.find(".tmp-") != std::string::npos;
+  }
   static std::string UnfinishedWrite(const fs::path& dir) {
     std::error_code ec;
     size_t temps = 0, rank_files = 0;
@@ -396,7 +400,7 @@ class Verifier {
       std::error_code dec;
       for (const auto& e : fs::directory_iterator(d, dec)) {
         const std::string name = e.path().filename().string();
-        if (name.starts_with(".") && name.find(".tmp-") != std::string::npos) ++temps;
+        if (IsTemporary(name)) ++temps;
       }
     };
     count(dir);
@@ -445,7 +449,7 @@ class Verifier {
       for (const auto& e : fs::directory_iterator(dir, ec)) {
         const std::string name = e.path().filename().string();
         const size_t at = name.find(".tmp-");
-        if (name.starts_with(".") && at != std::string::npos && e.is_regular_file(ec)) {
+        if (IsTemporary(name) && e.is_regular_file(ec)) {
           ++n;
           const uintmax_t size = e.file_size(ec);  // a writer may remove it meanwhile
           if (!ec && size != static_cast<uintmax_t>(-1)) bytes += size;

@@ -1,7 +1,8 @@
 // The reshard command line: each command parses flags, calls one library function, and maps
 // the result to an exit code and a short message. Exit codes: 0 success, 1 verification found
 // problems, 2 the command line is wrong on its own (ErrorCode::kInvalidArgument), 3 the files
-// refuse it (missing, corrupt or mismatched input, what OUT holds), I/O, Ctrl-C (README).
+// refuse it (missing, corrupt or mismatched input, what OUT holds) or I/O failed; 128 + N after
+// signal N (Ctrl-C: 130). README.
 #include <fcntl.h>
 #include <signal.h>
 #include <cerrno>

@@ -932,8 +932,8 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     # and run longer sequences (their max_position_embeddings is no hard limit).
     context = next((getattr(model.config, k) for k in ("n_positions", "max_position_embeddings", "n_ctx")
                     if isinstance(getattr(model.config, k, None), int)), None)
-    learned = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and
-               ("pos" in n.rsplit(".", 1)[-1] or n.endswith("wpe"))]
+    learned = any(isinstance(m, torch.nn.Embedding) and ("pos" in n.rsplit(".", 1)[-1] or n.endswith("wpe"))
+                  for n, m in model.named_modules())
     if learned and context is not None and args.seq_len > context:  # the same on every rank: all stop together
         e = reshard.InvalidArgumentError(
             f"--seq-len {args.seq_len} is longer than the model's context ({context} positions: its config's "
